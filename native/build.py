@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Build llama.cpp (a flavor of it) into a cache outside the checkout.
+
+Why a script and not only CMake: the source comes from a package registry (the
+llama-cpp-python sdist vendors llama.cpp), must be verified against a pinned sha256,
+may be patched (the turboquant flavor), and a finished build is reused whenever the
+same source, preset, patches and recipe are asked for again. CMake does the compiling
+through the top-level CMakeLists.txt and CMakePresets.json.
+
+    python3 native/build.py mainline [--preset linux-cpu]
+    python3 native/build.py turboquant
+    python3 native/build.py compat --sdist-version 0.3.16
+
+Result: builds/<flavor> in the checkout, a link to
+$CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
+build-info.json. Standard library only: it runs before any venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
+# Bump when the way a build is made changes in a way the key would not otherwise see.
+RECIPE_VERSION = "1"
+TOOLS = [
+    "llama-bench",
+    "llama-batched-bench",
+    "llama-perplexity",
+    "llama-completion",
+    "llama-tokenize",
+]
+TARGETS = ["llama", *TOOLS]
+HEADER_DIRS = ["include", "ggml/include"]
+
+
+class BuildError(RuntimeError):
+    """A build step failed in a way the user can act on; the message says how."""
+
+
+def log(msg: str) -> None:
+    print(f"[native] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_lock(path: Path = NATIVE / "llama-cpp.lock") -> dict[str, str]:
+    """Parse the `key = value` pin file."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+# ---------------------------------------------------------------- source
+
+
+def fetch_sdist(package: str, version: str, sdist: str, sha256: str | None) -> Path:
+    """Download the sdist through pip (the registry) unless cached; verify sha256."""
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    target = downloads / sdist
+    if not target.exists():
+        log(f"downloading {package}=={version} (sdist) from the package registry ...")
+        with_tmp = downloads / f".tmp-{os.getpid()}"
+        with_tmp.mkdir(exist_ok=True)
+        # --no-build-isolation avoids installing the sdist's build backend just to read
+        # its metadata; the metadata step still runs but is quick.
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--no-build-isolation", f"{package}=={version}", "-d", str(with_tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = list(with_tmp.glob("*.tar.gz"))
+        if not got:
+            # Retry with build isolation: some pip versions need the backend to prepare metadata.
+            cmd.remove("--no-build-isolation")
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = list(with_tmp.glob("*.tar.gz"))
+        if not got:
+            raise BuildError(f"pip could not download {package}=={version}:\n{proc.stderr[-2000:]}")
+        got[0].rename(target)
+        shutil.rmtree(with_tmp, ignore_errors=True)
+    actual = sha256_file(target)
+    if sha256 and actual != sha256:
+        raise BuildError(
+            f"{target} has sha256 {actual}, but native/llama-cpp.lock pins {sha256}. "
+            "Delete the file to download it again; if the registry serves different bytes "
+            "for the same version, do not build from it.")
+    return target
+
+
+def extract_sdist(archive: Path, subdir: str) -> Path:
+    """Extract once into the cache; a marker file says the extraction finished."""
+    stem = archive.name.removesuffix(".tar.gz")
+    dest = cache_dir() / "src" / stem
+    marker = dest / ".clickpaca-extracted"
+    if not marker.exists():
+        log(f"extracting {archive.name} ...")
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest.parent, filter="data")
+        marker.write_text(archive.name + "\n")
+    src = dest / subdir
+    if not (src / "include" / "llama.h").exists():
+        raise BuildError(f"{archive.name} has no {subdir}/include/llama.h")
+    return src
+
+
+def tree_digest(src: Path) -> str:
+    """Identity of a user-supplied source tree: its git HEAD and diff, else its files."""
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        diff = subprocess.run(["git", "-C", str(src), "diff", "HEAD"],
+                              capture_output=True, check=True).stdout
+        return "git:" + head + ":" + hashlib.sha256(diff).hexdigest()[:16]
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        pass
+    h = hashlib.sha256()
+    for sub in ("include", "src", "ggml", "common", "tools", "CMakeLists.txt", "cmake"):
+        base = src / sub
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for p in files:
+            h.update(str(p.relative_to(src)).encode())
+            h.update(p.read_bytes())
+    return "tree:" + h.hexdigest()
+
+
+def git_build_info(src: Path) -> tuple[str, int]:
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=9", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        count = subprocess.run(["git", "-C", str(src), "rev-list", "--count", "HEAD"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit, int(count)
+    except (subprocess.CalledProcessError, FileNotFoundError, ValueError):
+        return "unknown", 0
+
+
+def resolve_source(flavor: str, sdist_version: str | None) -> dict:
+    """Where the source is, and what identifies it (commit, build number, digest)."""
+    override = os.environ.get("LLAMA_CPP_SRC")
+    if override and flavor != "compat":
+        src = Path(override).resolve()
+        if not (src / "include" / "llama.h").exists():
+            raise BuildError(f"LLAMA_CPP_SRC={override} is not a llama.cpp tree (no include/llama.h)")
+        commit, number = git_build_info(src)
+        return {"src": src, "origin": f"LLAMA_CPP_SRC={src}", "commit": commit,
+                "build_number": number, "digest": tree_digest(src)}
+    lock = read_lock()
+    if flavor == "compat":
+        version = sdist_version or "0.3.16"
+        sdist = f"llama_cpp_python-{version}.tar.gz"
+        archive = fetch_sdist(lock["package"], version, sdist, None)
+        digest = sha256_file(archive)
+        src = extract_sdist(archive, lock["subdir"])
+        return {"src": src, "origin": f"{lock['package']}=={version} sdist sha256 {digest}",
+                "commit": f"sdist-{version}", "build_number": 0, "digest": "sdist:" + digest}
+    archive = fetch_sdist(lock["package"], lock["version"], lock["sdist"], lock["sha256"])
+    src = extract_sdist(archive, lock["subdir"])
+    return {"src": src, "origin": f"{lock['package']}=={lock['version']} sdist sha256 {lock['sha256']}",
+            "commit": lock["commit"], "build_number": int(lock["build_number"]),
+            "digest": "sdist:" + lock["sha256"]}
+
+
+# ---------------------------------------------------------------- patches
+
+
+def patch_files(flavor: str) -> list[Path]:
+    """A flavor's patch set: native/<flavor>/ (series of .patch files plus new files)."""
+    d = NATIVE / flavor
+    return sorted(p for p in d.rglob("*") if p.is_file()) if d.is_dir() else []
+
+
+def patches_digest(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(NATIVE)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def apply_patch_set(flavor: str, src: Path, digest: str) -> Path:
+    """Copy the source and apply native/<flavor>/apply.py to the copy, once."""
+    dest = cache_dir() / "src" / f"{flavor}-{digest[:16]}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}"
+    marker = dest / ".clickpaca-patched"
+    if marker.exists():
+        return dest
+    log(f"applying the {flavor} patch set to a copy of {src} ...")
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src, dest, symlinks=True)
+    applier = NATIVE / flavor / "apply.py"
+    proc = subprocess.run([sys.executable, str(applier), str(dest)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise BuildError(f"the {flavor} patch set does not apply to {src}:\n"
+                         f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    marker.write_text(digest + "\n")
+    return dest
+
+
+# ---------------------------------------------------------------- build
+
+
+def preset_digest(preset: str) -> str:
+    data = json.loads((ROOT / "CMakePresets.json").read_text())
+    names = {p["name"] for p in data["configurePresets"] if not p.get("hidden")}
+    if preset not in names:
+        raise BuildError(f"unknown preset {preset!r}; CMakePresets.json offers {sorted(names)}")
+    return hashlib.sha256((ROOT / "CMakePresets.json").read_bytes()
+                          + (ROOT / "CMakeLists.txt").read_bytes()).hexdigest()
+
+
+def run_streamed(cmd: list[str], env: dict, logfile: Path) -> None:
+    """Run a step, show ninja's [n/m] progress lines, keep the full log in a file."""
+    log("$ " + " ".join(cmd))
+    with open(logfile, "a") as lf:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        last = 0.0
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lf.write(line)
+            now = time.monotonic()
+            if line.startswith("[") and now - last > 5:
+                print("  " + line.rstrip()[:150], file=sys.stderr, flush=True)
+                last = now
+        if proc.wait() != 0:
+            tail = logfile.read_text()[-4000:]
+            raise BuildError(f"step failed: {' '.join(cmd)}\n--- last lines of {logfile} ---\n{tail}")
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
+    source = resolve_source(flavor, sdist_version)
+    src: Path = source["src"]
+    pfiles = patch_files("turboquant") if flavor == "turboquant" else []
+    pdigest = patches_digest(pfiles) if pfiles else ""
+    if flavor == "turboquant":
+        if not pfiles:
+            raise BuildError("native/turboquant/ holds no patch set")
+        src = apply_patch_set("turboquant", src, pdigest)
+    key_material = json.dumps({
+        "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
+        "presets": preset_digest(preset), "source": source["digest"],
+        "patches": pdigest, "targets": TARGETS,
+    }, sort_keys=True)
+    key = hashlib.sha256(key_material.encode()).hexdigest()[:16]
+    out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
+    done = out / ".complete"
+    if done.exists():
+        log(f"{flavor}: cached build {out} (key {key})")
+    else:
+        t0 = time.monotonic()
+        log(f"{flavor}: building {src} with preset {preset} into {out} (key {key})")
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        env = dict(os.environ, CLICKPACA_BUILD_DIR=str(out / "cmake"))
+        logfile = out / "build.log"
+        run_streamed(["cmake", "--preset", preset, f"-DLLAMA_CPP_SRC={src}",
+                      f"-DLLAMA_BUILD_NUMBER={source['build_number']}",
+                      f"-DLLAMA_BUILD_COMMIT={source['commit']}"], env, logfile)
+        run_streamed(["cmake", "--build", str(out / "cmake"), "-j", str(jobs),
+                      "--target", *TARGETS], env, logfile)
+        assemble(out, src)
+        header_sha = sha256_file(out / "include" / "llama.h")
+        info = {
+            "flavor": flavor, "preset": preset, "key": key,
+            "commit": source["commit"], "build_number": source["build_number"],
+            "origin": source["origin"], "source_dir": str(src),
+            "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
+            "llama_h_sha256": header_sha,
+            "libllama_sha256": sha256_file(out / "lib" / "libllama.so"),
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(time.monotonic() - t0, 1),
+        }
+        (out / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+        done.write_text(key + "\n")
+        log(f"{flavor}: built in {info['build_seconds']:.0f} s")
+    name = f"compat-{sdist_version}" if flavor == "compat" else flavor
+    link = ROOT / "builds" / name
+    link.parent.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(out)
+    log(f"builds/{name} -> {out}")
+    return out
+
+
+def assemble(out: Path, src: Path) -> None:
+    """lib/ (shared libraries), bin/ (native tools), include/ (the headers bindgen reads)."""
+    cbin = out / "cmake" / "bin"
+    (out / "lib").mkdir()
+    (out / "bin").mkdir()
+    for so in sorted(cbin.glob("*.so*")):
+        if so.is_symlink():
+            os.symlink(os.readlink(so), out / "lib" / so.name)
+        else:
+            link_or_copy(so, out / "lib" / so.name)
+    for tool in TOOLS:
+        shutil.copy2(cbin / tool, out / "bin" / tool)
+        # Tools find the libraries next to them in lib/, not in the build tree.
+        subprocess.run(["patchelf", "--set-rpath", "$ORIGIN/../lib", str(out / "bin" / tool)],
+                       check=False, capture_output=True)
+    for d in HEADER_DIRS:
+        for h in (src / d).glob("*.h"):
+            (out / "include").mkdir(exist_ok=True)
+            shutil.copy2(h, out / "include" / h.name)
+    if not (out / "lib" / "libllama.so").exists():
+        raise BuildError(f"the build produced no libllama.so in {cbin}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("flavor", choices=["mainline", "turboquant", "compat"])
+    ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
+    ap.add_argument("--sdist-version", help="compat: the llama-cpp-python sdist version")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args(argv)
+    try:
+        build(args.flavor, args.preset, args.sdist_version, args.jobs)
+    except BuildError as e:
+        log(f"error: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
