@@ -1,0 +1,234 @@
+"""The sampler steps: one small pure function each, over a candidate set.
+
+A candidate set is ``(ids, logits)``: ``ids`` int32[n] distinct token ids in any order,
+``logits`` float64[n]. Every function returns a new set (inputs are never written) and
+is correct for any candidate set, including the whole vocabulary: these functions ARE
+the definition of each step; ``cut`` and ``chain`` only make the sets small first.
+
+Ties are broken towards the smaller token id ("canonical order": logit descending, then
+id ascending), so every result depends on the set only, not on its array order.
+The ufunc methods (np.add.reduce, ...) are used instead of np.sum & co. on purpose:
+the sets are small and numpy's Python-level wrappers would cost more than the work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .bitmask import allows
+from .params import BAN, FORCE
+
+__all__ = [
+    "grammar", "logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature",
+    "sample", "canonical_order", "top_n", "log_softmax",
+]
+
+_EMPTY_I = np.empty(0, np.int32)
+_EMPTY_F = np.empty(0, np.float64)
+_max = np.maximum.reduce
+_sum = np.add.reduce
+_cumsum = np.add.accumulate
+_NEG_INF = -np.inf
+#: The logit a forced token gets when the model gave it -inf (or NaN).
+FORCED_FLOOR = -1e30
+
+
+def _locate(ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (in ids, in keys) of the ids present in ``keys`` (sorted, unique)."""
+    if keys.size == 0 or ids.size == 0:
+        return np.empty(0, np.intp), np.empty(0, np.intp)
+    if ids.size <= 64 * keys.size:
+        k = np.searchsorted(keys, ids)
+        k[k == keys.size] = 0
+        pos = np.flatnonzero(keys[k] == ids)
+        return pos, k[pos]
+    # Many candidates, few keys: a position table is O(n) instead of O(n log m).
+    table = np.full(int(max(_max(ids), _max(keys))) + 1, -1, np.intp)
+    table[ids] = np.arange(ids.size)
+    p = table[keys]
+    hit = np.flatnonzero(p >= 0)
+    return p[hit], hit
+
+
+def grammar(ids: np.ndarray, logits: np.ndarray, words: np.ndarray):
+    """Keep the candidates the grammar allows (their bit is set in the uint32 ``words``)."""
+    keep = allows(words, ids)
+    return ids[keep], logits[keep]
+
+
+def logit_bias(ids: np.ndarray, logits: np.ndarray, bias_ids: np.ndarray, bias: np.ndarray):
+    """Add ``bias`` to the listed candidates (``bias_ids`` sorted). A bias <= -1e9 removes
+    the token; a bias >= +1e9 forces it: if any forced token is among the candidates,
+    only the forced tokens remain, with their own (unbiased) logits, so the model still
+    ranks several forced tokens; a forced logit of -inf or NaN becomes -1e30 (finite:
+    forcing beats the model's own ban)."""
+    pos, k = _locate(ids, bias_ids)
+    if pos.size == 0:
+        return ids, logits
+    b = bias[k]
+    forced = b >= FORCE
+    if forced.any():
+        keep = pos[forced]
+        return ids[keep], np.fmax(logits[keep], FORCED_FLOOR)
+    out = logits.copy()
+    out[pos] += b
+    banned = b <= BAN
+    if banned.any():
+        keep = np.ones(ids.size, bool)
+        keep[pos[banned]] = False
+        return ids[keep], out[keep]
+    return ids, out
+
+
+def penalties(ids: np.ndarray, logits: np.ndarray, hist_ids: np.ndarray, hist_counts: np.ndarray,
+              repeat: float, freq: float, present: float):
+    """llama.cpp repetition penalties. For each candidate seen ``c > 0`` times in the
+    penalty window (``hist_ids`` sorted, ``hist_counts`` their counts): a positive logit
+    is divided by ``repeat``, a non-positive one multiplied; then ``c*freq + present`` is
+    subtracted."""
+    pos, k = _locate(ids, hist_ids)
+    if pos.size == 0:
+        return ids, logits
+    out = logits.copy()
+    x = out[pos]
+    if repeat != 1.0:
+        x = np.where(x > 0, x / repeat, x * repeat)
+    out[pos] = x - (hist_counts[k] * freq + present)
+    return ids, out
+
+
+def canonical_order(ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Indices sorting the set by logit descending, then id ascending."""
+    return np.lexsort((ids, -logits))
+
+
+def _best(ids: np.ndarray, logits: np.ndarray, k: int) -> np.ndarray:
+    """bool mask of the k first candidates in canonical order (0 < k < n)."""
+    n = ids.size
+    kth = np.partition(logits, n - k)[n - k]
+    keep = logits > kth
+    need = k - int(np.count_nonzero(keep))
+    eq = np.flatnonzero(logits == kth)
+    if eq.size > need:
+        eq = eq[np.argsort(ids[eq], kind="stable")[:need]]
+    keep[eq] = True
+    return keep
+
+
+def top_k(ids: np.ndarray, logits: np.ndarray, k: int):
+    """Keep the k highest logits (k <= 0: off)."""
+    if k <= 0 or k >= ids.size:
+        return ids, logits
+    keep = _best(ids, logits, k)
+    return ids[keep], logits[keep]
+
+
+def min_p(ids: np.ndarray, logits: np.ndarray, p: float):
+    """Keep tokens with probability >= p * (max probability), i.e. exp(l - l_max) >= p,
+    over the current candidates (p <= 0: off)."""
+    if p <= 0 or ids.size <= 1:
+        return ids, logits
+    m = float(_max(logits))
+    if not np.isfinite(m):
+        return ids, logits
+    keep = np.exp(logits - m) >= p
+    return ids[keep], logits[keep]
+
+
+def top_p(ids: np.ndarray, logits: np.ndarray, p: float, rest_mass: float = 0.0):
+    """Keep the smallest prefix, in canonical order, whose cumulative probability >= p
+    (at least one token; p >= 1: off). ``rest_mass`` is the mass exp(l - max(logits)) of
+    tokens not passed in: the chain uses it to run top-p on a guaranteed superset of the
+    nucleus instead of the whole vocabulary."""
+    n = ids.size
+    if p >= 1.0 or n <= 1:
+        return ids, logits
+    m = float(_max(logits))
+    if not np.isfinite(m):
+        return ids, logits
+    e = np.exp(logits - m)
+    target = p * (float(_sum(e)) + rest_mass)
+    head = None
+    if n <= 2048:
+        order = canonical_order(ids, logits)
+        before = 0.0
+    else:
+        # Sorting a big nucleus is the slow part: bucket by distance to the max
+        # (1/8 nat), find the bucket where the cumulative mass crosses the target and
+        # sort only that bucket. Buckets are monotone in the logit, so this is exact.
+        b = np.minimum((m - logits) * 8.0, 4095.0).astype(np.intp)
+        c = _cumsum(np.bincount(b, weights=e, minlength=4096))
+        cross = int(np.searchsorted(c, target, side="left"))
+        if cross >= c.size:  # the target is the whole mass (rounding): keep everything
+            return ids, logits
+        before = float(c[cross - 1]) if cross else 0.0
+        head = np.flatnonzero(b < cross)
+        sub = np.flatnonzero(b == cross)
+        order = sub[canonical_order(ids[sub], logits[sub])]
+    cum = _cumsum(e[order])
+    if before:
+        cum += before
+    cut = int(np.searchsorted(cum, target, side="left"))
+    keep = order[: min(cut, order.size - 1) + 1]
+    if head is not None:
+        keep = np.concatenate((head, keep))
+    return ids[keep], logits[keep]
+
+
+def temperature(ids: np.ndarray, logits: np.ndarray, t: float):
+    """Divide logits by t. t <= 0 is greedy: keep only the argmax (smallest id on ties).
+    (A tiny t may overflow logits to +-inf; sampling then picks among the +inf ones.)"""
+    if t == 1.0 or ids.size == 0:
+        return ids, logits
+    if t > 0:
+        with np.errstate(over="ignore"):
+            return ids, logits / t
+    keep = np.flatnonzero(logits == _max(logits))
+    if keep.size == 0:  # NaN max: nothing sensible to keep
+        return _EMPTY_I, _EMPTY_F
+    if keep.size > 1:
+        keep = keep[np.argmin(ids[keep]):][:1]
+    return ids[keep], logits[keep]
+
+
+def sample(ids: np.ndarray, logits: np.ndarray, u: float) -> int:
+    """Draw one token from softmax(logits) by inverse CDF over the candidates taken in
+    id order, with ``u`` uniform in [0, 1): the token whose cumulative mass first exceeds
+    u * total. Tokens at -inf are never drawn; if any logit is +inf the draw is uniform
+    over those. Returns -1 when nothing can be drawn (empty, all -inf, or NaN)."""
+    n = ids.size
+    if n == 0:
+        return -1
+    m = _max(logits)
+    if not m > _NEG_INF:  # all -inf, or NaN
+        return -1
+    if n == 1:
+        return int(ids[0])
+    if n <= 65536 or not (ids[1:] > ids[:-1]).all():
+        order = np.argsort(ids, kind="stable")
+        ids, logits = ids[order], logits[order]
+    e = np.exp(logits - m) if m < np.inf else (logits == m).astype(np.float64)
+    c = _cumsum(e)
+    total = c[-1]
+    if not total > 0:
+        return -1
+    j = int(np.searchsorted(c, u * total, side="right"))
+    return int(ids[min(j, n - 1)])
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log softmax over the set (float64)."""
+    m = _max(logits)
+    if not np.isfinite(m):
+        return np.full(logits.shape, _NEG_INF)
+    z = logits - m
+    return z - np.log(_sum(np.exp(z)))
+
+
+def top_n(ids: np.ndarray, logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n first (ids, logits) in canonical order, sorted."""
+    if 0 < n < ids.size:
+        keep = _best(ids, logits, n)
+        ids, logits = ids[keep], logits[keep]
+    o = canonical_order(ids, logits)
+    return ids[o], logits[o]
