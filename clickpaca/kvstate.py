@@ -1,0 +1,163 @@
+"""Sequence state files: one sequence's KV cache and tokens, safe to keep and reload.
+
+Layout: the 8-byte magic b"CLKPKV1\\n", a little-endian uint32 header length, a JSON
+header, the tokens (int32 little-endian), then llama.cpp's own serialized sequence
+state. The header names the format version, the model (size, description and a hash
+of its first and last MiB), the build (flavor, commit, build number), the cache types,
+the token count, the payload size and a sha256 over tokens + payload. Loading checks
+every one of these before touching the context, so a file made for another model,
+build or cache type, or a truncated or corrupted one, is refused and changes nothing.
+Writes go to a temporary file renamed into place, so a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"CLKPKV1\n"
+FORMAT_VERSION = 1
+
+
+class StateFileError(ValueError):
+    """The file cannot be loaded into this server (the message says why)."""
+
+
+_HEADER_FIELDS = {"tokens": int, "payload_bytes": int, "sha256": str, "model": dict,
+                  "build": dict, "cache": dict}
+
+
+def model_identity(model) -> dict:
+    """Size, description and a hash of the first and last MiB of the model file."""
+    cached = getattr(model, "_identity", None)
+    if cached:
+        return cached
+    size = model.path.stat().st_size
+    h = hashlib.sha256()
+    with open(model.path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    ident = {"size": size, "description": model.description, "n_vocab": model.n_vocab,
+             "edge_sha256": h.hexdigest()}
+    model._identity = ident
+    return ident
+
+
+def _header(ctx, n_tokens: int, payload_len: int, digest: str) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": model_identity(ctx.model),
+        "build": {"flavor": ctx.nat.name, "commit": ctx.nat.info.get("commit"),
+                  "build_number": ctx.nat.info.get("build_number")},
+        "cache": {"type_k": ctx.type_k, "type_v": ctx.type_v},
+        "tokens": n_tokens,
+        "payload_bytes": payload_len,
+        "sha256": digest,
+    }
+
+
+def save(ctx, slot: int, tokens: list[int], path: str | os.PathLike) -> int:
+    """Write the sequence's state atomically; return the file size in bytes."""
+    payload = ctx.seq_state_get(slot)
+    toks = np.asarray(tokens, dtype="<i4").tobytes()
+    digest = hashlib.sha256(toks + payload).hexdigest()
+    header = json.dumps(_header(ctx, len(tokens), len(payload), digest)).encode()
+    target = Path(path)
+    if target.is_dir():
+        raise StateFileError(f"{target} is a directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<I", len(header)))
+            f.write(header)
+            f.write(toks)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target.stat().st_size
+
+
+def read(path: str | os.PathLike) -> tuple[dict, list[int], bytes]:
+    """Parse and verify a state file without touching any context."""
+    data = Path(path).read_bytes()
+    if len(data) < 12 or data[:8] != MAGIC:
+        raise StateFileError(f"{path} is not a clickpaca state file (bad magic)")
+    (hlen,) = struct.unpack("<I", data[8:12])
+    if 12 + hlen > len(data):
+        raise StateFileError(f"{path} is truncated (header)")
+    try:
+        header = json.loads(data[12:12 + hlen])
+    except ValueError:
+        raise StateFileError(f"{path} has a corrupted header") from None
+    if not isinstance(header, dict):
+        raise StateFileError(f"{path} has a corrupted header (not a JSON object)")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise StateFileError(f"{path} has format version {header.get('format_version')}, "
+                             f"this server reads {FORMAT_VERSION}")
+    for key, typ in _HEADER_FIELDS.items():
+        if type(header.get(key)) is not typ:
+            raise StateFileError(f"{path} has a corrupted header ({key!r} missing or not {typ.__name__})")
+    if not ({"flavor", "commit", "build_number"} <= header["build"].keys()
+            and {"type_k", "type_v"} <= header["cache"].keys()):
+        raise StateFileError(f"{path} has a corrupted header (build or cache incomplete)")
+    body = data[12 + hlen:]
+    n_tok, n_pay = header["tokens"], header["payload_bytes"]
+    if n_tok < 1 or n_pay < 0:
+        raise StateFileError(f"{path} holds no tokens" if n_tok == 0 else
+                             f"{path} has a corrupted header (negative counts)")
+    if len(body) != 4 * n_tok + n_pay:
+        raise StateFileError(f"{path} is truncated or has trailing bytes "
+                             f"({len(body)} body bytes, header says {4 * n_tok + n_pay})")
+    if hashlib.sha256(body).hexdigest() != header["sha256"]:
+        raise StateFileError(f"{path} is corrupted (checksum mismatch)")
+    tokens = np.frombuffer(body[:4 * n_tok], dtype="<i4").astype(int).tolist()
+    return header, tokens, body[4 * n_tok:]
+
+
+def check_compatible(ctx, header: dict) -> None:
+    ident = model_identity(ctx.model)
+    if header["model"] != ident:
+        raise StateFileError(f"the file was made for another model ({header['model'].get('description')}, "
+                             f"{header['model'].get('size')} bytes); loaded: {ident['description']}, "
+                             f"{ident['size']} bytes")
+    b = header["build"]
+    if (b["flavor"], b["commit"], b["build_number"]) != (ctx.nat.name, ctx.nat.info.get("commit"),
+                                                         ctx.nat.info.get("build_number")):
+        raise StateFileError(f"the file was made by build {b['flavor']} {b['commit']} "
+                             f"({b['build_number']}); this server runs {ctx.nat.name} "
+                             f"{ctx.nat.info.get('commit')} ({ctx.nat.info.get('build_number')})")
+    c = header["cache"]
+    if (c["type_k"], c["type_v"]) != (ctx.type_k, ctx.type_v):
+        raise StateFileError(f"the file holds a {c['type_k']}/{c['type_v']} KV cache; this server "
+                             f"uses {ctx.type_k}/{ctx.type_v}")
+    if header["tokens"] >= ctx.n_ctx_seq:
+        raise StateFileError(f"the file holds {header['tokens']} tokens, more than the context "
+                             f"per sequence ({ctx.n_ctx_seq})")
+
+
+def load(ctx, slot: int, path: str | os.PathLike) -> list[int]:
+    """Restore a file into an empty sequence slot; return its tokens."""
+    header, tokens, payload = read(path)
+    check_compatible(ctx, header)
+    n = ctx.seq_state_set(slot, payload)
+    if n == 0:
+        ctx.seq_rm(slot, -1, -1)
+        raise StateFileError(f"llama.cpp refused the state in {path} (no room in the KV cache?)")
+    if ctx.seq_pos_max(slot) != len(tokens) - 1:
+        ctx.seq_rm(slot, -1, -1)
+        raise StateFileError(f"{path}: restored {ctx.seq_pos_max(slot) + 1} positions, "
+                             f"the header says {len(tokens)}")
+    return tokens

@@ -1,0 +1,214 @@
+"""The NDJSON protocol: request validation and event construction.
+
+One JSON object per line in each direction. `parse_line` turns a raw line into a
+validated request dict (defaults filled in, types checked, unknown fields refused) or a
+`ProtocolError` naming the field and the reason. Checks that need server state (is the
+seq_id active, does the grammar exist) belong to the scheduler. docs/PROTOCOL.md is
+the user-facing description; tests/test_protocol_doc.py runs its examples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import orjson
+
+MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
+
+
+@dataclass
+class ProtocolError(Exception):
+    """A request that cannot be served; becomes an `error` event."""
+
+    message: str
+    seq_id: int = -1
+    request: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def event(self) -> dict:
+        return error_event(self.message, self.seq_id, self.request)
+
+
+# ------------------------------------------------------------------ field checks
+
+_MISSING = object()
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    def check(name: str, v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+                v = int(v)
+            else:
+                raise ValueError(f"{name}: must be an integer, got {_show(v)}")
+        if lo is not None and v < lo:
+            raise ValueError(f"{name}: must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ValueError(f"{name}: must be <= {hi}, got {v}")
+        return v
+    return check
+
+
+def _num(lo: float | None = None, hi: float | None = None) -> Callable[[str, Any], float]:
+    def check(name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name}: must be a number, got {_show(v)}")
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"{name}: must be finite, got {v}")
+        if lo is not None and v < lo:
+            raise ValueError(f"{name}: must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ValueError(f"{name}: must be <= {hi}, got {v}")
+        return v
+    return check
+
+
+def _str(nonempty: bool = False) -> Callable[[str, Any], str]:
+    def check(name: str, v: Any) -> str:
+        if not isinstance(v, str):
+            raise ValueError(f"{name}: must be a string, got {_show(v)}")
+        if nonempty and not v:
+            raise ValueError(f"{name}: must not be empty")
+        return v
+    return check
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}: must be true or false, got {_show(v)}")
+    return v
+
+
+def _opt(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, v: None if v is None else check(name, v)
+
+
+def _grammar_id(name: str, v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise ValueError(f"{name}: must be a string or an integer, got {_show(v)}")
+    return str(v)
+
+
+def _str_list(name: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise ValueError(f"{name}: must be a list of strings, got {_show(v)}")
+    if any(not s for s in v):
+        raise ValueError(f"{name}: strings must not be empty")
+    return v
+
+
+def _passthrough(name: str, v: Any) -> Any:
+    return v  # validated by the sampler parameters (clickpaca.sampling)
+
+
+def _show(v: Any) -> str:
+    text = orjson.dumps(v).decode() if not isinstance(v, float) or math.isfinite(v) else str(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+SEQ = _int(0)
+# Fields of each request: name -> (check, default). _MISSING = required.
+SAMPLER_FIELDS = ("temperature", "topK", "topP", "minP", "penaltyRepeat", "penaltyFreq",
+                  "penaltyPresent", "penaltyLastN", "logit_bias", "seed", "nProbs", "samplers")
+REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
+    "init": {
+        "modelPath": (_opt(_str(True)), None),
+        "nGpuLayers": (_int(0), 99),
+        "nCtx": (_int(16, 1 << 24), 8192),
+        "nBatch": (_int(1, 1 << 16), 512),
+        "nSeqMax": (_int(1, 256), 64),
+        "cacheTypeK": (_str(True), "f16"),
+        "cacheTypeV": (_str(True), "f16"),
+        "nThreads": (_opt(_int(1, 1024)), None),
+        "build": (_opt(_str(True)), None),
+        "flashAttn": (_str(True), "auto"),
+        "swaFull": (_bool, True),
+        "kvUnified": (_bool, True),
+    },
+    "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True), _MISSING)},
+    "infer": {
+        "seq_id": (SEQ, _MISSING),
+        "prompt": (_str(), ""),
+        "maxTokens": (_int(0, 1 << 24), 256),
+        "grammar_id": (_opt(_grammar_id), None),
+        "stop": (_opt(_str_list), None),
+        "reusePrefix": (_bool, True),
+        **{f: (_passthrough, _MISSING) for f in SAMPLER_FIELDS},
+    },
+    "score": {
+        "seq_id": (SEQ, _MISSING),
+        "text": (_str(True), _MISSING),
+        "window": (_opt(_int(2, 1 << 24)), None),
+        "perToken": (_bool, False),
+    },
+    "cancel": {"seq_id": (SEQ, _MISSING)},
+    "free": {"seq_id": (SEQ, _MISSING)},
+    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True), _MISSING)},
+    "fork": {"seq_id": (SEQ, _MISSING), "dst_seq_id": (SEQ, _MISSING)},
+    "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
+    "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
+    "quit": {"now": (_bool, False)},
+}
+
+
+def validate(obj: Any) -> dict:
+    """A validated request (defaults filled in) or ProtocolError naming the field."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"request must be a JSON object, got {type(obj).__name__}")
+    seq_id = obj.get("seq_id", -1)
+    seq_id = seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else -1
+    kind = obj.get("type", _MISSING)
+    if kind is _MISSING:
+        raise ProtocolError("type: missing (one of " + ", ".join(REQUESTS) + ")", seq_id)
+    if not isinstance(kind, str) or kind not in REQUESTS:
+        raise ProtocolError(f"type: unknown request type {_show(kind)} (one of "
+                            + ", ".join(REQUESTS) + ")", seq_id)
+    spec = REQUESTS[kind]
+    out: dict[str, Any] = {"type": kind}
+    for name in obj:
+        if name != "type" and name not in spec:
+            raise ProtocolError(f"{name}: unknown field for {kind}", seq_id, kind)
+    for name, (check, default) in spec.items():
+        if name in obj:
+            try:
+                out[name] = check(name, obj[name])
+            except ValueError as e:
+                raise ProtocolError(str(e), seq_id, kind) from None
+        elif default is _MISSING:
+            if check is _passthrough:
+                continue
+            raise ProtocolError(f"{name}: missing (required for {kind})", seq_id, kind)
+        else:
+            out[name] = default
+    return out
+
+
+def parse_line(line: bytes) -> dict:
+    """Decode and validate one request line."""
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(f"line too long: {len(line)} bytes (limit {MAX_LINE_BYTES})")
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"not valid JSON: {e}") from None
+    return validate(obj)
+
+
+# ------------------------------------------------------------------ events
+
+
+def error_event(message: str, seq_id: int = -1, request: str | None = None) -> dict:
+    ev: dict[str, Any] = {"type": "error", "seq_id": seq_id, "message": message}
+    if request:
+        ev["request"] = request
+    return ev
+
+
+def encode(event: dict) -> bytes:
+    """One event as one line (orjson: compact, UTF-8; non-finite floats become null)."""
+    return orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"

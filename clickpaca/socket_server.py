@@ -1,0 +1,239 @@
+"""The same NDJSON protocol over a Unix socket: many clients, one model, one batch.
+
+The server is initialised at start from the command line (`--model`, `--init JSON`),
+so every client shares one model and one scheduler; all their sequences go into the
+same llama_decode. A client's own `init` is answered with the running server's `ready`
+event when the fields it gives match the running configuration, and with an error
+naming the fields that differ otherwise.
+
+Each client has its own namespace of seq_ids and grammar ids (a Session): it cannot
+see, cancel or read another client's sequences. A client that disconnects has its
+sequences cancelled and their KV cells freed at once. Events to a client go through a
+bounded queue (`--queue`, default 4096 events) drained by that client's writer thread,
+so a slow reader never stalls the batch: when its queue is full the server drops that
+client (closes its connection and cancels its sequences) and everyone else goes on.
+
+The socket file is created with mode 0600 and removed on exit; a stale file left by a
+crashed server (nobody accepts on it) is replaced, a live one is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import socket
+import stat
+import sys
+import threading
+from pathlib import Path
+
+import orjson
+
+from .protocol import ProtocolError, encode, error_event, parse_line, validate
+from .scheduler import Engine, Session
+from .server import EOF, read_lines, run_loop
+
+
+class ClientConn:
+    """One connected client: its session, reader thread, bounded event queue, writer."""
+
+    def __init__(self, server: "SocketServer", sock: socket.socket, n: int) -> None:
+        self.server = server
+        self.sock = sock
+        self.name = f"client-{n}"
+        self.events: queue.Queue = queue.Queue(maxsize=server.queue_size)
+        self.session = Session(send=self.send, name=self.name)
+        self.gone = threading.Event()
+        self.pending: list[bytes] = []
+
+    def send(self, event: dict) -> None:
+        """Called by the engine thread: buffer now, hand over at flush."""
+        if not self.gone.is_set():
+            self.pending.append(encode(event))
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        data, self.pending = b"".join(self.pending), []
+        try:
+            self.events.put_nowait(data)
+        except queue.Full:
+            self.drop("event queue full (the client reads too slowly)")
+
+    def drop(self, why: str) -> None:
+        if not self.gone.is_set():
+            print(f"clickpaca: dropping {self.name}: {why}", file=sys.stderr)
+            self.gone.set()
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def writer(self) -> None:
+        while not self.gone.is_set():
+            try:
+                data = self.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.drop("connection lost")
+
+    def reader(self) -> None:
+        inbox = self.server.inbox
+        try:
+            with self.sock.makefile("rb") as f:
+                for line in read_lines(f):
+                    if isinstance(line, ProtocolError):
+                        inbox.put((self.session, line))
+                        continue
+                    try:
+                        req = parse_line(line)
+                    except ProtocolError as e:
+                        inbox.put((self.session, e))
+                        continue
+                    if req["type"] == "init":
+                        inbox.put((self.session, lambda line=line: self.server.answer_init(self, line)))
+                    elif req["type"] == "quit":
+                        break  # a client's quit ends its own connection, not the shared server
+                    else:
+                        inbox.put((self.session, req))
+        except OSError:
+            pass
+        finally:
+            self.gone.set()
+            inbox.put((self.session, lambda: self.server.client_gone(self)))
+
+
+class SocketServer:
+    def __init__(self, path: Path, init: dict, queue_size: int) -> None:
+        self.path = path
+        self.init_request = init
+        self.queue_size = queue_size
+        self.inbox: queue.Queue = queue.Queue()
+        self.engine = Engine()
+        self.clients: list[ClientConn] = []
+        self.lock = threading.Lock()
+        self.admin = Session(send=self._admin_event, name="admin")
+        self.listener: socket.socket | None = None
+        self.init_error: str | None = None
+
+    def _admin_event(self, ev: dict) -> None:
+        sys.stderr.write(orjson.dumps(ev).decode() + "\n")
+        if ev.get("type") == "error":
+            self.init_error = ev.get("message")
+
+    def answer_init(self, conn: ClientConn, line: bytes) -> None:
+        raw = orjson.loads(line)
+        running = self.engine.ready_event or {}
+        names = {"nCtx": "nCtx", "nSeqMax": "nSeqMax", "nBatch": "nBatch",
+                 "cacheTypeK": "cacheTypeK", "cacheTypeV": "cacheTypeV", "build": "build"}
+        differ = [f"{k}={raw[k]!r} (running: {running.get(v)!r})" for k, v in names.items()
+                  if k in raw and raw[k] != running.get(v)]
+        if "modelPath" in raw and raw["modelPath"] is not None and raw["modelPath"] != running["model"]["path"]:
+            differ.append(f"modelPath={raw['modelPath']!r} (running: {running['model']['path']!r})")
+        if differ:
+            conn.session.send(error_event("init: this shared server was initialised at start; "
+                                          "these fields differ: " + ", ".join(differ), -1, "init"))
+        else:
+            conn.session.send(running)
+
+    def client_gone(self, conn: ClientConn) -> None:
+        self.engine.close_session(conn.session)
+        with self.lock:
+            if conn in self.clients:
+                self.clients.remove(conn)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def flush(self) -> None:
+        with self.lock:
+            clients = list(self.clients)
+        for c in clients:
+            c.flush()
+
+    def bind(self) -> None:
+        if self.path.exists() or self.path.is_symlink():
+            if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                raise SystemExit(f"clickpaca: {self.path} exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(self.path))
+                raise SystemExit(f"clickpaca: another server is listening on {self.path}")
+            except (ConnectionRefusedError, FileNotFoundError):
+                self.path.unlink()  # stale: left by a server that died
+            finally:
+                probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            s.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        s.listen(64)
+        self.listener = s
+
+    def accept_loop(self) -> None:
+        n = 0
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            n += 1
+            conn = ClientConn(self, sock, n)
+            with self.lock:
+                self.clients.append(conn)
+            threading.Thread(target=conn.writer, daemon=True, name=f"{conn.name}-w").start()
+            threading.Thread(target=conn.reader, daemon=True, name=f"{conn.name}-r").start()
+
+    def run(self) -> int:
+        self.engine.handle(self.admin, self.init_request)
+        if self.engine.ctx is None:
+            print(f"clickpaca: init failed: {self.init_error}", file=sys.stderr)
+            return 1
+        self.bind()
+        print(f"clickpaca: serving on {self.path}", file=sys.stderr, flush=True)
+
+        def stop(*_):
+            self.inbox.put((self.admin, EOF))
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        threading.Thread(target=self.accept_loop, daemon=True, name="accept").start()
+        try:
+            run_loop(self.engine, self.inbox, self.flush, sessions_open=1)
+        finally:
+            if self.listener is not None:
+                self.listener.close()
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+            self.engine.shutdown()
+        return 0
+
+
+def serve_socket(args: argparse.Namespace) -> int:
+    try:
+        init = orjson.loads(args.init) if args.init else {}
+    except orjson.JSONDecodeError as e:
+        print(f"clickpaca: --init is not valid JSON: {e}", file=sys.stderr)
+        return 2
+    init = {"type": "init", **init}
+    if args.model:
+        init["modelPath"] = args.model
+    try:
+        req = validate(init)
+    except ProtocolError as e:
+        print(f"clickpaca: --init: {e}", file=sys.stderr)
+        return 2
+    sys.stdout = sys.stderr
+    return SocketServer(Path(args.socket), req, args.queue).run()

@@ -1,0 +1,50 @@
+"""Shared fixtures: the real build, the real default model, a real server process.
+
+Tests that need the model are marked `model`; they fail (not skip) when the build or
+model is missing, because `make test` sets both up first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from clickpaca.client import Client
+
+TEST_BUILD = os.environ.get("CLICKPACA_TEST_BUILD", "mainline")
+TEST_CACHE_K = os.environ.get("CLICKPACA_TEST_CACHE_K", "f16")
+TEST_CACHE_V = os.environ.get("CLICKPACA_TEST_CACHE_V", "f16")
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from clickpaca.models import resolve_model
+
+    return resolve_model()
+
+
+@pytest.fixture(scope="session")
+def model(model_path):
+    from clickpaca.core import Model
+
+    m = Model(model_path, build=TEST_BUILD)
+    yield m
+
+
+def spawn_server(**init) -> Client:
+    """A real `clickpaca serve` process, initialised with the test build and cache types."""
+    c = Client.spawn(python=sys.executable)
+    params = {"nCtx": 4096, "nSeqMax": 16, "build": TEST_BUILD,
+              "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V}
+    params.update(init)
+    c.init(**params)
+    return c
+
+
+@pytest.fixture(scope="module")
+def server():
+    c = spawn_server()
+    yield c
+    c.close()

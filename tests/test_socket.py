@@ -1,0 +1,168 @@
+"""`clickpaca serve --socket`: many clients, one model, one batch (real server, real model)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import orjson
+import pytest
+
+from clickpaca.client import Client
+from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "One, two, three,", "The opposite of hot is", "Water is made of"]
+
+
+def start_server(path, **init) -> subprocess.Popen:
+    params = {"nCtx": 4096, "nSeqMax": 64, "nBatch": 512, "build": TEST_BUILD,
+              "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V, **init}
+    proc = subprocess.Popen([sys.executable, "-m", "clickpaca", "serve", "--socket", str(path),
+                             "--init", orjson.dumps(params).decode()],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not _accepts(path):
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode()[-2000:])
+        if time.time() > deadline:
+            proc.kill()
+            raise TimeoutError("socket server did not start")
+        time.sleep(0.1)
+    return proc
+
+
+def _accepts(path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def stop_server(proc: subprocess.Popen, path) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert not path.exists(), "socket file left behind"
+
+
+@pytest.fixture(scope="module")
+def sock_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sock") / "clickpaca.sock"
+    proc = start_server(path)
+    yield path
+    stop_server(proc, path)
+
+
+def test_socket_file_is_private(sock_server):
+    assert stat.S_IMODE(os.stat(sock_server).st_mode) == 0o600
+
+
+def greedy(client: Client, sid: int, prompt: str, n: int = 8) -> list[int]:
+    client.infer(sid, prompt, maxTokens=n, temperature=0)
+    toks, final = client.collect(sid)
+    assert final["type"] == "done", final
+    return [t["token"] for t in toks]
+
+
+def test_sixteen_clients_four_sequences_each(sock_server):
+    with Client.connect(sock_server) as solo:
+        expected = {p: greedy(solo, 0, p) for p in PROMPTS}
+    results: dict[tuple[int, int], tuple[list[int], dict]] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            with Client.connect(sock_server) as c:
+                for sid in range(4):
+                    c.infer(sid, PROMPTS[sid], maxTokens=8, temperature=0)
+                for sid in range(4):
+                    toks, final = c.collect(sid)
+                    results[(k, sid)] = ([t["token"] for t in toks], final)
+                # exactly one ending per infer: nothing more arrives for these sequences
+                time.sleep(0.2)
+                for sid in range(4):
+                    assert c._queues[sid].empty()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    assert len(results) == 64
+    for (k, sid), (toks, final) in results.items():
+        assert final["type"] == "done" and final["seq_id"] == sid
+        assert toks == expected[PROMPTS[sid]], (k, sid)
+
+
+def test_namespaces_are_separate(sock_server):
+    with Client.connect(sock_server) as a, Client.connect(sock_server) as b:
+        a.grammar("g", 'root ::= "yes"')
+        b.infer(0, "Hi", maxTokens=2, grammar_id="g")  # b cannot use a's grammar
+        ev = list(b.stream(0))[-1]
+        assert ev["type"] == "error" and "grammar_id" in ev["message"]
+        a.infer(1, "Tell me a long story.", maxTokens=64, temperature=0.7, seed=1)
+        b.cancel(1)  # b's seq 1 is not a's seq 1
+        ev = list(b.stream(1))[-1]
+        assert ev["type"] == "error" and "not running" in ev["message"]
+        b.infer(1, "The capital of France is", maxTokens=3, temperature=0)  # same id, own namespace
+        assert list(b.stream(1))[-1]["type"] == "done"
+        toks, final = a.collect(1)
+        assert final["type"] == "done" and len(toks) == final["tokens_predicted"]
+
+
+def test_disconnect_frees_the_sequences(sock_server):
+    c = Client.connect(sock_server)
+    for sid in range(4):
+        c.infer(sid, "Write a long essay about rivers.", maxTokens=2000, temperature=0.8, seed=sid)
+    next(c.stream(0))  # generation is under way
+    c.close()
+    time.sleep(1.0)
+    # all 64 slots are free again: another client can start 64 sequences at once
+    with Client.connect(sock_server) as d:
+        for sid in range(64):
+            d.infer(sid, "Hi", maxTokens=1, temperature=0)
+        finals = [list(d.stream(sid))[-1] for sid in range(64)]
+        assert all(f["type"] == "done" for f in finals), [f for f in finals if f["type"] != "done"][:2]
+
+
+def test_client_init_matches_running_server(sock_server):
+    with Client.connect(sock_server) as c:
+        ready = c.init(nSeqMax=64)
+        assert ready["nSeqMax"] == 64
+        c.send({"type": "init", "nCtx": 128})
+        ev = c.next_misc()
+        assert ev["type"] == "error" and "nCtx" in ev["message"]
+
+
+def test_stale_socket_is_replaced_and_live_one_refused(tmp_path):
+    path = tmp_path / "s.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # a socket file nobody listens on: what a crashed server leaves
+    proc = start_server(path, nCtx=512, nSeqMax=2, nBatch=64)
+    try:
+        with Client.connect(path) as c:
+            assert greedy(c, 0, "Hello", 2)
+        second = subprocess.run([sys.executable, "-m", "clickpaca", "serve", "--socket", str(path),
+                                 "--init", '{"nCtx": 512, "nSeqMax": 2, "nBatch": 64}'],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode != 0 and "another server" in second.stderr
+    finally:
+        stop_server(proc, path)
