@@ -20,7 +20,7 @@ setup: venv mainline bindgen model
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev,model,plot,research]'
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev,model,plot]'
 	@touch $@
 
 ## mainline: llama.cpp from the pinned sdist -> builds/mainline (cached by source+preset+patches)

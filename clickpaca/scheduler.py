@@ -665,6 +665,11 @@ class Engine:
     def shutdown(self) -> None:
         for seq in list(self.order):
             self._finish(seq, "shutdown", notify=False)
+        if self.grammar_engine is not None:
+            try:  # its tokenizer reads the model's vocabulary: let it finish first
+                self.grammar_engine.wait(None)
+            except Exception:  # noqa: BLE001 - a failed build is irrelevant at exit
+                pass
         if self.ctx is not None:
             self.ctx.close()
         if self.model is not None:

@@ -1,0 +1,43 @@
+"""`score` against llama-perplexity on the same text, context and cache type."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from clickpaca import corpus
+from clickpaca.native import build_dir
+from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
+
+pytestmark = pytest.mark.model
+
+
+def native_ppl(model_path, text_file, ctx: int) -> float:
+    exe = build_dir(TEST_BUILD) / "bin" / "llama-perplexity"
+    out = subprocess.run([str(exe), "-m", str(model_path), "-f", str(text_file), "-c", str(ctx),
+                          "-b", str(ctx), "-t", "2", "-fa", "on", "-ctk", TEST_CACHE_K, "-ctv", TEST_CACHE_V],
+                         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    assert m, (out.stdout + out.stderr)[-3000:]
+    return float(m.group(1))
+
+
+def test_score_agrees_with_llama_perplexity(server, model_path, tmp_path):
+    text = corpus.text("hamlet_gut.txt")[2000:14000]  # about 3,000 tokens: 5 windows of 512
+    f = tmp_path / "hamlet.txt"
+    f.write_text(text)
+    scored = server.score(12, text, window=512)
+    assert scored["type"] == "scored" and scored["windows"] >= 4
+    assert scored["tokens"] == scored["windows"] * (512 - 1 - 256)
+    theirs = native_ppl(model_path, f, 512)
+    assert abs(scored["ppl"] - theirs) / theirs < 0.01, (scored["ppl"], theirs)
+
+
+def test_score_short_text_and_per_token(server):
+    scored = server.score(13, "The capital of France is Paris.", perToken=True)
+    assert scored["windows"] == 1
+    assert len(scored["token_nll"]) == scored["tokens"] == 7  # every token after <bos>
+    assert scored["ppl"] > 1.0
