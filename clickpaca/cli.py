@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_model)
 
     p = sub.add_parser("tok", help="token ids of strings, pieces of ids, or a vocabulary search")
-    p.add_argument("items", nargs="*", help="[MODEL.gguf] strings (or ids with --id)")
-    p.add_argument("--id", action="store_true", help="items are token ids: print their pieces")
+    p.add_argument("items", nargs="*", help="[MODEL.gguf] strings to tokenize")
+    p.add_argument("--id", nargs="+", metavar="ID", help="token ids: print their pieces")
     p.add_argument("--search", help="list every token whose piece contains this substring")
     p.add_argument("--json", action="store_true", help="print JSON instead of plain text")
     p.add_argument("--no-bos", action="store_true", help="do not add BOS when tokenizing")

@@ -42,7 +42,7 @@ def run_tok(args: argparse.Namespace) -> int:
         return 0
     if args.id:
         try:
-            ids = [int(x) for x in items]
+            ids = [int(x) for x in args.id]
         except ValueError as e:
             print(f"clickpaca tok: --id takes integers: {e}", file=sys.stderr)
             return 1
