@@ -55,11 +55,12 @@ def unexported(ffi: cffi.FFI, libpath: Path, names) -> list[str]:
         lib = ffi.dlopen(str(libpath))
     except OSError:
         return []
+    errors = (AttributeError, getattr(ffi, "error", AttributeError))
     missing = []
     for name in names:
         try:
             getattr(lib, name)
-        except (AttributeError, ffi.error):
+        except errors:
             missing.append(name)
     ffi.dlclose(lib)
     return missing

@@ -68,9 +68,10 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             out.append(f"~ {k}: size {a['size']} -> {b['size']}")
         fa = {f["name"]: f for f in a["fields"]}
         fb = {f["name"]: f for f in b["fields"]}
-        for n in fb.keys() - fa.keys():
+        # sorted: set order changes from one process to the next (string hashing)
+        for n in sorted(fb.keys() - fa.keys()):
             out.append(f"+ field {k}.{n} ({fb[n]['type']} at {fb[n]['offset']})")
-        for n in fa.keys() - fb.keys():
+        for n in sorted(fa.keys() - fb.keys()):
             out.append(f"- field {k}.{n}")
         for n in sorted(fa.keys() & fb.keys()):
             if fa[n] != fb[n]:

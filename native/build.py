@@ -40,7 +40,6 @@ TOOLS = [
     "llama-completion",
     "llama-tokenize",
 ]
-TARGETS = ["llama", *TOOLS]
 HEADER_DIRS = ["include", "ggml/include"]
 
 
@@ -260,9 +259,23 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def tools_in(src: Path) -> list[str]:
+    """The native tools this source tree defines (older trees lack some of them)."""
+    text = "\n".join(p.read_text(errors="replace")
+                     for d in ("tools", "examples") if (src / d).is_dir()
+                     for p in (src / d).rglob("CMakeLists.txt"))
+    return [t for t in TOOLS if f"set(TARGET {t})" in text]
+
+
 def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
     source = resolve_source(flavor, sdist_version)
     src: Path = source["src"]
+    tools = TOOLS
+    extra: list[str] = []
+    if flavor == "compat":
+        # Older trees: some tools do not exist yet, and common/ wanted CURL by default.
+        tools = tools_in(src)
+        extra = ["-DLLAMA_CURL=OFF"]
     pfiles = patch_files("turboquant") if flavor == "turboquant" else []
     pdigest = patches_digest(pfiles) if pfiles else ""
     if flavor == "turboquant":
@@ -272,7 +285,8 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Pat
     key_material = json.dumps({
         "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
         "presets": preset_digest(preset), "source": source["digest"],
-        "patches": pdigest, "targets": TARGETS,
+        "patches": pdigest, "targets": ["llama", *tools],
+        **({"extra": extra} if extra else {}),
     }, sort_keys=True)
     key = hashlib.sha256(key_material.encode()).hexdigest()[:16]
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
@@ -288,10 +302,10 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Pat
         logfile = out / "build.log"
         run_streamed(["cmake", "--preset", preset, f"-DLLAMA_CPP_SRC={src}",
                       f"-DLLAMA_BUILD_NUMBER={source['build_number']}",
-                      f"-DLLAMA_BUILD_COMMIT={source['commit']}"], env, logfile)
+                      f"-DLLAMA_BUILD_COMMIT={source['commit']}", *extra], env, logfile)
         run_streamed(["cmake", "--build", str(out / "cmake"), "-j", str(jobs),
-                      "--target", *TARGETS], env, logfile)
-        assemble(out, src)
+                      "--target", "llama", *tools], env, logfile)
+        assemble(out, src, tools)
         header_sha = sha256_file(out / "include" / "llama.h")
         info = {
             "flavor": flavor, "preset": preset, "key": key,
@@ -316,7 +330,7 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Pat
     return out
 
 
-def assemble(out: Path, src: Path) -> None:
+def assemble(out: Path, src: Path, tools: list[str]) -> None:
     """lib/ (shared libraries), bin/ (native tools), include/ (the headers bindgen reads)."""
     cbin = out / "cmake" / "bin"
     (out / "lib").mkdir()
@@ -326,7 +340,7 @@ def assemble(out: Path, src: Path) -> None:
             os.symlink(os.readlink(so), out / "lib" / so.name)
         else:
             link_or_copy(so, out / "lib" / so.name)
-    for tool in TOOLS:
+    for tool in tools:
         shutil.copy2(cbin / tool, out / "bin" / tool)
         # Tools find the libraries next to them in lib/, not in the build tree.
         subprocess.run(["patchelf", "--set-rpath", "$ORIGIN/../lib", str(out / "bin" / tool)],
