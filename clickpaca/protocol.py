@@ -107,18 +107,21 @@ def _passthrough(name: str, v: Any) -> Any:
 
 
 def _show(v: Any) -> str:
-    text = orjson.dumps(v).decode() if not isinstance(v, float) or math.isfinite(v) else str(v)
+    try:
+        text = orjson.dumps(v).decode() if not isinstance(v, float) or math.isfinite(v) else str(v)
+    except TypeError:  # e.g. an int beyond 64 bits (validate() called in-process)
+        text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-SEQ = _int(0)
+SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
 # Fields of each request: name -> (check, default). _MISSING = required.
 SAMPLER_FIELDS = ("temperature", "topK", "topP", "minP", "penaltyRepeat", "penaltyFreq",
                   "penaltyPresent", "penaltyLastN", "logit_bias", "seed", "nProbs", "samplers")
 REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     "init": {
         "modelPath": (_opt(_str(True)), None),
-        "nGpuLayers": (_int(0), 99),
+        "nGpuLayers": (_int(0, (1 << 31) - 1), 99),
         "nCtx": (_int(16, 1 << 24), 8192),
         "nBatch": (_int(1, 1 << 16), 512),
         "nSeqMax": (_int(1, 256), 64),
@@ -143,7 +146,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     "score": {
         "seq_id": (SEQ, _MISSING),
         "text": (_str(True), _MISSING),
-        "window": (_opt(_int(2, 1 << 24)), None),
+        "window": (_opt(_int(3, 1 << 24)), None),  # 2 would score no token of a long text
         "perToken": (_bool, False),
     },
     "cancel": {"seq_id": (SEQ, _MISSING)},

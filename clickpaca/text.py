@@ -59,8 +59,8 @@ class StopMatcher:
         if not self.stops or not piece:
             return None
         window = self.tail + piece
-        for s in self.stops:
-            if s in window:
-                return s
+        found = [(window.find(s), -len(s), s) for s in self.stops if s in window]
+        if found:
+            return min(found)[2]  # the one that appears first in the text (longest on a tie)
         self.tail = window[-(self.keep - 1):] if self.keep > 1 else ""
         return None

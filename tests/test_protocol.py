@@ -1,0 +1,461 @@
+"""clickpaca.protocol without a model: request validation, line parsing, error events.
+
+Table-driven: every field of every request type, with values of the wrong type and out
+of range, must be refused with a message that starts with the field's name. Hypothesis:
+whatever arrives on a line, `parse_line` returns a request of a known type or raises
+`ProtocolError`, never anything else.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, SAMPLER_FIELDS, ProtocolError, encode,
+                                error_event, parse_line, validate)
+from clickpaca.server import read_lines
+
+# A minimal valid body for each request type (required fields only).
+MINIMAL = {
+    "init": {},
+    "grammar": {"id": "g", "grammar": 'root ::= "a"'},
+    "infer": {"seq_id": 3},
+    "score": {"seq_id": 3, "text": "hello"},
+    "cancel": {"seq_id": 3},
+    "free": {"seq_id": 3},
+    "prefill": {"seq_id": 3, "prompt": "hi"},
+    "fork": {"seq_id": 3, "dst_seq_id": 4},
+    "save": {"seq_id": 3, "path": "/tmp/x.state"},
+    "load": {"seq_id": 3, "path": "/tmp/x.state"},
+    "quit": {},
+}
+
+DEFAULTS = {
+    "init": {"modelPath": None, "nGpuLayers": 99, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
+             "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
+             "flashAttn": "auto", "swaFull": True, "kvUnified": True},
+    "grammar": {},
+    "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True},
+    "score": {"window": None, "perToken": False},
+    "cancel": {}, "free": {}, "prefill": {}, "fork": {}, "save": {}, "load": {},
+    "quit": {"now": False},
+}
+
+
+def req(kind: str, **fields) -> dict:
+    return {"type": kind, **MINIMAL[kind], **fields}
+
+
+def test_every_request_type_is_covered():
+    assert set(MINIMAL) == set(REQUESTS) == set(DEFAULTS)
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_defaults_filled(kind):
+    out = validate(req(kind))
+    assert out == {"type": kind, **MINIMAL[kind], **DEFAULTS[kind]}
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_validate_does_not_modify_its_input(kind):
+    obj = req(kind)
+    before = json.dumps(obj, sort_keys=True)
+    validate(obj)
+    assert json.dumps(obj, sort_keys=True) == before
+
+
+def test_sampler_fields_pass_through_untouched_and_are_not_defaulted():
+    out = validate(req("infer"))
+    assert not set(SAMPLER_FIELDS) & set(out)
+    fields = {"temperature": 0, "topK": 1, "topP": 0.5, "minP": 0.1, "penaltyRepeat": 1.1,
+              "penaltyFreq": 0.2, "penaltyPresent": 0.3, "penaltyLastN": -1,
+              "logit_bias": [{"token": 5, "bias": -1e9}], "seed": 42, "nProbs": 3,
+              "samplers": ["grammar", "top_k", "temperature"]}
+    assert set(fields) == set(SAMPLER_FIELDS)
+    out = validate(req("infer", **fields))
+    for k, v in fields.items():
+        assert out[k] == v
+    # checked later by SamplerParams (in the scheduler), which names the field
+    from clickpaca.sampling import SamplerParamError, SamplerParams
+    for name, bad in [("temperature", math.nan), ("temperature", math.inf), ("topP", 1.5),
+                      ("topK", True), ("seed", -1), ("nProbs", 1.5), ("samplers", "top_k")]:
+        out = validate(req("infer", **{name: bad}))
+        with pytest.raises(SamplerParamError) as ei:
+            SamplerParams.from_request({k: out[k] for k in SAMPLER_FIELDS if k in out})
+        assert str(ei.value).startswith(name + ":")
+
+
+def test_valid_values_accepted():
+    out = validate(req("init", modelPath="/m.gguf", nGpuLayers=0, nCtx=16, nBatch=1, nSeqMax=1,
+                       cacheTypeK="q8_0", cacheTypeV="q4_0", nThreads=1, build="turboquant",
+                       flashAttn="on", swaFull=False, kvUnified=False))
+    assert out["nCtx"] == 16 and out["nSeqMax"] == 1 and out["swaFull"] is False
+    assert validate(req("init", nCtx=1 << 24, nBatch=1 << 16, nSeqMax=256, nThreads=1024))["nSeqMax"] == 256
+    out = validate(req("infer", prompt="x", maxTokens=0, grammar_id=7, stop=["a", "bc"], reusePrefix=False))
+    assert out["grammar_id"] == "7" and out["stop"] == ["a", "bc"] and out["maxTokens"] == 0
+    assert validate(req("infer", grammar_id="g"))["grammar_id"] == "g"
+    assert validate(req("infer", stop=[]))["stop"] == []
+    assert validate(req("infer", seq_id=0))["seq_id"] == 0
+    assert validate(req("grammar", id=5))["id"] == "5"
+    assert validate(req("score", window=3, perToken=True))["window"] == 3
+    assert validate(req("quit", now=True))["now"] is True
+    # explicit nulls on optional fields mean the default
+    assert validate(req("init", modelPath=None, nThreads=None, build=None))["build"] is None
+    assert validate(req("infer", grammar_id=None, stop=None))["stop"] is None
+
+
+def test_integral_floats_are_integers():
+    # JSON has one number type: 3.0 is the integer 3, 3.5 is not an integer
+    out = validate(req("infer", seq_id=2.0, maxTokens=3.0))
+    assert out["seq_id"] == 2 and type(out["seq_id"]) is int
+    assert out["maxTokens"] == 3 and type(out["maxTokens"]) is int
+
+
+# (request, field, bad value, words the message must contain)
+BAD = [
+    # init
+    ("init", "modelPath", 5, "string"), ("init", "modelPath", "", "empty"),
+    ("init", "modelPath", ["a"], "string"),
+    ("init", "nGpuLayers", -1, ">= 0"), ("init", "nGpuLayers", 1e20, "<="), ("init", "nGpuLayers", "1", "integer"),
+    ("init", "nGpuLayers", 1.5, "integer"), ("init", "nGpuLayers", None, "integer"),
+    ("init", "nCtx", 15, ">= 16"), ("init", "nCtx", (1 << 24) + 1, "<="), ("init", "nCtx", "4096", "integer"),
+    ("init", "nBatch", 0, ">= 1"), ("init", "nBatch", (1 << 16) + 1, "<="), ("init", "nBatch", [], "integer"),
+    ("init", "nSeqMax", 0, ">= 1"), ("init", "nSeqMax", 257, "<= 256"), ("init", "nSeqMax", {}, "integer"),
+    ("init", "cacheTypeK", "", "empty"), ("init", "cacheTypeK", 16, "string"), ("init", "cacheTypeK", None, "string"),
+    ("init", "cacheTypeV", "", "empty"), ("init", "cacheTypeV", False, "string"),
+    ("init", "nThreads", 0, ">= 1"), ("init", "nThreads", 1025, "<= 1024"), ("init", "nThreads", "2", "integer"),
+    ("init", "build", "", "empty"), ("init", "build", 1, "string"),
+    ("init", "flashAttn", "", "empty"), ("init", "flashAttn", True, "string"), ("init", "flashAttn", None, "string"),
+    ("init", "swaFull", 1, "true or false"), ("init", "swaFull", "true", "true or false"),
+    ("init", "swaFull", None, "true or false"),
+    ("init", "kvUnified", 0, "true or false"),
+    # grammar
+    ("grammar", "id", 1.5, "string or an integer"), ("grammar", "id", None, "string or an integer"),
+    ("grammar", "id", [], "string or an integer"), ("grammar", "id", {"a": 1}, "string or an integer"),
+    ("grammar", "grammar", "", "empty"), ("grammar", "grammar", 5, "string"), ("grammar", "grammar", None, "string"),
+    # infer
+    ("infer", "seq_id", -1, ">= 0"), ("infer", "seq_id", "0", "integer"), ("infer", "seq_id", 0.5, "integer"),
+    ("infer", "seq_id", None, "integer"), ("infer", "seq_id", [0], "integer"),
+    ("infer", "seq_id", 1e20, "<="), ("infer", "seq_id", 1 << 31, "<="),
+    ("infer", "prompt", 5, "string"), ("infer", "prompt", None, "string"), ("infer", "prompt", ["a"], "string"),
+    ("infer", "maxTokens", -1, ">= 0"), ("infer", "maxTokens", (1 << 24) + 1, "<="),
+    ("infer", "maxTokens", "5", "integer"), ("infer", "maxTokens", 2.5, "integer"), ("infer", "maxTokens", None, "integer"),
+    ("infer", "maxTokens", 1e300, "<="),
+    ("infer", "grammar_id", 1.5, "string or an integer"), ("infer", "grammar_id", [], "string or an integer"),
+    ("infer", "stop", "x", "list of strings"), ("infer", "stop", [1], "list of strings"),
+    ("infer", "stop", [""], "empty"), ("infer", "stop", [["a"]], "list of strings"),
+    ("infer", "stop", {"a": "b"}, "list of strings"), ("infer", "stop", ["a", None], "list of strings"),
+    ("infer", "reusePrefix", 1, "true or false"), ("infer", "reusePrefix", None, "true or false"),
+    # score
+    ("score", "seq_id", -5, ">= 0"), ("score", "text", "", "empty"), ("score", "text", 5, "string"),
+    ("score", "text", None, "string"),
+    ("score", "window", 1, ">= 3"), ("score", "window", 2, ">= 3"), ("score", "window", "512", "integer"), ("score", "window", (1 << 24) + 1, "<="),
+    ("score", "perToken", 0, "true or false"), ("score", "perToken", "yes", "true or false"),
+    # seq requests
+    ("cancel", "seq_id", -1, ">= 0"), ("cancel", "seq_id", "1", "integer"),
+    ("free", "seq_id", 1.25, "integer"), ("free", "seq_id", {}, "integer"),
+    ("prefill", "seq_id", -2, ">= 0"), ("prefill", "prompt", "", "empty"), ("prefill", "prompt", 3, "string"),
+    ("fork", "seq_id", "a", "integer"), ("fork", "dst_seq_id", -1, ">= 0"), ("fork", "dst_seq_id", "4", "integer"),
+    ("fork", "dst_seq_id", 1e20, "<="),
+    ("save", "path", "", "empty"), ("save", "path", 1, "string"), ("save", "seq_id", None, "integer"),
+    ("load", "path", "", "empty"), ("load", "path", ["p"], "string"), ("load", "seq_id", -1, ">= 0"),
+    # quit
+    ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
+]
+
+
+@pytest.mark.parametrize("kind,field,value,words", BAD, ids=[f"{k}.{f}={v!r}"[:60] for k, f, v, _ in BAD])
+def test_bad_field_named(kind, field, value, words):
+    with pytest.raises(ProtocolError) as ei:
+        validate(req(kind, **{field: value}))
+    e = ei.value
+    assert e.message.startswith(field + ":"), e.message
+    assert words in e.message, e.message
+    assert e.request == kind
+    # the error is answered on the request's sequence when its seq_id is an integer
+    own = MINIMAL[kind].get("seq_id", -1)
+    int_sid = isinstance(value, int) and not isinstance(value, bool)
+    assert e.seq_id == (own if field != "seq_id" else value if int_sid else -1), (e.seq_id, value)
+    ev = e.event()
+    assert ev["type"] == "error" and ev["message"] == e.message and ev["request"] == kind
+    encode(ev)  # always encodable
+
+
+def test_every_field_has_a_bad_case():
+    covered = {(k, f) for k, f, _, _ in BAD}
+    for kind, spec in REQUESTS.items():
+        for name in spec:
+            if name in SAMPLER_FIELDS:
+                continue
+            assert (kind, name) in covered, (kind, name)
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_is_not_an_int(kind, value):
+    for name, (check, _) in REQUESTS[kind].items():
+        if name in SAMPLER_FIELDS:
+            continue
+        probe = {name: value}
+        try:
+            out = validate(req(kind, **probe))
+        except ProtocolError as e:
+            assert e.message.startswith(name + ":")
+            continue
+        # only true boolean fields may accept a bool, and they keep it as a bool
+        assert out[name] is value, (kind, name, out[name])
+        assert DEFAULTS[kind].get(name) in (True, False), (kind, name)
+
+
+@pytest.mark.parametrize("kind", [k for k in sorted(REQUESTS) if "seq_id" in REQUESTS[k]])
+def test_missing_required_field_named(kind):
+    for name, (_, default) in REQUESTS[kind].items():
+        if name in MINIMAL[kind]:
+            obj = req(kind)
+            del obj[name]
+            with pytest.raises(ProtocolError) as ei:
+                validate(obj)
+            assert ei.value.message == f"{name}: missing (required for {kind})"
+            assert ei.value.request == kind
+
+
+def test_missing_grammar_fields():
+    for name in ("id", "grammar"):
+        obj = req("grammar")
+        del obj[name]
+        with pytest.raises(ProtocolError, match=f"^{name}: missing"):
+            validate(obj)
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+@pytest.mark.parametrize("name", ["tmperature", "seqId", "top_k", "", "TYPE", "extra"])
+def test_unknown_fields_refused(kind, name):
+    with pytest.raises(ProtocolError) as ei:
+        validate(req(kind, **{name: 1}))
+    assert ei.value.message == f"{name}: unknown field for {kind}"
+    assert ei.value.request == kind
+    assert ei.value.seq_id == MINIMAL[kind].get("seq_id", -1)
+
+
+def test_sampler_field_on_other_request_is_unknown():
+    with pytest.raises(ProtocolError, match="^temperature: unknown field for score"):
+        validate(req("score", temperature=0))
+
+
+@pytest.mark.parametrize("obj", [None, 1, 1.5, "infer", [], [{"type": "quit"}], True])
+def test_non_object_refused(obj):
+    with pytest.raises(ProtocolError) as ei:
+        validate(obj)
+    assert "must be a JSON object" in ei.value.message
+    assert ei.value.seq_id == -1 and ei.value.request is None
+    with pytest.raises(ProtocolError, match="must be a JSON object"):
+        parse_line(orjson.dumps(obj))
+
+
+@pytest.mark.parametrize("kind", [None, 1, "", "Infer", "infer ", "bogus", [], {"x": 1}, True])
+def test_bad_type(kind):
+    with pytest.raises(ProtocolError) as ei:
+        validate({"type": kind, "seq_id": 4})
+    assert ei.value.message.startswith("type: unknown request type")
+    assert "infer" in ei.value.message  # lists the known types
+    assert ei.value.seq_id == 4
+
+
+def test_missing_type():
+    with pytest.raises(ProtocolError) as ei:
+        validate({"seq_id": 2, "prompt": "x"})
+    assert ei.value.message.startswith("type: missing")
+    assert ei.value.seq_id == 2
+    with pytest.raises(ProtocolError, match="^type: missing"):
+        validate({})
+
+
+def test_error_seq_id_only_from_an_integer():
+    for sid, expect in [(True, -1), ("3", -1), (3.0, -1), (None, -1), (7, 7)]:
+        with pytest.raises(ProtocolError) as ei:
+            validate({"type": "infer", "seq_id": sid, "bogus": 1})
+        assert ei.value.seq_id == expect, sid
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("kind,field", [("infer", "maxTokens"), ("infer", "seq_id"), ("init", "nCtx"),
+                                        ("score", "window"), ("init", "nThreads")])
+def test_non_finite_numbers_refused(kind, field, value):
+    with pytest.raises(ProtocolError) as ei:
+        validate(req(kind, **{field: value}))
+    assert ei.value.message.startswith(field + ":")
+    encode(ei.value.event())
+
+
+@pytest.mark.parametrize("line", [
+    b'{"type": "infer", "seq_id": 0, "maxTokens": NaN}',
+    b'{"type": "infer", "seq_id": 0, "maxTokens": Infinity}',
+    b'{"type": "infer", "seq_id": 0, "maxTokens": -Infinity}',
+    b'{"type": "infer", "seq_id": 0, "maxTokens": 1e999}',
+    b'{"type": "infer", "seq_id": 0, "temperature": NaN}',
+])
+def test_non_finite_literals_are_not_json(line):
+    with pytest.raises(ProtocolError, match="^not valid JSON"):
+        parse_line(line)
+
+
+@pytest.mark.parametrize("line", [
+    b"", b"   ", b"{", b'{"type": "infer"', b'{"type": "infer", "seq_id": 0,}', b"nul", b"{'type': 'quit'}",
+    b"\xff\xfe\x00", b'"\xed\xa0\x80"', b'{"type": "infer", "seq_id": 0, "prompt": "\\ud800"}',
+    b'{"type": "quit"} {"type": "quit"}', b'{"type": "quit"}garbage', b"\x00", b"[1, 2",
+])
+def test_not_json(line):
+    with pytest.raises(ProtocolError) as ei:
+        parse_line(line)
+    assert ei.value.message.startswith("not valid JSON")
+    assert ei.value.seq_id == -1 and ei.value.request is None
+
+
+def test_parse_line_valid_and_whitespace():
+    assert parse_line(b'  {"type": "quit"}  \r\n') == {"type": "quit", "now": False}
+    assert parse_line('{"type":"infer","seq_id":1,"prompt":"é ☃ 😀"}'.encode())["prompt"] == "é ☃ 😀"
+
+
+def test_huge_json_integers():
+    # orjson turns integers beyond 64 bits into floats; they must still be refused cleanly
+    for line in [b'{"type": "infer", "seq_id": 100000000000000000000000}',
+                 b'{"type": "infer", "seq_id": 0, "maxTokens": 100000000000000000000000}',
+                 b'{"type": "fork", "seq_id": 0, "dst_seq_id": 18446744073709551615}',
+                 b'{"type": "infer", "seq_id": 0, "prompt": [100000000000000000000000]}']:
+        with pytest.raises(ProtocolError) as ei:
+            parse_line(line)
+        encode(ei.value.event())
+
+
+def test_validate_with_unencodable_python_ints():
+    # validate() called in-process with ints beyond 64 bits: still a ProtocolError
+    for obj in [req("infer", prompt=2 ** 70), req("infer", stop=[2 ** 70]), req("grammar", id=[2 ** 80]),
+                req("infer", maxTokens=2 ** 70), {"type": 2 ** 70}]:
+        with pytest.raises(ProtocolError):
+            validate(obj)
+
+
+def test_line_length_limit():
+    assert MAX_LINE_BYTES == 16 * 1024 * 1024
+    with pytest.raises(ProtocolError) as ei:
+        parse_line(b" " * (MAX_LINE_BYTES + 1))
+    assert "line too long" in ei.value.message and ei.value.seq_id == -1
+    # exactly at the limit is fine
+    body = b'{"type": "infer", "seq_id": 1, "prompt": "x"}'
+    line = body + b" " * (MAX_LINE_BYTES - len(body))
+    assert len(line) == MAX_LINE_BYTES
+    assert parse_line(line)["seq_id"] == 1
+
+
+def _read_all(data: bytes, limit: int = MAX_LINE_BYTES) -> list:
+    return list(read_lines(io.BytesIO(data), limit))
+
+
+def test_read_lines_skips_over_long_lines_and_goes_on():
+    out = _read_all(b"a" * 101 + b"\n" + b'{"x": 1}\n' + b"b" * 100 + b"\n" + b"c" * 5000 + b"\n" + b"d", limit=100)
+    assert isinstance(out[0], ProtocolError) and "line too long" in out[0].message
+    assert out[1] == b'{"x": 1}'
+    assert out[2] == b"b" * 100  # exactly the limit: served
+    assert isinstance(out[3], ProtocolError)
+    assert out[4] == b"d"  # a last line without newline
+    assert len(out) == 5
+
+
+def test_read_lines_blank_lines_and_crlf():
+    assert _read_all(b"\n\n  \r\n{}\r\n\t\n[]") == [b"{}", b"[]"]
+
+
+def test_read_lines_real_limit():
+    data = b"x" * (MAX_LINE_BYTES + 10) + b"\n" + b'{"type": "quit"}\n'
+    out = _read_all(data)
+    assert len(out) == 2 and isinstance(out[0], ProtocolError)
+    assert parse_line(out[1])["type"] == "quit"
+
+
+def test_error_event_shape():
+    assert error_event("boom") == {"type": "error", "seq_id": -1, "message": "boom"}
+    assert error_event("boom", 3, "infer") == {"type": "error", "seq_id": 3, "message": "boom", "request": "infer"}
+    e = ProtocolError("x: bad", 2, "score")
+    assert str(e) == "x: bad"
+    assert e.event() == {"type": "error", "seq_id": 2, "message": "x: bad", "request": "score"}
+    assert ProtocolError("y").event() == {"type": "error", "seq_id": -1, "message": "y"}
+
+
+def test_encode_one_line():
+    ev = {"type": "token", "seq_id": 1, "token": 5, "piece": "a\nb\"é😀", "logprob": float("nan"),
+          "x": np.float32(1.5), "arr": np.arange(3)}
+    line = encode(ev)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    back = orjson.loads(line)
+    assert back["piece"] == "a\nb\"é😀" and back["logprob"] is None and back["x"] == 1.5
+    assert back["arr"] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ hypothesis
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+
+ALL_FIELDS = sorted({f for spec in REQUESTS.values() for f in spec} | {"type"})
+plausible_requests = st.builds(
+    lambda kind, fields: {"type": kind, **fields},
+    st.sampled_from(sorted(REQUESTS) + ["bogus"]),
+    st.dictionaries(st.sampled_from(ALL_FIELDS), json_values | st.integers(-3, 300), max_size=6),
+)
+
+
+def _check_result(line: bytes) -> None:
+    try:
+        out = parse_line(line)
+    except ProtocolError as e:
+        assert isinstance(e.message, str) and e.message
+        assert isinstance(e.seq_id, int)
+        encode(e.event())
+        return
+    assert isinstance(out, dict) and out.get("type") in REQUESTS
+    spec = REQUESTS[out["type"]]
+    assert set(out) <= set(spec) | {"type"}
+    for name, (_, default) in spec.items():
+        if name not in SAMPLER_FIELDS:
+            assert name in out
+    encode(out)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(json_values | plausible_requests)
+def test_any_json_value_parses_or_protocol_error(value):
+    # stdlib json can write what orjson cannot (ints beyond 64 bits, NaN literals)
+    _check_result(json.dumps(value).encode())
+
+
+@settings(max_examples=250, deadline=None)
+@given(plausible_requests)
+def test_any_python_request_validates_or_protocol_error(obj):
+    try:
+        out = validate(obj)
+    except ProtocolError as e:
+        encode(e.event())
+        return
+    assert out["type"] in REQUESTS
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_parse_or_protocol_error(data):
+    _check_result(data)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plausible_requests, st.integers(0, 200), st.binary(max_size=3))
+def test_truncated_or_corrupted_json(obj, cut, junk):
+    line = json.dumps(obj).encode()
+    _check_result(line[:cut])
+    _check_result(line[:cut] + junk + line[cut:])

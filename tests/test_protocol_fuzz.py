@@ -1,0 +1,420 @@
+"""Fuzzing the stdio server: a real process, the real default model.
+
+A seeded generator writes a few hundred lines: random bytes, truncated JSON, wrong
+types, unknown types and fields, huge numbers, deep nesting, cancels and frees of random
+seq_ids, infers on active sequences, scores, prefills, forks, grammars... mixed with
+valid `infer` requests (1-4 tokens). Then:
+
+- the server is still up: a last valid infer completes;
+- every `infer` line ends in exactly one `done` or `error` for its seq_id. Which
+  seq_id an infer line is answered on is predicted with `parse_line` (the protocol
+  layer is pure): a valid request on its `seq_id`, a refused one on the `seq_id` of its
+  error. The valid infers the generator means to run are only sent to a sequence once
+  every earlier infer on it has ended, so endings and requests can be counted per seq_id;
+- every line the protocol layer refuses is answered by exactly that error event;
+- no token arrives after its request ended, and no event is an internal error.
+
+CLICKPACA_FUZZ_SEED picks another seed; CLICKPACA_FUZZ_LINES another length.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import time
+from collections import Counter
+
+import pytest
+
+from clickpaca.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, parse_line
+from clickpaca.server import read_lines
+from conftest import spawn_server
+
+pytestmark = pytest.mark.model
+
+SEED = int(os.environ.get("CLICKPACA_FUZZ_SEED", "20261129"))
+N_LINES = int(os.environ.get("CLICKPACA_FUZZ_LINES", "300"))
+N_SEQ = 16  # spawn_server's nSeqMax
+RUN_SEQS = list(range(12))  # where the generator sends the infers it means to run
+SIDE_SEQS = [12, 13, 14, 15]  # prefill / fork / score / save / load
+MAX_TOKENS = 4  # no accepted infer may ask for more (keeps the machine free)
+WAIT = 180
+
+PROMPTS = ["The capital of France is", "Hello", "", "1, 2, 3,", "Once upon a time", "<start_of_turn>user\nHi",
+           "<bos>Hi", "<bos><bos>x", "é ☃ 😀 漢字", "a\u0000b", "\t\r\n", "<eos>", "<pad><unk>", "x" * 300,
+           "<end_of_turn>", "\\u0000", '{"type": "quit"}']
+
+JUNK_VALUES = [None, True, False, 0, -1, 1.5, -0.0, 1e-320, 1e20, -1e20, 1e308, -1e308, 2 ** 63 - 1,
+               2 ** 64 - 1, 10 ** 30, "", "x", "0", "1e9", [], [1, 2], {}, {"a": {"b": [None]}},
+               ["top_k"], [{"token": 1, "bias": 1e9}], "\u0000", "é", [[[[]]]]]
+
+
+# Lines that once broke something (or easily could): always sent, at random points.
+REGRESSION = [
+    b'{"type": "infer", "seq_id": 1e20, "prompt": "hi", "maxTokens": 1}',  # crashed encode()
+    b'{"type": "cancel", "seq_id": 1e20}',
+    b'{"type": "fork", "seq_id": 12, "dst_seq_id": 1e20}',
+    b'{"type": "free", "seq_id": 18446744073709551615}',
+    b'{"type": "infer", "seq_id": -9223372036854775808, "prompt": "hi", "maxTokens": 1}',
+    b'{"type": "score", "seq_id": 13, "text": "one two three four five six", "window": 2}',  # scored nothing
+    b'{"type": "init", "nGpuLayers": 1e20}',
+    b'{"type": "infer", "seq_id": 14, "prompt": "Hi", "maxTokens": 1, "seed": 1e20}',
+    b'{"type": "infer", "seq_id": 14, "prompt": "Hi", "maxTokens": 1, "topK": 18446744073709551615}',
+    b'{"type": "infer", "seq_id": 14, "prompt": "Hi", "maxTokens": 1, "penaltyLastN": 18446744073709551615}',
+    b'{"type": "infer", "seq_id": 14, "prompt": "Hi", "maxTokens": 1, '
+    b'"logit_bias": [{"token": 18446744073709551615, "bias": 1e308}]}',
+    b'{"type": "infer", "seq_id": 14, "prompt": "Hi", "maxTokens": 1, "nProbs": 1e20}',
+    b'{"type": "infer", "seq_id": 14, "prompt": "Hi", "maxTokens": 1, "grammar_id": "nope"}',
+    b'{"type": "infer", "seq_id": 15, "prompt": "", "maxTokens": 1}',
+    b'{"type": "infer", "seq_id": 15, "prompt": "Hi", "maxTokens": 0}',
+    b'{"type": "score", "seq_id": 15, "text": "a"}',
+    b'{"type": "prefill", "seq_id": 15, "prompt": "<bos>"}',
+    b'{"type": "grammar", "id": "bad", "grammar": "root ::= ("}',
+    b'{"type": "quit", "now": "true"}',
+]
+
+
+def ending_kind(ev: dict) -> str | None:
+    """'infer' when the event ends an infer request (counted per seq_id)."""
+    if ev.get("type") == "done" and "request" not in ev:
+        return "infer"
+    if ev.get("type") == "error" and ev.get("request") == "infer":
+        return "infer"
+    return None
+
+
+def expected_answer(line: bytes):
+    """What the protocol layer makes of one line: None (nothing to answer, a blank
+    line), a validated request, or the ProtocolError whose event must arrive."""
+    items = list(read_lines(io.BytesIO(line + b"\n")))
+    assert len(items) <= 1
+    if not items:
+        return None
+    if isinstance(items[0], ProtocolError):
+        return items[0]
+    try:
+        return parse_line(items[0])
+    except ProtocolError as e:
+        return e
+
+
+class Fuzzer:
+    def __init__(self, client, rng: random.Random, tmp_path) -> None:
+        self.c, self.rng, self.tmp = client, rng, tmp_path
+        self.expected_infers: Counter = Counter()  # seq_id -> infer lines answered on it
+        self.expected_errors: Counter = Counter()  # (seq_id, request, message) of refused lines
+        self.sent = 0
+        self.valid_infers = 0
+        self.log: list[bytes] = []
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def events(self) -> list[dict]:
+        with self.c._lock:
+            return list(self.c.all_events)
+
+    def endings(self) -> Counter:
+        return Counter(ev["seq_id"] for ev in self.events() if ending_kind(ev) == "infer")
+
+    def send(self, line: bytes) -> None:
+        assert b"\n" not in line
+        ans = expected_answer(line)
+        if isinstance(ans, ProtocolError):
+            self.expected_errors[(ans.seq_id, ans.request, ans.message)] += 1
+            if ans.request == "infer":
+                self.expected_infers[ans.seq_id] += 1
+        elif isinstance(ans, dict):
+            assert ans["type"] != "quit", line
+            if ans["type"] == "infer":
+                assert ans["maxTokens"] <= MAX_TOKENS, line
+                self.expected_infers[ans["seq_id"]] += 1
+        self.log.append(line[:300])
+        self.c.send_raw(line + b"\n")
+        self.sent += 1
+
+    def safe(self, line: bytes) -> bool:
+        """A generated line the server may get: nothing that quits it, runs long, or
+        touches files outside tmp_path."""
+        if b"\n" in line:
+            return False
+        ans = expected_answer(line)
+        if not isinstance(ans, dict):
+            return True
+        kind = ans["type"]
+        if kind == "quit":
+            return False
+        if kind == "infer":
+            return ans["maxTokens"] <= MAX_TOKENS and len(ans["prompt"]) <= 2000
+        if kind in ("score", "prefill"):
+            return len(ans.get("text", ans.get("prompt", ""))) <= 400
+        if kind in ("save", "load"):
+            return ans["path"].startswith(str(self.tmp))
+        if kind == "grammar":
+            return len(ans["grammar"]) <= 200
+        return True
+
+    def wait_idle(self, sid: int, timeout: float = WAIT) -> None:
+        """Until every infer answered on sid so far has ended."""
+        deadline = time.monotonic() + timeout
+        while self.endings()[sid] < self.expected_infers[sid]:
+            assert not self.c.closed.is_set(), "the server went away"
+            assert time.monotonic() < deadline, f"seq {sid}: an infer never ended"
+            time.sleep(0.02)
+
+    # ---------------------------------------------------------------- generators
+
+    def dumps(self, obj) -> bytes:
+        return json.dumps(obj, ensure_ascii=self.rng.random() < 0.5).encode()
+
+    def valid_infer(self, sid: int) -> dict:
+        r = self.rng
+        req = {"type": "infer", "seq_id": sid, "prompt": r.choice(PROMPTS), "maxTokens": r.randint(1, MAX_TOKENS)}
+        if r.random() < 0.7:
+            req["temperature"] = r.choice([0, 0.7, 1.5, -1])
+        if r.random() < 0.3:
+            req["seed"] = r.randint(0, 2 ** 63)
+        if r.random() < 0.2:
+            req["topK"] = r.choice([0, 1, 5, 1000000])
+        if r.random() < 0.2:
+            req["topP"] = r.choice([0.0, 0.5, 1.0])
+        if r.random() < 0.2:
+            req["minP"] = r.choice([0.0, 0.5, 1.0])
+        if r.random() < 0.2:
+            req["nProbs"] = r.choice([1, 3, 100])
+        if r.random() < 0.2:
+            req["stop"] = r.choice([[" "], ["e", "the"], ["\n"], ["zzz"]])
+        if r.random() < 0.15:
+            req["logit_bias"] = [{"token": r.choice([1, 106, 506, 262143]), "bias": r.choice([-1e9, 1e9, 5.0])}]
+        if r.random() < 0.15:
+            req["penaltyRepeat"], req["penaltyLastN"] = 1.3, r.choice([-1, 0, 64])
+        if r.random() < 0.1:
+            req["samplers"] = r.choice([[], ["temperature"], ["top_k", "temperature"], ["penalties"]])
+        if r.random() < 0.1:
+            req["grammar_id"] = "digits"
+        if r.random() < 0.1:
+            req["reusePrefix"] = False
+        return req
+
+    def random_request(self) -> dict:
+        """A request of a random known type with plausible fields (valid or not)."""
+        r = self.rng
+        kind = r.choice(sorted(REQUESTS))
+        sid = r.choice(SIDE_SEQS + [r.randint(0, 20)])
+        if kind == "infer":
+            return self.valid_infer(sid)
+        return {
+            "init": {"type": "init"},
+            "grammar": {"type": "grammar", "id": r.choice(["g", 1, "digits"]), "grammar": r.choice(
+                ['root ::= [0-9]+', 'root ::= "a" | "b"', "root ::= (", "%json_schema {\"type\": \"integer\"}",
+                 "%llguidance\nstart: /[a-z]+/", "%json_schema {"])},
+            "score": {"type": "score", "seq_id": sid, "text": r.choice(PROMPTS[:8]), "perToken": r.random() < 0.5,
+                      **({"window": r.choice([2, 3, 8, 100000])} if r.random() < 0.5 else {})},
+            "cancel": {"type": "cancel", "seq_id": sid},
+            "free": {"type": "free", "seq_id": sid},
+            "prefill": {"type": "prefill", "seq_id": sid, "prompt": r.choice(PROMPTS[:8])},
+            "fork": {"type": "fork", "seq_id": sid, "dst_seq_id": r.choice(SIDE_SEQS + [r.randint(0, 40)])},
+            "save": {"type": "save", "seq_id": sid, "path": str(self.tmp / f"s{r.randint(0, 3)}.state")},
+            "load": {"type": "load", "seq_id": sid, "path": str(self.tmp / r.choice(["s0.state", "s1.state",
+                                                                                   "missing.state"]))},
+            "quit": {"type": "quit", "now": r.choice([1, "yes", None, 0])},  # never a valid quit
+        }[kind]
+
+    def junk_line(self) -> bytes:
+        r = self.rng
+        what = r.randrange(14)
+        if what == 0:  # random bytes
+            return bytes(r.randrange(256) for _ in range(r.randint(0, 120))).replace(b"\n", b" ")
+        if what == 1:  # truncated JSON
+            line = self.dumps(self.random_request())
+            return line[:r.randint(0, len(line) - 1)]
+        if what == 2:  # a field with a value of the wrong type or a huge number
+            req = self.random_request()
+            field = r.choice(sorted(set(REQUESTS[req["type"]]) | {"type", "seq_id"}))
+            req[field] = r.choice(JUNK_VALUES)
+            return self.dumps(req)
+        if what == 3:  # unknown type
+            return self.dumps({"type": r.choice(["inference", "INFER", "", "ping", "quit!", 5, None]),
+                               "seq_id": r.randint(-2, 20)})
+        if what == 4:  # unknown field
+            req = self.random_request()
+            req[r.choice(["tmperature", "top_k", "n_predict", "", "seqId", "x" * 100])] = r.choice(JUNK_VALUES)
+            return self.dumps(req)
+        if what == 5:  # numbers JSON or orjson cannot hold
+            sid = r.choice(["1e400", "NaN", "-Infinity", "100000000000000000000000", "18446744073709551616",
+                            "-9223372036854775809", "1e20", "3.0", "-0", "1E2", "0x10", "01"])
+            return (b'{"type": "infer", "seq_id": ' + sid.encode() + b', "prompt": "hi", "maxTokens": 1}')
+        if what == 6:  # deep or wide nesting
+            depth = r.choice([10, 500, 1100, 3000])
+            inner = "[" * depth + "]" * depth if r.random() < 0.5 else '{"a":' * depth + "1" + "}" * depth
+            return ('{"type": "infer", "seq_id": %d, "prompt": %s}' % (r.randint(0, 15), inner)).encode()
+        if what == 7:  # cancel / free of a random seq_id
+            return self.dumps({"type": r.choice(["cancel", "free"]),
+                               "seq_id": r.choice([r.randint(0, 20), -1, 2 ** 31, 10 ** 6])})
+        if what == 8:  # not an object
+            return self.dumps(r.choice([[], [{"type": "quit"}], "quit", 42, None, True, {"type": ["infer"]}]))
+        if what == 9:  # blank and near-blank lines
+            return r.choice([b"", b" ", b"\r", b"\t \t", b"\x0b\x0c", b"\xef\xbb\xbf", b"\x00"])
+        if what == 10:  # two objects on one line, trailing garbage
+            return self.dumps(self.valid_infer(1)) + r.choice([b" {}", b"x", b",", b"\x00"])
+        if what == 11:  # invalid UTF-8 / escapes inside strings
+            return r.choice([b'{"type": "infer", "seq_id": 2, "prompt": "\xff\xfe"}',
+                             b'{"type": "infer", "seq_id": 2, "prompt": "\\ud800"}',
+                             b'{"type": "infer", "seq_id": 2, "prompt": "\xed\xa0\x80"}',
+                             b'{"type": "infer", "seq_id": 2, "prompt": "\xc3"}'])
+        if what == 12:  # a plausible request of any type
+            return self.dumps(self.random_request())
+        # duplicate keys: the last one wins in orjson
+        return b'{"type": "infer", "seq_id": 3, "seq_id": "x", "prompt": "a"}'
+
+    # ---------------------------------------------------------------- the run
+
+    def run(self, n_lines: int) -> None:
+        r = self.rng
+        # a grammar the valid infers may use
+        self.send(b'{"type": "grammar", "id": "digits", "grammar": "root ::= [0-9]+"}')
+        rr = 0
+        regression = list(REGRESSION)
+        while self.sent < n_lines or regression:
+            if regression and r.random() < 2 * len(REGRESSION) / n_lines:
+                self.send(regression.pop(r.randrange(len(regression))))
+                continue
+            x = r.random()
+            if x < 0.2:  # a valid infer on a sequence that is idle (waiting for it if needed)
+                sid = RUN_SEQS[rr % len(RUN_SEQS)]
+                rr += 1
+                self.wait_idle(sid)
+                self.send(self.dumps(self.valid_infer(sid)))
+                self.valid_infers += 1
+                y = r.random()
+                if y < 0.2:  # the same seq_id again while it is (most likely) active
+                    self.send(self.dumps(self.valid_infer(sid)))
+                elif y < 0.3:
+                    self.send(self.dumps({"type": "cancel", "seq_id": sid}))
+                elif y < 0.35:
+                    self.send(self.dumps({"type": "free", "seq_id": sid}))
+            else:
+                for _ in range(20):
+                    line = self.dumps(self.random_request()) if x < 0.45 else self.junk_line()
+                    if self.safe(line):
+                        break
+                else:
+                    continue
+                self.send(line)
+            if r.random() < 0.05:
+                time.sleep(r.random() * 0.3)  # let some ticks run between bursts
+
+
+def check_events(fz: Fuzzer, events: list[dict]) -> None:
+    # exactly one ending per infer line, for every seq_id
+    endings = Counter(ev["seq_id"] for ev in events if ending_kind(ev) == "infer")
+    expected = +fz.expected_infers
+    assert endings == expected, (endings, expected)
+    # every line the protocol layer refused got exactly its error event
+    errors = Counter((ev["seq_id"], ev.get("request"), ev["message"]) for ev in events if ev["type"] == "error")
+    missing = fz.expected_errors - errors
+    assert not missing, f"refused lines not answered: {list(missing.items())[:5]}"
+    # no internal errors anywhere
+    internal = [ev for ev in events if "internal error" in str(ev.get("message", ""))]
+    assert not internal, internal[:5]
+    # tokens belong to a running infer: at most MAX_TOKENS between two endings, none after the last
+    since_end: Counter = Counter()
+    for ev in events:
+        sid = ev.get("seq_id")
+        if ev["type"] == "token":
+            since_end[sid] += 1
+            assert since_end[sid] <= MAX_TOKENS, (sid, ev)
+            assert isinstance(ev["piece"], str) and isinstance(ev["token"], int)
+        elif ending_kind(ev) == "infer":
+            since_end[sid] = 0
+    # a score answers with at least one scored token and a finite NLL
+    for ev in events:
+        if ev["type"] == "scored":
+            assert ev["tokens"] >= 1 and isinstance(ev["nll"], float) and ev["nll"] >= 0, ev
+    # every event is well-formed
+    for ev in events:
+        assert ev["type"] in {"ready", "grammar_ready", "token", "done", "error", "scored", "prefilled",
+                              "forked", "saved", "loaded", "freed"}, ev
+        if ev["type"] == "error":
+            assert isinstance(ev["message"], str) and ev["message"] and isinstance(ev["seq_id"], int)
+        if ev["type"] == "done" and "request" not in ev:
+            assert ev["stop_reason"] in {"eos", "grammar", "max_tokens", "stop", "cancelled"}, ev
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    c = spawn_server()
+    yield c
+    c.close()
+
+
+def infer_endings(c, sid: int) -> list[dict]:
+    with c._lock:
+        return [ev for ev in c.all_events if ev.get("seq_id") == sid and ending_kind(ev) == "infer"]
+
+
+def finish_with_a_valid_infer(c, sid: int, line: bytes | None = None) -> dict:
+    """Send a valid infer on an idle sid (or `line`) and return the event that ends it."""
+    n = len(infer_endings(c, sid))
+    if line is None:
+        c.send({"type": "infer", "seq_id": sid, "prompt": "The capital of France is", "maxTokens": 2,
+                "temperature": 0})
+    else:
+        c.send_raw(line)
+    deadline = time.monotonic() + WAIT
+    while True:
+        ends = infer_endings(c, sid)
+        if len(ends) > n:
+            assert len(ends) == n + 1, ends[n:]
+            return ends[n]
+        assert not c.closed.is_set(), "the server went away"
+        assert time.monotonic() < deadline, "the last infer never ended"
+        time.sleep(0.02)
+
+
+def test_fuzz_lines(fuzz_server, tmp_path):
+    c = fuzz_server
+    fz = Fuzzer(c, random.Random(SEED), tmp_path)
+    t0 = time.monotonic()
+    try:
+        fz.run(N_LINES)
+        for sid in list(fz.expected_infers):
+            fz.wait_idle(sid)
+        # the server is still up: a last valid infer completes
+        sid = RUN_SEQS[0]
+        fz.expected_infers[sid] += 1
+        last = finish_with_a_valid_infer(c, sid)
+        assert last["type"] == "done" and last["stop_reason"] == "max_tokens", last
+        assert last["tokens_predicted"] == 2
+        time.sleep(0.5)  # anything still on its way (nothing should be)
+        check_events(fz, fz.events())
+        assert c.proc.poll() is None
+    except AssertionError:
+        print(f"seed {SEED}, {fz.sent} lines, {fz.valid_infers} valid infers, {time.monotonic() - t0:.1f}s")
+        print("last lines sent:", *fz.log[-15:], sep="\n  ")
+        raise
+    print(f"seed {SEED}: {fz.sent} lines, {fz.valid_infers} valid infers, {len(fz.events())} events, "
+          f"{time.monotonic() - t0:.1f}s")
+
+
+def test_over_long_lines(fuzz_server):
+    c = fuzz_server
+    sid = 5
+    n_before = len(c.all_events)
+    # an over-long line that would be a valid request, then one of random bytes
+    pad = b'{"type": "infer", "seq_id": 6, "prompt": "' + b"a" * MAX_LINE_BYTES + b'", "maxTokens": 1}\n'
+    c.send_raw(pad)
+    c.send_raw(bytes(range(256)).replace(b"\n", b" ") * (MAX_LINE_BYTES // 256 + 1) + b"\n")
+    ev = finish_with_a_valid_infer(c, sid)
+    assert ev["type"] == "done" and ev["tokens_predicted"] == 2, ev
+    with c._lock:
+        new = c.all_events[n_before:]
+    too_long = [e for e in new if e["type"] == "error" and "line too long" in e["message"]]
+    assert len(too_long) == 2 and all(e["seq_id"] == -1 for e in too_long), new[:5]
+    assert not [e for e in new if e.get("seq_id") == 6]  # the over-long request was not run
+    # a line of exactly the limit is served
+    body = b'{"type": "infer", "seq_id": 7, "prompt": "Hi", "maxTokens": 1}'
+    done = finish_with_a_valid_infer(c, 7, body + b" " * (MAX_LINE_BYTES - len(body)) + b"\n")
+    assert done["type"] == "done" and done["tokens_predicted"] <= 1, done
+    assert c.proc.poll() is None
