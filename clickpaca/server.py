@@ -48,7 +48,11 @@ class Writer:
         self.broken = False
 
     def send(self, event: dict) -> None:
-        self.buf.append(encode(event))
+        try:
+            self.buf.append(encode(event))
+        except (TypeError, ValueError) as e:  # never let one unencodable event end the server
+            self.buf.append(encode(error_event(f"internal error: event not encodable: {e}",
+                                               -1, event.get("type"))))
 
     def flush(self) -> None:
         if not self.buf or self.broken:
