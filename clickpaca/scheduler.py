@@ -272,6 +272,8 @@ class Engine:
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Share the cells of the held sequence with the longest common prompt prefix."""
         assert self.ctx is not None
+        if not self.ctx.kv_unified:
+            return  # one stream per sequence: llama.cpp copies only whole ones (GGML_ASSERT)
         best, best_n = None, 0
         for other in seq.session.seqs.values():
             if other is seq or other.state != "held" or not other.tokens:
@@ -280,6 +282,9 @@ class Engine:
             a = np.asarray(other.tokens[:m], np.int32)
             diff = np.flatnonzero(a != seq.pending[:m])
             n = int(diff[0]) if len(diff) else m
+            if n < len(other.tokens) and self.ctx.seq_pos_min(other.slot) > max(
+                    0, n - self.model.nat.lib.llama_model_n_swa(self.model.ptr)):
+                continue  # cells before n left its sliding window (a loaded state keeps the last)
             if n > best_n:
                 best, best_n = other, n
         if best is not None and best_n > 0:
@@ -354,7 +359,11 @@ class Engine:
     def _fork(self, session: Session, req: dict) -> None:
         src = session.seqs.get(req["seq_id"])
         dst_id = req["dst_seq_id"]
-        self._check_seq(session, dst_id, "fork", "dst_seq_id")
+        try:
+            self._check_seq(session, dst_id, "fork", "dst_seq_id")
+        except ProtocolError as e:
+            e.seq_id = req["seq_id"]  # answer on the request's seq_id, where the client waits
+            raise
         if src is None or src.state != "held":
             raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to fork "
                                 "(prefill it first)", req["seq_id"], "fork")

@@ -9,7 +9,7 @@ import pytest
 
 from clickpaca.client import Client, ServerError
 from clickpaca.native import build_dir
-from conftest import TEST_BUILD, spawn_server
+from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 
 pytestmark = pytest.mark.model
 
@@ -19,7 +19,8 @@ PROMPT = "The capital of France is"
 def native_completion(model_path, prompt: str, n: int) -> str:
     exe = build_dir(TEST_BUILD) / "bin" / "llama-completion"
     out = subprocess.run([str(exe), "-m", str(model_path), "-p", prompt, "-n", str(n), "--temp", "0",
-                          "-no-cnv", "--no-display-prompt", "-t", "2", "-c", "4096"],
+                          "-no-cnv", "--no-display-prompt", "-t", "2", "-c", "4096",
+                          "-fa", "on", "-ctk", TEST_CACHE_K, "-ctv", TEST_CACHE_V],
                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
