@@ -73,7 +73,7 @@ def load(name: str = "mainline") -> Native:
 def _load(name: str) -> Native:
     d = build_dir(name)
     if not (d / "build-info.json").exists():
-        target = "turboquant" if name == "turboquant" else "mainline" if name == "mainline" else f"setup"
+        target = "turboquant" if name == "turboquant" else "mainline" if name == "mainline" else "setup"
         raise NativeError(f"build {name!r} not found at {d}: run `make {target}`"
                           + (f" (available: {', '.join(available_builds())})" if available_builds() else ""))
     module_path = d / "bindings" / "_llama_cffi.py"

@@ -62,7 +62,6 @@ class Sequence:
     n_prompt: int = 0
     n_reused: int = 0
     n_probs: int = 0
-    hold: bool = False
     t_arrival: float = 0.0
     t_prompt: float | None = None
     t_first: float | None = None
@@ -231,14 +230,10 @@ class Engine:
         prompt = self._tokenize_prompt(req["prompt"], continuing=held is not None)
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
-        base = held.n_past if held else 0
-        if base + len(prompt) >= ctx.n_ctx_seq:
-            raise ProtocolError(f"prompt: {base + len(prompt)} tokens do not fit the context "
-                                f"({ctx.n_ctx_seq} tokens per sequence)", seq_id, "infer")
+        self._check_fits(held, prompt, seq_id, "infer")
         seq = held if held is not None else self._new_sequence(session, seq_id, "infer")
         seq.kind = "infer"
         seq.t_arrival = time.perf_counter()
-        seq.hold = False
         if held is not None:
             self._reopen_held(seq, prompt)
         else:
@@ -259,6 +254,13 @@ class Engine:
         seq.n_probs = params.n_probs
         seq.t_prompt = seq.t_first = None
         self.order.append(seq)
+
+    def _check_fits(self, held: Sequence | None, prompt: np.ndarray, seq_id: int, kind: str) -> None:
+        assert self.ctx is not None
+        total = (held.n_past if held else 0) + len(prompt)
+        if total >= self.ctx.n_ctx_seq:
+            raise ProtocolError(f"prompt: {total} tokens do not fit the context "
+                                f"({self.ctx.n_ctx_seq} tokens per sequence)", seq_id, kind)
 
     def _reopen_held(self, seq: Sequence, prompt: np.ndarray) -> None:
         """Continue a held sequence: re-feed its last token so there is a logits row."""
@@ -326,10 +328,7 @@ class Engine:
         if held is not None and held.state != "held":
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "prefill")
         prompt = self._tokenize_prompt(req["prompt"], continuing=held is not None)
-        base = held.n_past if held else 0
-        if base + len(prompt) >= ctx.n_ctx_seq:
-            raise ProtocolError(f"prompt: {base + len(prompt)} tokens do not fit the context "
-                                f"({ctx.n_ctx_seq} tokens per sequence)", seq_id, "prefill")
+        self._check_fits(held, prompt, seq_id, "prefill")
         seq = held if held is not None else self._new_sequence(session, seq_id, "prefill")
         seq.kind = "prefill"
         seq.state = "prompt"
@@ -436,11 +435,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, stop: str | None = None, notify: bool = True) -> None:
         now = time.perf_counter()
-        if seq.kind == "infer" and seq.hold and reason not in ("cancelled", "shutdown"):
-            self.order.remove(seq)
-            seq.state = "held"
-        else:
-            self._release(seq)
+        self._release(seq)
         if not notify:
             return
         if seq.kind in ("score", "prefill") and reason in ("cancelled", "shutdown"):
