@@ -191,7 +191,10 @@ def resolve_source(flavor: str, sdist_version: str | None) -> dict:
 def patch_files(flavor: str) -> list[Path]:
     """A flavor's patch set: native/<flavor>/ (series of .patch files plus new files)."""
     d = NATIVE / flavor
-    return sorted(p for p in d.rglob("*") if p.is_file()) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
 def patches_digest(files: list[Path]) -> str:
