@@ -1,0 +1,120 @@
+"""`clickpaca bench batch`: N sequences at once, server vs llama-batched-bench.
+
+For each N in --seqs, N infers of the same prompt length P (--prompt-tokens) and the
+same generation length G (--tokens, end-of-generation banned so every sequence makes
+exactly G) are sent back to back to one server, alternating with
+`llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV).
+
+Server throughput = generated tokens after each sequence's first / (last token event -
+first token event): the generation phase only, as S_TG is (nBatch >= N*P, so every
+prompt is decoded in one tick and all sequences generate together). Per-sequence
+latency = median time between a sequence's token events.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import model_path, out_dir, png, threads, with_defaults
+from .report import emit, machine, plot_lines
+from .serve import Server, exact_prompt, group_stats, run_group
+from .stats import alternate, median, parse_list, progress, ratio, summary
+from .table import markdown
+from .tools import batched_bench
+
+GOALS = {8: 0.9, 64: 0.8}
+
+
+def server_init(model: str, build: str, t: int, max_seqs: int, p: int, g: int, **extra: Any) -> dict:
+    return {"modelPath": model, "build": build, "nThreads": t, "nSeqMax": max(1, max_seqs),
+            "nCtx": max(512, max_seqs * (p + g) + 64), "nBatch": max(512, max_seqs * p), **extra}
+
+
+def run_server_group(server: Server, n: int, p: int, g: int, params: dict) -> dict[str, Any]:
+    runs = run_group(server, [exact_prompt(p)] * n,
+                     {"maxTokens": g, "reusePrefix": False, **params})
+    st = group_stats(runs)
+    if st["errors"]:
+        server.problems.append(f"{n} sequences: errors {st['errors'][:3]}")
+        progress(f"SERVER PROBLEM: {server.problems[-1]}")
+    return st
+
+
+def measure(args: Any) -> dict[str, Any]:
+    seqs = parse_list(args.seqs)
+    p, g, t, model = args.prompt_tokens, args.tokens, threads(args), model_path(args)
+    m0 = machine()
+    progress(f"batch: starting the server (nSeqMax {max(seqs)})")
+    server = Server(server_init(model, args.build, t, max(seqs), p, g))
+    bias = server.ban_eog()
+    params = {"temperature": 0, **bias}
+    rows = []
+    try:
+        for n in seqs:
+            res = alternate({
+                "server": lambda r, n=n: run_server_group(server, n, p, g, params),
+                "llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build),
+            }, args.repeats, f"batch N={n}")
+            srv, nat = res["server"], res["llama-batched-bench"]
+            s_wall = [x["wall_tps"] for x in srv]
+            s_span = [x["span_tps"] for x in srv]
+            skew = [x["admission_skew_ms"] for x in srv]
+            s_eval = [x["eval_tps_sum"] for x in srv]
+            s_lat = [x["latency_per_token_ms"] for x in srv]
+            n_tg = [x["speed_tg"] for x in nat]
+            n_lat = [x["t_tg"] / x["tg"] * 1000 for x in nat]
+            row = {"seqs": n, "server_wall_tps": summary(s_wall), "server_eval_tps_sum": summary(s_eval),
+                   "server_span_tps": summary(s_span), "server_admission_skew_ms": summary(skew),
+                   "server_latency_ms": summary(s_lat), "native_s_tg": summary(n_tg),
+                   "native_latency_ms": summary(n_lat),
+                   "ratio": ratio(median(s_wall), median(n_tg)), "goal": GOALS.get(n),
+                   "server_tokens": [x["tokens"] for x in srv],
+                   "server_prompt_tokens": srv[-1]["prompt_tokens"],
+                   "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
+            rows.append(row)
+            progress(f"batch N={n}: server {median(s_wall)} tok/s, native {median(n_tg)} tok/s")
+    finally:
+        server.close()
+    notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
+             "span tok/s also counts ticks where some prompts were still being processed",
+             "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
+             f"(medians of {args.repeats} alternating rounds); goals >= 0.9 at 8, >= 0.8 at 64",
+             "eval_tps_sum (sum of done.eval_tps) reads about G/(G-1) high: see bench decode"]
+    for row in rows:
+        bad = [k for toks in row["server_tokens"] for k in toks if k != g]
+        if bad:
+            notes.append(f"N={row['seqs']}: some sequences made {sorted(set(bad))} tokens, not {g}")
+        if row["server_prompt_tokens"] != [p]:
+            notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
+    return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
+                       "repeats": args.repeats, "build": args.build, "model": model},
+            "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
+            "server_problems": server.problems}
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = []
+    for r in out["rows"]:
+        rows.append((r["seqs"], r["server_wall_tps"]["median"], r["server_span_tps"]["median"],
+                     r["server_eval_tps_sum"]["median"], r["native_s_tg"]["median"], r["ratio"], r["goal"],
+                     r["server_latency_ms"]["median"], r["native_latency_ms"]["median"]))
+    return markdown(["seqs", "server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
+                     "ratio", "goal", "server ms/token/seq", "native ms/token/seq"], rows)
+
+
+def plot(out: dict[str, Any], path) -> None:
+    xs = [r["seqs"] for r in out["rows"]]
+    plot_lines(path, {"server (clickpaca)": (xs, [r["server_wall_tps"]["median"] for r in out["rows"]]),
+                      "llama-batched-bench S_TG": (xs, [r["native_s_tg"]["median"] for r in out["rows"]])},
+               "sequences decoded together", "generated tokens/s (all sequences)",
+               f"Batched generation, P={out['params']['prompt_tokens']} G={out['params']['tokens']}, "
+               f"{out['params']['threads']} threads", logx=True)
+
+
+def run(args: Any) -> dict[str, Any]:
+    args = with_defaults(args, seqs="1,2,4,8,16,32,64")
+    out = measure(args)
+    emit(out_dir(args), "batch", out, table(out), "Batched generation (tokens/s)")
+    if args.plot:
+        plot(out, png(args, "batch"))
+    return out

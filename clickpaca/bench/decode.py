@@ -1,0 +1,98 @@
+"""`clickpaca bench decode`: single-sequence decode speed, server vs llama-bench tg.
+
+One server (started once; start-up is not measured) and `llama-bench -p 0 -n N -t T`
+of the same build, model and threads run alternately, `--repeats` rounds. The server
+runs greedy (temperature 0) and the default sampler chain. Its speed is read two ways:
+`done.eval_tps` (generation only, prompt excluded, like llama-bench tg; the headline
+ratio uses it) and the wall clock between its first and last token events ((n-1)
+intervals). End-of-generation tokens are banned so every run makes exactly N tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import model_path, out_dir, threads, with_defaults
+from .report import emit, machine
+from .serve import Server, exact_prompt, run_group
+from .stats import alternate, median, progress, ratio, summary
+from .table import markdown
+from .tools import llama_bench_tg
+
+PROMPT_TOKENS = 8
+
+
+def measure(args: Any) -> dict[str, Any]:
+    n, t, model = args.tokens, threads(args), model_path(args)
+    m0 = machine()
+    progress(f"decode: starting the server ({args.build}, {t} threads)")
+    server = Server({"modelPath": model, "nCtx": max(512, n + 64), "nSeqMax": 1, "nBatch": 512,
+                     "nThreads": t, "build": args.build})
+    bias = server.ban_eog()
+    variants = {"greedy": {"temperature": 0}, "default_chain": {"seed": 1234}}
+
+    def server_side(r: int) -> dict[str, Any]:
+        out = {}
+        for name, params in variants.items():
+            [run] = run_group(server, [exact_prompt(PROMPT_TOKENS)],
+                              {"maxTokens": n, "reusePrefix": False, **bias, **params})
+            out[name] = {"eval_tps": run.final.get("eval_tps"), "wall_tps": run.wall_tps,
+                         "tokens": run.tokens, "final": {k: v for k, v in run.final.items()
+                                                         if not k.startswith("_")}}
+        return out
+
+    def native_side(r: int) -> dict[str, Any]:
+        return llama_bench_tg(model, n, t, args.build, repetitions=1)
+
+    try:
+        res = alternate({"server": server_side, "llama-bench": native_side}, args.repeats, "decode")
+    finally:
+        server.close()
+    native = [r["avg_ts"] for r in res["llama-bench"]]
+    native_med = median(native)
+    out: dict[str, Any] = {
+        "params": {"tokens": n, "threads": t, "repeats": args.repeats, "build": args.build,
+                   "model": model, "prompt_tokens": PROMPT_TOKENS},
+        "machine_start": m0, "native_cmd": res["llama-bench"][0]["cmd"],
+        "llama_bench_tg": summary(native), "server": {},
+        "server_init": {k: v for k, v in server.ready.items() if k not in ("_t",)},
+        "server_problems": server.problems,
+        "ratio_uses": "done.eval_tps (generation only, excludes prompt processing, as llama-bench tg)",
+    }
+    for name in variants:
+        ev = [r[name]["eval_tps"] for r in res["server"]]
+        wall = [r[name]["wall_tps"] for r in res["server"]]
+        toks = [r[name]["tokens"] for r in res["server"]]
+        out["server"][name] = {"eval_tps": summary(ev), "wall_tps": summary(wall), "tokens": toks,
+                               "ratio_eval": ratio(median(ev), native_med),
+                               "ratio_wall": ratio(median(wall), native_med),
+                               "last_done": res["server"][-1][name]["final"]}
+    notes = [f"ratio = server done.eval_tps / llama-bench tg{n} (medians of {args.repeats} "
+             "alternating rounds); goal >= 0.95",
+             "done.eval_tps divides n tokens by the time after the prompt decode, which holds "
+             "n-1 decodes (the first token comes from the prompt decode): it reads about "
+             "n/(n-1) high; wall_tps counts the n-1 intervals between token events"]
+    bad = [f"{name}: round {i + 1} made {k} tokens, not {n}" for name in variants
+           for i, k in enumerate(out["server"][name]["tokens"]) if k != n]
+    notes += bad
+    out["notes"] = notes
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    n = out["params"]["tokens"]
+    nat = out["llama_bench_tg"]
+    rows = [(f"llama-bench tg{n}", "avg_ts", nat["median"], nat["min"], nat["max"], None)]
+    for name, s in out["server"].items():
+        rows.append((f"server {name}", "done.eval_tps", s["eval_tps"]["median"], s["eval_tps"]["min"],
+                     s["eval_tps"]["max"], s["ratio_eval"]))
+        rows.append((f"server {name}", "wall first->last token", s["wall_tps"]["median"],
+                     s["wall_tps"]["min"], s["wall_tps"]["max"], s["ratio_wall"]))
+    return markdown(["side", "measure", "tok/s median", "min", "max", "ratio vs native"], rows)
+
+
+def run(args: Any) -> dict[str, Any]:
+    args = with_defaults(args)
+    out = measure(args)
+    emit(out_dir(args), "decode", out, table(out), "Single-sequence decode (tokens/s)")
+    return out

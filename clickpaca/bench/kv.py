@@ -1,0 +1,106 @@
+"""`clickpaca bench kv`: KV cache memory per cache type, read from servers' ready.kvBytes.
+
+One server per cache type (K = V = type; with --cache, K/V pairs as `q8_0/turbo3`),
+each with nCtx cells and one sequence. Reported: the bytes llama.cpp allocated,
+bytes per token, per 1,000 tokens and per sequence of --kv-ctx tokens, nominal bits
+per value (ggml's type table) and effective bits per value (measured bytes against
+the f16 run: f16 is 16 bits per value). Every type of the mainline build by default,
+plus the turboquant build's turbo types when builds/turboquant exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cachetypes import (
+    bits_per_value,
+    build_for,
+    has_turboquant,
+    pair_bpv,
+    pair_name,
+    parse_pair,
+)
+from .common import model_path, out_dir, png, with_defaults
+from .report import emit, machine, plot_points
+from .serve import Server
+from .stats import parse_list, progress
+from .table import markdown
+
+KV_CTX = 4096
+
+
+def default_pairs(model: str, build: str) -> list[tuple[str, str]]:
+    with Server({"modelPath": model, "build": build, "nCtx": 256, "nSeqMax": 1}) as s:
+        types = list(s.ready["cacheTypes"])
+    order = ["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
+    types.sort(key=lambda t: (order.index(t) if t in order else len(order), t))
+    pairs = [(t, t) for t in types]
+    if build == "mainline" and has_turboquant():
+        with Server({"modelPath": model, "build": "turboquant", "nCtx": 256, "nSeqMax": 1}) as s:
+            turbo = [t for t in s.ready["cacheTypes"] if t.startswith("turbo")]
+        pairs += [(t, t) for t in turbo] + [("q8_0", t) for t in turbo]
+    return pairs
+
+
+def measure(args: Any) -> dict[str, Any]:
+    model = model_path(args)
+    m0 = machine()
+    n_ctx = int(getattr(args, "kv_ctx", None) or KV_CTX)
+    cache = getattr(args, "cache", None)
+    pairs = [parse_pair(s) for s in parse_list(cache, str)] if cache else default_pairs(model, args.build)
+    bpv_tables = {"mainline": bits_per_value("mainline")}
+    if any(build_for(k, v) == "turboquant" for k, v in pairs):
+        bpv_tables["turboquant"] = bits_per_value("turboquant")
+    rows, problems = [], []
+    for k, v in pairs:
+        build = build_for(k, v) if args.build == "mainline" else args.build
+        progress(f"kv: {pair_name(k, v)} ({build})")
+        try:
+            with Server({"modelPath": model, "build": build, "nCtx": n_ctx, "nSeqMax": 1,
+                         "cacheTypeK": k, "cacheTypeV": v, "flashAttn": "on"}) as s:
+                ready = s.ready
+            problems += s.problems
+        except Exception as e:  # noqa: BLE001 - a refused type is a result too
+            rows.append({"cache": pair_name(k, v), "build": build, "error": str(e)})
+            continue
+        kvb = int(ready["kvBytes"])
+        rows.append({"cache": pair_name(k, v), "cache_k": k, "cache_v": v, "build": build,
+                     "n_ctx": ready["nCtx"], "kv_bytes": kvb, "bytes_per_token": kvb / ready["nCtx"],
+                     "bytes_per_1k_tokens": kvb / ready["nCtx"] * 1000,
+                     "bpv_nominal": pair_bpv(k, v, bpv_tables.get(build, {}))})
+    f16 = next((r for r in rows if r.get("cache") == "f16" and "kv_bytes" in r), None)
+    for r in rows:
+        if f16 and "kv_bytes" in r:
+            r["bpv_effective"] = 16.0 * r["bytes_per_token"] / f16["bytes_per_token"]
+    return {"params": {"n_ctx": n_ctx, "model": model, "build": args.build},
+            "machine_start": m0, "rows": rows, "server_problems": problems,
+            "notes": [f"one server per type: nCtx {n_ctx}, nSeqMax 1, flashAttn on; kvBytes is what "
+                      "llama.cpp reports allocating (parsed from its log, MiB with 2 decimals)",
+                      "the cache is unified: a sequence of L tokens uses L x bytes/token",
+                      "effective bits/value = 16 x bytes/token / f16 bytes/token"]}
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = []
+    for r in out["rows"]:
+        if "error" in r:
+            rows.append((r["cache"], r["build"], None, None, None, None, None, f"error: {r['error']}"))
+            continue
+        rows.append((r["cache"], r["build"], r["kv_bytes"], r["bytes_per_token"],
+                     r["bytes_per_1k_tokens"] / 2**20, r["bpv_nominal"], r.get("bpv_effective"), ""))
+    n = out["params"]["n_ctx"]
+    return markdown(["K/V", "build", f"kvBytes ({n} cells = 1 seq of {n})", "bytes/token",
+                     "MiB / 1k tokens", "bits/value nominal", "bits/value effective", "note"], rows,
+                    align="llrrrrrl")
+
+
+def run(args: Any) -> dict[str, Any]:
+    args = with_defaults(args)
+    out = measure(args)
+    emit(out_dir(args), "kv", out, table(out), "KV cache memory per cache type")
+    if args.plot:
+        pts = [(r["cache"], r.get("bpv_nominal") or r.get("bpv_effective"), r["bytes_per_1k_tokens"] / 2**20)
+               for r in out["rows"] if "kv_bytes" in r]
+        plot_points(png(args, "kv"), pts, "bits per value", "MiB per 1,000 tokens",
+                    "KV cache memory vs bits per value")
+    return out

@@ -1,0 +1,120 @@
+"""`clickpaca bench sampler`: microseconds per token per sequence of the sampler chain.
+
+Reuses clickpaca.sampling's microbenchmark (`clickpaca.sampling.bench.microbench`:
+thread CPU time per `SequenceSampler.sample` call and per stage, best of `--repeats`
+rounds, on synthetic rows shaped like Gemma 3 270M's, 262,144 tokens). Then runs the
+same scenarios on REAL logits rows of the model (the first tokens of a public-domain
+play) as a check that the synthetic rows are representative; wall time is shown too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..sampling import SequenceSampler
+from ..sampling.bench import SCENARIOS, _mask, microbench
+from .common import out_dir, png, with_defaults
+from .report import emit, machine, plot_points
+from .stats import progress
+from .table import markdown
+
+N_VOCAB = 262_144
+SYNTH_REPEATS = 100  # sample calls per round on synthetic rows
+REAL_ROWS = 64  # real logits rows
+STEP_ORDER = ("grammar", "logit_bias", "penalties", "cut", "top_k", "min_p", "top_p", "temperature",
+              "sample", "probs")
+
+
+def real_rows(n_rows: int, model_path: str | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Logits rows of the model over the start of a public-domain play (None if unavailable)."""
+    try:
+        from .. import core
+        from ..models import resolve_model
+        from .texts import read_text
+
+        text, _ = read_text(None)
+        model = core.Model(resolve_model(model_path))
+        ctx = core.Context(model, n_ctx=512, n_batch=256, n_seq_max=1)
+        toks = model.tokenize(text[:4000])[:n_rows]
+        batch = core.Batch(model.nat, 256)
+        batch.add(toks, 0, 0, output_all=True)
+        rows = None
+        if ctx.decode(batch) == 0:
+            rows = np.array(ctx.logits(), dtype=np.float32, copy=True)
+        ctx.close()
+        model.close()
+        return (rows, np.asarray(toks)) if rows is not None else None
+    except Exception as e:  # noqa: BLE001 - the synthetic part still runs
+        progress(f"sampler: real logits unavailable ({e})")
+        return None
+
+
+def on_rows(rows: np.ndarray, hist: np.ndarray, rounds: int) -> dict[str, dict[str, float]]:
+    """Per scenario: best-round CPU and wall us per token over the given rows."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (params, density) in SCENARIOS.items():
+        mask = _mask(rng, N_VOCAB, density) if density is not None else None
+        s = SequenceSampler(params.replace(seed=0), N_VOCAB, hist[:64].tolist())
+        for r in rows[:2]:
+            s.sample(r, mask)
+        cpu = wall = float("inf")
+        for _ in range(rounds):
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            for r in rows:
+                s.sample(r, mask)
+            cpu = min(cpu, (time.thread_time_ns() - c0) / len(rows) / 1e3)
+            wall = min(wall, (time.perf_counter_ns() - w0) / len(rows) / 1e3)
+        out[name] = {"chain_cpu": round(cpu, 1), "chain_wall": round(wall, 1)}
+    return out
+
+
+def measure(args: Any) -> dict[str, Any]:
+    m0 = machine()
+    rounds = max(1, int(args.repeats))
+    progress("sampler: clickpaca.sampling.bench.microbench (synthetic rows)")
+    synth = microbench(n_vocab=N_VOCAB, repeats=SYNTH_REPEATS, rounds=rounds)
+    progress("sampler: the same scenarios on real logits rows")
+    real = real_rows(REAL_ROWS, getattr(args, "model", None))
+    real_res = on_rows(real[0], real[1], rounds) if real is not None else {}
+    results = []
+    for name, (params, density) in SCENARIOS.items():
+        r = synth.get(name, {})
+        results.append({"scenario": name, "params": params.to_request(), "mask_density": density,
+                        "us_per_token": r.get("chain"),
+                        "steps_us": {k: v for k, v in r.items() if k != "chain"},
+                        "real_rows": real_res.get(name)})
+    return {"params": {"n_vocab": N_VOCAB, "rounds": rounds, "synthetic_repeats": SYNTH_REPEATS,
+                       "real_rows": 0 if real is None else len(real[0])},
+            "machine_start": m0, "calibration_us": synth.get("calibration"), "results": results,
+            "notes": ["us/token = thread CPU time of one SequenceSampler.sample call (one sequence, "
+                      "one token), best round; from clickpaca.sampling.bench.microbench (synthetic rows "
+                      "shaped like Gemma 3 270M's); stages from its per-stage timer",
+                      "real rows: the same scenarios on real logits rows of the model (CPU and wall)",
+                      f"calibration (one np.max / np.exp over a row): {synth.get('calibration')} us"]}
+
+
+def table(out: dict[str, Any]) -> str:
+    seen = {k for r in out["results"] for k in r["steps_us"]}
+    steps = [k for k in STEP_ORDER if k in seen] + sorted(seen - set(STEP_ORDER))
+    rows = []
+    for r in out["results"]:
+        real = r.get("real_rows") or {}
+        rows.append([r["scenario"], r["us_per_token"], real.get("chain_cpu"), real.get("chain_wall")]
+                    + [r["steps_us"].get(k) for k in steps])
+    return markdown(["scenario", "us/token (synthetic, CPU)", "real rows CPU", "real rows wall"]
+                    + [f"{k}" for k in steps], rows)
+
+
+def run(args: Any) -> dict[str, Any]:
+    args = with_defaults(args)
+    out = measure(args)
+    emit(out_dir(args), "sampler", out, table(out), "Sampler chain, microseconds per token per sequence (262,144 vocab)")
+    if args.plot:
+        pts = [(r["scenario"], i, r["us_per_token"]) for i, r in enumerate(out["results"])]
+        plot_points(png(args, "sampler"), pts, "scenario #", "microseconds per token (CPU)",
+                    "Sampler chain cost per token per sequence")
+    return out

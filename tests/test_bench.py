@@ -1,0 +1,320 @@
+"""clickpaca.bench: parsers of the native tools' output (captured samples), statistics
+helpers, markdown tables, and two small real runs. No timing thresholds anywhere: the
+numbers depend on the machine and its load."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+
+from clickpaca.bench import stats, table, tools
+from clickpaca.bench.cachetypes import pair_bpv, pair_name, parse_pair
+from clickpaca.cli import build_parser
+
+# ---------------------------------------------------------------- captured tool output
+
+# builds/mainline/bin/llama-bench -m gemma-3-270m-q4_k_m.gguf -p 0 -n 16 -t 2 -r 2 -o json
+LLAMA_BENCH_JSON = """[
+  {
+    "build_commit": "0c1e57098",
+    "build_number": 11312,
+    "cpu_info": "AMD EPYC",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/root/.cache/clickpaca/models/gemma-3-270m-q4_k_m.gguf",
+    "model_type": "gemma3 270M Q4_K - Medium",
+    "model_size": 246587904,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 2,
+    "type_k": "f16",
+    "type_v": "f16",
+    "flash_attn": -1,
+    "n_prompt": 0,
+    "n_gen": 16,
+    "n_depth": 0,
+    "test_time": "2026-11-29T16:00:19Z",
+    "avg_ns": 2550534978,
+    "stddev_ns": 65613995,
+    "avg_ts": 6.275270,
+    "stddev_ts": 0.161435,
+    "samples_ns": [ 2596931052, 2504138905 ],
+    "samples_ts": [ 6.16112, 6.38942 ]
+  }
+]
+"""
+
+# llama-batched-bench -c 1024 -npp 16 -ntg 8 -npl 1,4 -t 2 --output-format jsonl
+BATCHED_JSONL = """
+{"n_kv_max": 1024, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 16, "tg": 8, "pl": 1, "n_kv": 24, "t_pp": 0.432579, "speed_pp": 36.987461, "t_tg": 1.266513, "speed_tg": 6.316556, "t": 1.699092, "speed": 14.125192}
+{"n_kv_max": 1024, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 16, "tg": 8, "pl": 4, "n_kv": 96, "t_pp": 1.353931, "speed_pp": 47.269768, "t_tg": 2.798522, "speed_tg": 11.434608, "t": 4.152453, "speed": 23.118866}
+"""
+
+# llama-batched-bench -c 512 -npp 8 -ntg 4 -npl 1,2 -t 2 (default markdown output)
+BATCHED_MD = """
+llama_batched_bench: n_kv_max = 512, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|     8 |      4 |    1 |     12 |    0.474 |    16.87 |    0.800 |     5.00 |    1.274 |     9.42 |
+|     8 |      4 |    2 |     24 |    0.560 |    28.57 |    1.028 |     7.78 |    1.588 |    15.11 |
+"""
+
+# llama-perplexity -c 256 --chunks 2 -fa on -ctk f16 -ctv f16 -t 2 (stdout, then stderr)
+PPL_STDOUT = "[1]14.7307,[2]17.8607,\n"
+PPL_STDERR = """0.06.751.218 I perplexity: calculating perplexity over 2 chunks, n_ctx=256, batch_size=2048, n_seq=8
+0.25.776.674 I perplexity: 19.03 seconds per pass - ETA 0.26.705.156 I Final estimate: PPL = 17.8607 +/- 3.55426
+"""
+
+
+def test_parse_llama_bench_json():
+    [rec] = tools.parse_llama_bench_json(LLAMA_BENCH_JSON)
+    assert rec["n_gen"] == 16 and rec["n_prompt"] == 0 and rec["n_threads"] == 2
+    assert rec["avg_ts"] == pytest.approx(6.27527)
+    assert rec["samples_ts"] == [6.16112, 6.38942]
+    assert rec["build_commit"] == "0c1e57098"
+
+
+def test_parse_llama_bench_jsonl():
+    line = json.dumps(json.loads(LLAMA_BENCH_JSON)[0])
+    [rec] = tools.parse_llama_bench_json(line + "\n")
+    assert rec["avg_ts"] == pytest.approx(6.27527)
+
+
+def test_parse_llama_bench_empty():
+    with pytest.raises(tools.ToolError):
+        tools.parse_llama_bench_json("  \n")
+
+
+def test_parse_batched_bench_jsonl():
+    rows = tools.parse_batched_bench(BATCHED_JSONL)
+    assert [r["pl"] for r in rows] == [1, 4]
+    assert rows[1]["speed_tg"] == pytest.approx(11.434608)
+    assert rows[1]["t_tg"] == pytest.approx(2.798522)
+    # S_TG = pl * tg / t_tg
+    assert rows[1]["speed_tg"] == pytest.approx(4 * 8 / rows[1]["t_tg"], rel=1e-4)
+
+
+def test_parse_batched_bench_markdown():
+    rows = tools.parse_batched_bench(BATCHED_MD)
+    assert [(r["pp"], r["tg"], r["pl"]) for r in rows] == [(8, 4, 1), (8, 4, 2)]
+    assert rows[0]["speed_tg"] == 5.00 and rows[1]["speed_tg"] == 7.78
+    assert rows[1]["n_kv"] == 24
+
+
+def test_parse_batched_bench_nothing():
+    with pytest.raises(tools.ToolError):
+        tools.parse_batched_bench("llama_batched_bench: n_kv_max = 512\n")
+
+
+def test_parse_perplexity():
+    rec = tools.parse_perplexity(PPL_STDOUT + "\n" + PPL_STDERR)
+    assert rec["ppl"] == pytest.approx(17.8607)
+    assert rec["ppl_err"] == pytest.approx(3.55426)
+    assert rec["chunk_estimates"] == [14.7307, 17.8607]
+
+
+def test_parse_perplexity_missing():
+    with pytest.raises(tools.ToolError):
+        tools.parse_perplexity(PPL_STDOUT)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_median_skips_missing_and_nan():
+    assert stats.median([3.0, None, 1.0, float("nan"), 2.0]) == 2.0
+    assert stats.median([1, 2, 3, 4]) == 2.5
+    assert stats.median([]) is None
+    assert stats.median([None]) is None
+
+
+def test_ratio():
+    assert stats.ratio(9.0, 10.0) == pytest.approx(0.9)
+    assert stats.ratio(None, 1.0) is None
+    assert stats.ratio(1.0, 0) is None
+
+
+def test_summary_and_spread():
+    s = stats.summary([2.0, None, 5.0, 1.0])
+    assert (s["median"], s["min"], s["max"]) == (2.0, 1.0, 5.0)
+    assert s["samples"] == [2.0, None, 5.0, 1.0]
+
+
+def test_alternate_interleaves_sides():
+    order = []
+    res = stats.alternate({"a": lambda r: order.append(("a", r)) or r,
+                           "b": lambda r: order.append(("b", r)) or 10 * r}, 3)
+    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert res == {"a": [0, 1, 2], "b": [0, 10, 20]}
+
+
+def test_parse_list():
+    assert stats.parse_list("1, 2,4,,8") == [1, 2, 4, 8]
+    assert stats.parse_list("f16,q8_0/turbo3", str) == ["f16", "q8_0/turbo3"]
+    assert stats.parse_list(None) == []
+
+
+def test_cache_pairs():
+    assert parse_pair("q8_0") == ("q8_0", "q8_0")
+    assert parse_pair("q8_0/turbo3") == ("q8_0", "turbo3")
+    assert pair_name("f16", "f16") == "f16" and pair_name("q8_0", "q4_0") == "q8_0/q4_0"
+    assert pair_bpv("q8_0", "q4_0", {"q8_0": 8.5, "q4_0": 4.5}) == 6.5
+    assert pair_bpv("x", "q4_0", {"q4_0": 4.5}) is None
+
+
+# ---------------------------------------------------------------- tables
+
+
+def test_markdown_table():
+    out = table.markdown(["name", "tok/s", "ratio"], [("server", 53.21, 0.987), ("native", 54.0, None)])
+    lines = out.splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("| name") and "tok/s" in lines[0]
+    assert lines[1].replace("|", "").replace("-", "").replace(":", "").strip() == ""
+    assert lines[1].endswith(":|")  # numeric column right-aligned
+    assert "53.21" in lines[2] and "0.987" in lines[2]
+    assert lines[3].split("|")[3].strip() == "-"  # None renders as '-'
+    assert len({len(line) for line in lines}) == 1  # columns are padded
+
+
+def test_fmt():
+    assert table.fmt(None) == "-"
+    assert table.fmt(True) == "yes"
+    assert table.fmt(75497472) == "75,497,472"
+    assert table.fmt(1234.5) == "1,234"
+    assert table.fmt(0.00643) == "0.00643"
+    assert table.fmt("a|b") == "a\\|b"
+    assert table.fmt(float("nan")) == "nan"
+
+
+def test_kl_helpers():
+    from clickpaca.bench.kl import kl_rows, log_softmax
+
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(3, 50)).astype(np.float32)
+    lp = log_softmax(rows)
+    assert np.allclose(np.exp(lp).sum(axis=1), 1.0, atol=1e-5)
+    assert np.allclose(kl_rows(lp, lp), 0.0, atol=1e-6)
+    other = log_softmax(rows + rng.normal(size=rows.shape).astype(np.float32))
+    assert (kl_rows(lp, other) > 0).all()
+
+
+def test_cli_parses_bench_and_ppl():
+    ap = build_parser()
+    a = ap.parse_args(["bench", "batch", "--seqs", "1,8", "--tokens", "16"])
+    assert a.what == "batch" and a.seqs == "1,8" and a.tokens == 16 and a.repeats is None
+    a = ap.parse_args(["ppl", "--cache", "f16,q8_0/q4_0", "--ctx", "256", "--chunks", "2"])
+    assert a.cache == "f16,q8_0/q4_0" and a.ctx == 256
+
+
+# ---------------------------------------------------------------- small real runs
+
+
+def _args(tmp_path, **kw):
+    base = dict(what=None, seqs=None, tokens=None, prompt_tokens=None, threads=None, repeats=1,
+                cache=None, doc_tokens=None, kv_ctx=None, text=None, model=None, build="mainline",
+                out=str(tmp_path), plot=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_sampler_real(tmp_path, monkeypatch):
+    from clickpaca.bench import sampler
+
+    monkeypatch.setattr(sampler, "SYNTH_REPEATS", 5)
+    monkeypatch.setattr(sampler, "REAL_ROWS", 4)
+
+    out = sampler.run(_args(tmp_path, what="sampler", repeats=1))
+    data = json.loads((tmp_path / "sampler.json").read_text())
+    assert data["params"]["n_vocab"] == 262_144
+    assert len(out["results"]) == len(sampler.SCENARIOS)
+    for r in out["results"]:
+        assert r["us_per_token"] > 0 and math.isfinite(r["us_per_token"])
+        assert r["steps_us"]
+        assert r["real_rows"]["chain_cpu"] > 0  # the model loaded: real rows were measured
+    assert (tmp_path / "sampler.png").stat().st_size > 0
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_kv_f16_real(tmp_path):
+    from clickpaca.bench import kv
+
+    out = kv.run(_args(tmp_path, what="kv", cache="f16", kv_ctx=1024))
+    [row] = out["rows"]
+    assert row["cache"] == "f16" and row["n_ctx"] == 1024
+    # Gemma 3 270M: 18 layers x 1 KV head x 256 dims x (K + V) x 2 bytes per token
+    assert row["bytes_per_token"] == 18 * 256 * 2 * 2
+    assert row["bpv_nominal"] == 16.0 and row["bpv_effective"] == 16.0
+    data = json.loads((tmp_path / "kv.json").read_text())
+    assert data["rows"][0]["kv_bytes"] == 1024 * 18432
+    assert "| f16" in data["table_markdown"]
+
+
+def test_bench_all_runs_every_bench_and_keeps_explicit_options(monkeypatch, tmp_path):
+    from clickpaca.bench import cli as bench_cli
+
+    seen = {}
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, args):
+            seen[self.name] = (args.repeats, args.tokens, args.seqs)
+
+    monkeypatch.setattr(bench_cli, "_module", lambda what: Fake(what))
+    args = build_parser().parse_args(["bench", "all", "--repeats", "1", "--out", str(tmp_path)])
+    assert bench_cli.run_bench(args) == 0
+    assert set(seen) == set(bench_cli.WHATS)
+    assert all(v[0] == 1 for v in seen.values())  # the explicit --repeats wins
+    assert seen["batch"][1:] == (32, "1,8,64")  # the set's defaults fill the rest
+
+
+def test_group_stats_steady_state_window():
+    from clickpaca.bench.serve import SeqRun, group_stats
+
+    def run(sid, times):
+        return SeqRun(sid, 0.0, tokens=len(times), t_first=times[0], t_last=times[-1], times=times,
+                      final={"type": "done", "eval_tps": 1.0, "tokens_prompt": 3,
+                             "stop_reason": "max_tokens", "_t": times[-1]})
+
+    # sequence 1 got its prompt one tick later (admission skew of 1 s)
+    st = group_stats([run(0, [1.0, 2.0, 3.0, 4.0]), run(1, [2.0, 3.0, 4.0, 5.0])])
+    assert st["steady_tps"] == 2.0  # both generating between t=2 and t=4: 4 tokens in 2 s
+    assert st["wall_tps"] == st["steady_tps"]
+    assert st["span_tps"] == 1.5  # 6 tokens after the firsts, over t=1..5
+    assert st["admission_skew_ms"] == 1000.0
+    assert st["latency_per_token_ms"] == 1000.0
+    assert st["tokens"] == [4, 4] and st["ok"] == 2 and st["prompt_tokens"] == [3]
+
+
+def test_group_stats_counts_errors():
+    from clickpaca.bench.serve import SeqRun, group_stats
+
+    bad = SeqRun(0, 0.0, final={"type": "error", "message": "KV cache full"})
+    st = group_stats([bad])
+    assert st["ok"] == 0 and st["errors"] == ["KV cache full"] and st["wall_tps"] is None
+
+
+def test_group_stats_counts_whole_ticks():
+    from clickpaca.bench.serve import SeqRun, group_stats
+
+    def run(sid, times):
+        return SeqRun(sid, 0.0, tokens=len(times), t_first=times[0], t_last=times[-1], times=times,
+                      final={"type": "done", "eval_tps": 1.0, "tokens_prompt": 3,
+                             "stop_reason": "max_tokens", "_t": times[-1]})
+
+    # three ticks one second apart; within a tick the events are stamped 10 us apart
+    a = run(0, [1.0, 2.0, 3.0])
+    b = run(1, [1.00001, 2.00001, 3.00001])
+    st = group_stats([a, b])
+    assert st["steady_tps"] == pytest.approx(4 / (3.0 - 1.00001))  # ticks 2 and 3, both sequences
+    assert st["span_tps"] == pytest.approx(4 / (3.00001 - 1.0))
