@@ -39,10 +39,12 @@ bindgen: venv
 model: venv
 	$(PY) -m clickpaca model
 
-## test: the whole test suite (README, second command)
+## test: the whole test suite (README, second command). Tests of the turboquant library
+## itself run in their own process: two builds cannot share one process (same sonames).
 test: setup turboquant
 	$(PY) -m bindgen
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not turboquant" $(PYTEST_ARGS)
 
 ## test-tq: the server test suite again, on the turboquant build with turbo cache types
 test-tq: setup turboquant

@@ -342,7 +342,8 @@ class Context:
         return int(self.nat.lib.llama_memory_seq_pos_min(self.mem, seq))
 
     def clear(self) -> None:
-        self.nat.lib.llama_memory_clear(self.mem, True)
+        """Forget every sequence's cells (metadata only; the buffers are not wiped)."""
+        self.nat.lib.llama_memory_clear(self.mem, False)
 
     # -------------------------------------------------------------- state
 

@@ -95,6 +95,12 @@ def _load(name: str) -> Native:
     if mismatch:
         raise NativeError(f"the bindings of build {name!r} do not match its library ("
                           + "; ".join(mismatch) + "): run `make bindgen`")
+    for other in _loaded.values():
+        if other.stamp.get("libllama_sha256") != stamp.get("libllama_sha256"):
+            # Every build names its libraries libggml-base.so.0 etc.: the dynamic linker
+            # would bind this libllama to the other build's ggml, and types would go wrong.
+            raise NativeError(f"build {other.name!r} is already loaded in this process; "
+                              f"build {name!r} must be used from a separate process")
     # OpenMP threads spin while idle unless told otherwise; on a shared machine that
     # collapses throughput (groundwork notes). Must be set before the runtime loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
