@@ -7,7 +7,7 @@ COMPAT_VERSION ?= 0.3.16
 PYTEST_ARGS ?=
 export OMP_WAIT_POLICY ?= passive
 
-.PHONY: demo setup venv mainline turboquant bindgen model test test-tq test-compat bench clean help
+.PHONY: demo setup venv mainline turboquant bindgen model test test-tq test-compat bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -61,6 +61,16 @@ test-compat: setup
 ## bench: the standard benchmark set against the native tools (a few minutes)
 bench: setup
 	$(PY) -m clickpaca bench all --plot
+
+## kv-study: the KV cache quality study of docs/KV-RESEARCH.md (perplexity, KL, top-1, speed)
+KV_TYPES ?= f16,q8_0,q4_0,turbo2,turbo3,turbo4,q8_0/turbo3,q8_0/turbo4
+kv-study: setup turboquant
+	$(PY) -m bindgen
+	$(PY) -m clickpaca ppl --cache $(KV_TYPES) --ctx 512 --chunks 4 --native --plot --out bench-results/kv-study
+	$(PY) -m clickpaca bench kv --out bench-results/kv-study
+	for kv in f16:f16 q8_0:q8_0 q4_0:q4_0 turbo2:turbo2 turbo3:turbo3 turbo4:turbo4 q8_0:turbo3 q8_0:turbo4; do \
+		builds/turboquant/bin/llama-bench -m "$$($(PY) -m clickpaca model)" -fa 1 -p 512 -n 64 -t 2 -r 3 \
+			-ctk $${kv%%:*} -ctv $${kv##*:} -o md | tail -n 3; done
 
 ## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
 clean:
