@@ -78,9 +78,28 @@ def greedy(client: Client, sid: int, prompt: str, n: int = 8) -> list[int]:
     return [t["token"] for t in toks]
 
 
+def solo_run(client: Client, prompt: str, n: int = 8) -> tuple[list[int], list[float]]:
+    """Greedy tokens alone, with the model's top-2 margin at each step."""
+    client.infer(0, prompt, maxTokens=n, temperature=0, nProbs=2)
+    toks, final = client.collect(0)
+    assert final["type"] == "done", final
+    return [t["token"] for t in toks], [t["top"][0]["logprob"] - t["top"][1]["logprob"] for t in toks]
+
+
+def agrees_up_to_near_tie(got: list[int], solo: list[int], margins: list[float]) -> bool:
+    """Equal, or equal until a step where the solo run's top two were nearly tied.
+
+    llama.cpp's CPU kernels give slightly different logits for a row depending on the
+    shape of the batch it is in (see tests/test_server.py), and 16 clients arrive at
+    different ticks, so bit-equality is not something the engine can promise.
+    """
+    i = next((k for k, (a, b) in enumerate(zip(got, solo)) if a != b), None)
+    return i is None or margins[i] < 0.5
+
+
 def test_sixteen_clients_four_sequences_each(sock_server):
     with Client.connect(sock_server) as solo:
-        expected = {p: greedy(solo, 0, p) for p in PROMPTS}
+        expected = {p: solo_run(solo, p) for p in PROMPTS}
     results: dict[tuple[int, int], tuple[list[int], dict]] = {}
     errors: list[BaseException] = []
 
@@ -108,7 +127,9 @@ def test_sixteen_clients_four_sequences_each(sock_server):
     assert len(results) == 64
     for (k, sid), (toks, final) in results.items():
         assert final["type"] == "done" and final["seq_id"] == sid
-        assert toks == expected[PROMPTS[sid]], (k, sid)
+        solo_toks, margins = expected[PROMPTS[sid]]
+        assert len(toks) == len(solo_toks) and agrees_up_to_near_tie(toks, solo_toks, margins), \
+            (k, sid, toks, solo_toks, margins)
 
 
 def test_namespaces_are_separate(sock_server):

