@@ -27,7 +27,7 @@ import pytest
 
 from clickpaca import kvstate
 from clickpaca.client import Client, ServerError
-from conftest import spawn_server
+from conftest import NEAR_TIE, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 
 pytestmark = pytest.mark.model
 
@@ -72,7 +72,7 @@ QUESTIONS = [
     "Question: Summarise sonnet I in five words.\nAnswer:",
 ]
 N_GEN = 16
-TIE = 0.5  # a near-tie: the cold run's top-2 logprobs closer than this
+TIE = NEAR_TIE  # a near-tie: the cold run's top-2 logprobs closer than this (conftest)
 
 
 # ------------------------------------------------------------------ helpers
@@ -390,21 +390,22 @@ def test_mismatched_or_damaged_files_are_refused_and_change_nothing(doc_file, se
 
 
 def test_a_file_with_another_cache_type_is_refused(doc_file, second, tmp_path, cold):
-    q8 = spawn_server(cacheTypeK="q8_0")
+    other_k = "q4_0" if TEST_CACHE_K == "q8_0" else "q8_0"  # smaller than the test's K
+    q8 = spawn_server(cacheTypeK=other_k)
     try:
         req(q8, "prefill", 0, prompt=DOC)
         path = tmp_path / "q8.kv"
         req(q8, "save", 0, path=str(path))
-        assert kvstate.read(path)[0]["cache"] == {"type_k": "q8_0", "type_v": "f16"}
+        assert kvstate.read(path)[0]["cache"] == {"type_k": other_k, "type_v": TEST_CACHE_V}
         assert path.stat().st_size < doc_file.stat().st_size
     finally:
         q8.close()
     assert req(second, "load", 9, path=str(doc_file))["type"] == "loaded"
     before = _fork_answer(second, 9)
     ev = refused(second, "load", 12, path=str(path))
-    assert "q8_0/f16" in ev["message"] and "f16/f16" in ev["message"]
+    assert f"{other_k}/{TEST_CACHE_V}" in ev["message"] and f"{TEST_CACHE_K}/{TEST_CACHE_V}" in ev["message"]
     # the same file with the header lying about the cache type: llama.cpp itself refuses
-    _rewrite_header(path, tmp_path / "lying.kv", lambda h: h["cache"].update(type_k="f16"))
+    _rewrite_header(path, tmp_path / "lying.kv", lambda h: h["cache"].update(type_k=TEST_CACHE_K))
     refused(second, "load", 12, path=str(tmp_path / "lying.kv"))
     assert _fork_answer(second, 9) == before
     assert req(second, "load", 12, path=str(doc_file))["type"] == "loaded"
