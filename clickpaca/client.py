@@ -77,7 +77,7 @@ class Client:
             for line in self.rfile:
                 if not line.strip():
                     continue
-                ev = orjson.loads(line)
+                ev = self._decode(line)
                 with self._lock:
                     self.all_events.append(ev)
                 sid = ev.get("seq_id", -1)
@@ -92,6 +92,10 @@ class Client:
             self.misc.put({"type": "closed"})
             for q in list(self._queues.values()):
                 q.put({"type": "closed"})
+
+    def _decode(self, line: bytes) -> dict:
+        """One event line as a dict (subclasses may annotate it, e.g. with a timestamp)."""
+        return orjson.loads(line)
 
     def send(self, request: dict) -> None:
         self.wfile.write(orjson.dumps(request) + b"\n")

@@ -26,27 +26,12 @@ BURST_S = 0.002
 
 
 class TimedClient(Client):
-    def _read(self) -> None:  # same routing as Client._read, plus a timestamp
-        try:
-            for line in self.rfile:
-                if not line.strip():
-                    continue
-                ev = orjson.loads(line)
-                ev["_t"] = time.perf_counter()
-                with self._lock:
-                    self.all_events.append(ev)
-                sid = ev.get("seq_id", -1)
-                if isinstance(sid, int) and sid >= 0:
-                    self._queues[sid].put(ev)
-                else:
-                    self.misc.put(ev)
-        except (OSError, ValueError):
-            pass
-        finally:
-            self.closed.set()
-            self.misc.put({"type": "closed"})
-            for q in list(self._queues.values()):
-                q.put({"type": "closed"})
+    """A Client that stamps each event with its arrival time (perf_counter) as `_t`."""
+
+    def _decode(self, line: bytes) -> dict:
+        ev = super()._decode(line)
+        ev["_t"] = time.perf_counter()
+        return ev
 
 
 class Server:
