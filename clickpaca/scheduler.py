@@ -22,6 +22,7 @@ import numpy as np
 
 from . import core, kvstate
 from .grammars import GrammarEngine, GrammarError, fill_masks
+from .mask_ahead import MaskAhead, MaskJob
 from .models import resolve_model
 from .native import NativeError
 from .protocol import SAMPLER_FIELDS, ProtocolError, error_event
@@ -89,6 +90,7 @@ class Engine:
         self.order: list[Sequence] = []  # active (not held) sequences in arrival order
         self.ready_event: dict | None = None
         self.bitmask: np.ndarray | None = None
+        self.masks: MaskAhead | None = None
         self.ticks = 0
 
     # ============================================================ requests
@@ -139,6 +141,7 @@ class Engine:
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
         self.grammar_engine = GrammarEngine.start(model)
         self.bitmask = np.zeros((ctx.n_seq_max, (model.n_vocab + 31) // 32), dtype=np.int32)
+        self.masks = MaskAhead(self.bitmask)
         self.ready_event = {
             "type": "ready",
             "nVocab": model.n_vocab,
@@ -480,15 +483,27 @@ class Engine:
                 self._fail(seq, f"context full: sequence reached {ctx.n_ctx_seq} tokens "
                                 f"(nCtx per sequence) after {seq.n_predicted} generated tokens")
         plan = self._plan(defer_prompts=False)
-        while plan:
-            rc = ctx.decode(batch)
-            if rc == 0:
-                break
-            plan = self._recover(plan, rc)
+        job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
+        try:
+            while plan:
+                rc = ctx.decode(batch)
+                if rc == 0:
+                    break
+                job.wait()  # the matchers must be idle before any sequence ends
+                plan = self._recover(plan, rc)
+        finally:
+            job.wait()
         if not plan:
             return
         self.ticks += 1
-        self._consume(plan)
+        self._consume(plan, job)
+
+    def _start_masks(self, plan: list) -> MaskJob:
+        """Start filling the masks of the constrained sequences that sample this tick."""
+        assert self.masks is not None
+        return self.masks.start([(seq.slot, seq.matcher) for seq, what, _, n_out in plan
+                                 if seq.matcher is not None and (what == "gen" or (
+                                     what == "prompt" and n_out and seq.kind == "infer"))])
 
     def _plan(self, defer_prompts: bool) -> list[tuple[Sequence, str, int, int]]:
         """Fill the batch. Entries: (seq, what, first output row, number of outputs)."""
@@ -547,7 +562,7 @@ class Engine:
                            f"(nCtx {self.ctx.n_ctx} cells shared by all sequences)")
         return self._plan(defer_prompts=False)
 
-    def _consume(self, plan: list) -> None:
+    def _consume(self, plan: list, job: MaskJob) -> None:
         ctx = self.ctx
         assert ctx is not None
         logits = ctx.logits()
@@ -577,7 +592,7 @@ class Engine:
             else:
                 self._advance_score(seq, logits[row:row + n_out])
         if sampling:
-            self._sample(sampling, logits)
+            self._sample(sampling, logits, job)
 
     def _advance_prompt(self, seq: Sequence) -> int:
         batch = self.batch
@@ -619,17 +634,17 @@ class Engine:
         self._release(seq)
         session.send(ev)
 
-    def _sample(self, sampling: list[tuple[Sequence, int]], logits: np.ndarray) -> None:
+    def _sample(self, sampling: list[tuple[Sequence, int]], logits: np.ndarray, job: MaskJob) -> None:
         model = self.model
         assert model is not None and self.bitmask is not None
-        constrained = [(i, seq) for i, (seq, _) in enumerate(sampling) if seq.matcher is not None]
-        mask_rows: dict[int, np.ndarray] = {}
-        if constrained:
-            fill_masks([seq.matcher for _, seq in constrained], self.bitmask[:len(constrained)])
-            for k, (i, _) in enumerate(constrained):
-                mask_rows[i] = self.bitmask[k]
-        for i, (seq, row) in enumerate(sampling):
-            res = seq.sampler.sample(logits[row], mask_rows.get(i))
+        mask_rows = {seq.slot: job.row(seq.slot) for seq, _ in sampling if seq.matcher is not None}
+        late = [seq for seq, _ in sampling if seq.matcher is not None and mask_rows[seq.slot] is None]
+        if late:  # not planned as sampling (cannot happen today): fill them now
+            extra = np.zeros((len(late), self.bitmask.shape[1]), dtype=np.int32)
+            fill_masks([seq.matcher for seq in late], extra)
+            mask_rows.update({seq.slot: extra[k] for k, seq in enumerate(late)})
+        for seq, row in sampling:
+            res = seq.sampler.sample(logits[row], mask_rows.get(seq.slot))
             if res.empty:
                 self._fail(seq, f"no token can be sampled: {res.reason}")
                 continue
@@ -675,6 +690,8 @@ class Engine:
     def shutdown(self) -> None:
         for seq in list(self.order):
             self._finish(seq, "shutdown", notify=False)
+        if self.masks is not None:
+            self.masks.close()
         if self.grammar_engine is not None:
             try:  # its tokenizer reads the model's vocabulary: let it finish first
                 self.grammar_engine.wait(None)

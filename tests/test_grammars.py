@@ -585,3 +585,39 @@ def test_report_mask_timings(engine, model, pieces, eog, capsys):
                          f"{np.median(times[True]):7.1f}")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+# The same language written twice: words as separate lexemes joined by a parser rule,
+# and each line as one lexeme. llguidance walks the token trie per lexeme; a token that
+# crosses a lexeme boundary (" quick" = " " then WORD) sends the walk through the Earley
+# parser, so the first spelling costs far more per mask (docs/GRAMMARS.md, "Costs").
+WORD_LINES = {
+    "words as lexemes": '%llguidance {}\nstart: line+\nline: WORD (" " WORD)* ".\\n"\n'
+                        'WORD: /[A-Za-z]+/\n',
+    "line as a lexeme": '%llguidance {}\nstart: LINE+\nLINE: /[A-Za-z]+( [A-Za-z]+)*\\.\\n/\n',
+}
+WORD_LINES_TEXT = ("The quick brown fox jumps over the lazy dog.\nAnd then there were many more "
+                   "words in this line.\nAnother sentence follows here with extraordinary words.\n")
+
+
+def test_lexeme_and_rule_spellings_of_word_lines_agree_and_report_mask_cost(engine, model, capsys):
+    """Both spellings accept the same tokens, with the same masks at every step; prints
+    the median mask time of each (no threshold: the machine is shared)."""
+    toks = model.tokenize(WORD_LINES_TEXT, add_special=False, parse_special=False)
+    matchers = {k: engine.compile(g).new_matcher() for k, g in WORD_LINES.items()}
+    times: dict[str, list[float]] = {k: [] for k in WORD_LINES}
+    bm = engine.allocate_bitmask(1)
+    for tok in toks:
+        masks = {}
+        for k, m in matchers.items():
+            t0 = time.perf_counter()
+            engine.fill_masks([m], bm)
+            times[k].append(time.perf_counter() - t0)
+            masks[k] = bm[0].copy()
+            assert m.consume(int(tok)), (k, tok)
+        a, b = masks.values()
+        assert np.array_equal(a, b)
+    assert all(m.is_accepting() for m in matchers.values())
+    with capsys.disabled():
+        print("\nmask time per token, median us over the tokens of a 3-line text: " + ", ".join(
+            f"{k} {np.median(v) * 1e6:.0f}" for k, v in times.items()))
