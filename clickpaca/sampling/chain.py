@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import secrets
 import time
@@ -68,13 +69,34 @@ def _truncates(name: str, p: SamplerParams, n_allowed: int) -> bool:
     return False
 
 
-def _active(p: SamplerParams, hist_ids: np.ndarray) -> list[str]:
+_ELEMENTWISE = ("logit_bias", "penalties")
+_TRUNCATIONS = ("top_k", "min_p", "top_p")
+
+
+@functools.lru_cache(maxsize=1024)
+def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tuple[str, ...], int | None]:
+    """(active steps, index of the first truncating one or None), cached: params are
+    frozen and the answer depends only on them, on whether there is a penalty history
+    and on how many tokens the grammar allows (the same every tick without a grammar)."""
+    active = _active(p, has_hist)
+    if p.temperature <= 0 and "temperature" in active:
+        # Greedy: every truncation keeps the canonical first candidate, so one that runs
+        # before greedy with no elementwise step after it cannot change the result.
+        t = active.index("temperature")
+        last_elementwise = max((i for i, s in enumerate(active) if s in _ELEMENTWISE), default=-1)
+        active = [s for i, s in enumerate(active)
+                  if not (s in _TRUNCATIONS and last_elementwise < i < t)]
+    first = next((i for i, s in enumerate(active) if _truncates(s, p, n_allowed)), None)
+    return tuple(active), first
+
+
+def _active(p: SamplerParams, has_hist: bool) -> list[str]:
     """The listed steps minus those that are identities for these params."""
     out = []
     for name in p.steps:
         if name == "logit_bias" and not p.logit_bias:
             continue
-        if name == "penalties" and (hist_ids.size == 0 or not p.penalties_active):
+        if name == "penalties" and (not has_hist or not p.penalties_active):
             continue
         if name == "top_k" and p.top_k <= 0:
             continue
@@ -144,7 +166,6 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
 
     n = row.shape[0]
     hist_ids, hist_counts = hist
-    active = _active(params, hist_ids)
 
     n_allowed, frac = n, 1.0
     if words is not None:
@@ -152,7 +173,10 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
         if n_allowed == 0:
             return Candidates(_NO_IDS, np.empty(0), "grammar")
         frac = n_allowed / n
-    first = next((i for i, s in enumerate(active) if _truncates(s, params, n_allowed)), None)
+    if words is None:
+        active, first = _steps_to_run(params, hist_ids.size > 0, n_allowed)
+    else:  # n_allowed changes every tick: do not fill the cache with it
+        active, first = _steps_to_run.__wrapped__(params, hist_ids.size > 0, n_allowed)
 
     def run(names, ids, logits, t0):
         for name in names:
