@@ -173,14 +173,8 @@ class Client:
 
     def collect(self, seq_id: int, timeout: float = 600) -> tuple[list[dict], dict]:
         """(token events, final event) of one sequence's request."""
-        tokens, final = [], None
-        for ev in self.stream(seq_id, timeout):
-            if ev["type"] == "token":
-                tokens.append(ev)
-            else:
-                final = ev
-        assert final is not None
-        return tokens, final
+        events = list(self.stream(seq_id, timeout))
+        return _split_final(events)
 
     def text(self, seq_id: int, timeout: float = 600) -> str:
         tokens, final = self.collect(seq_id, timeout)
@@ -198,14 +192,8 @@ class Client:
                 return
 
     async def acollect(self, seq_id: int, timeout: float = 600) -> tuple[list[dict], dict]:
-        tokens, final = [], None
-        async for ev in self.astream(seq_id, timeout):
-            if ev["type"] == "token":
-                tokens.append(ev)
-            else:
-                final = ev
-        assert final is not None
-        return tokens, final
+        """asyncio version of `collect`."""
+        return _split_final([ev async for ev in self.astream(seq_id, timeout)])
 
     # ------------------------------------------------------------ lifetime
 
@@ -239,3 +227,11 @@ def default_python() -> str:
     """The interpreter of the project's venv when it exists, else this one."""
     venv = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
     return str(venv) if venv.exists() else sys.executable
+
+
+def _split_final(events: list[dict]) -> tuple[list[dict], dict]:
+    """(token events, the final event) of one request's stream (which ends with it)."""
+    tokens = [ev for ev in events if ev["type"] == "token"]
+    finals = [ev for ev in events if ev["type"] != "token"]
+    assert finals, "the stream ended without a final event"
+    return tokens, finals[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -120,6 +121,20 @@ def test_same_seed_same_sample(server):
         server.infer(4, "Once upon a time", maxTokens=12, temperature=1.0, seed=1234)
         outs.append([t["token"] for t in server.collect(4)[0]])
     assert outs[0] == outs[1]
+
+
+def test_asyncio_client_collects_the_same_run(server):
+    """Client.acollect (asyncio) gives what collect gives for the same request."""
+    server.infer(3, "The capital of France is", maxTokens=6, temperature=0)
+    want_tokens, want_final = server.collect(3)
+
+    async def run():
+        server.infer(3, "The capital of France is", maxTokens=6, temperature=0)
+        return await server.acollect(3)
+
+    tokens, final = asyncio.run(run())
+    assert [t["token"] for t in tokens] == [t["token"] for t in want_tokens]
+    assert final["type"] == want_final["type"] == "done" and final["tokens_predicted"] == 6
 
 
 def test_cancel_frees_the_sequence(server):

@@ -20,7 +20,6 @@ from .stats import progress
 
 #: The default model's end-of-generation tokens (<eos>, <end_of_turn>, </s>).
 EOG_TOKENS = (1, 106, 212)
-BIAS_FIELDS = ("logit_bias", "logitBias")
 #: Events closer than this belong to the same tick (ticks take milliseconds or more).
 BURST_S = 0.002
 
@@ -46,7 +45,6 @@ class Server:
         self.client = TimedClient.spawn(env={"OMP_WAIT_POLICY": "passive"}, stderr=self._log,
                                         python=default_python())
         self.problems: list[str] = []
-        self._bias_field: str | None = None
         self.exit_code: int | None = None
         try:
             self.ready = self.client.init(**self.init_params)
@@ -59,28 +57,8 @@ class Server:
 
     def ban_eog(self) -> dict[str, Any]:
         """Infer fields that ban the end-of-generation tokens, so every sequence runs to
-        maxTokens. The protocol documents `logit_bias`; if the server refuses that name,
-        the other spelling is tried and the refusal is recorded in `problems`."""
-        bias = [{"token": t, "bias": -1e9} for t in EOG_TOKENS]
-        if self._bias_field is None:
-            errors = []
-            for name in BIAS_FIELDS:
-                self.client.infer(0, "Hi", maxTokens=0, temperature=0, **{name: bias})
-                _, final = self.client.collect(0)
-                if final["type"] == "done":
-                    self._bias_field = name
-                    break
-                errors.append(f"{name}: {final.get('message')}")
-            if self._bias_field != BIAS_FIELDS[0]:
-                self.problems.append("server refused the documented infer field `logit_bias` ("
-                                     + "; ".join(errors) + ")")
-                progress(f"SERVER PROBLEM: {self.problems[-1]}")
-            if self._bias_field is None:
-                self._bias_field = ""
-                self.problems.append("no logit-bias field accepted: EOG tokens NOT banned, "
-                                     "sequences may end early (see tokens_predicted)")
-                progress(f"SERVER PROBLEM: {self.problems[-1]}")
-        return {self._bias_field: bias} if self._bias_field else {}
+        maxTokens."""
+        return {"logit_bias": [{"token": t, "bias": -1e9} for t in EOG_TOKENS]}
 
     def close(self) -> None:
         try:
