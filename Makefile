@@ -70,7 +70,7 @@ kv-study: setup turboquant
 	$(PY) -m clickpaca bench kv --out bench-results/kv-study
 	for kv in f16:f16 q8_0:q8_0 q4_0:q4_0 turbo2:turbo2 turbo3:turbo3 turbo4:turbo4 q8_0:turbo3 q8_0:turbo4; do \
 		builds/turboquant/bin/llama-bench -m "$$($(PY) -m clickpaca model)" -fa 1 -p 512 -n 64 -t 2 -r 3 \
-			-ctk $${kv%%:*} -ctv $${kv##*:} -o md | tail -n 3; done
+			-ctk $${kv%%:*} -ctv $${kv##*:} -o md | grep -E 'pp512|tg64'; done
 
 ## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
 clean:
