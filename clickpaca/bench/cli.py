@@ -15,7 +15,7 @@ ALL_PLAN = {
     "sampler": {"repeats": 3},
     "decode": {"tokens": 64, "repeats": 3},
     "batch": {"seqs": "1,8,64", "prompt_tokens": 32, "tokens": 32, "repeats": 2},
-    "grammar": {"seqs": "1,8,64", "tokens": 32, "repeats": 2},
+    "grammar": {"seqs": "1,8,64", "tokens": 32, "repeats": 3},
     "kv": {},
     "state": {"repeats": 3, "cache": "f16,q8_0,q4_0"},
 }
