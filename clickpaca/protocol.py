@@ -38,18 +38,23 @@ class ProtocolError(Exception):
 _MISSING = object()
 
 
+def _in_range(name: str, v, lo, hi):
+    """v itself, or a ValueError naming the field and the bound it breaks."""
+    if lo is not None and v < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name}: must be <= {hi}, got {v}")
+    return v
+
+
 def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
     def check(name: str, v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+            if isinstance(v, float) and v.is_integer():
                 v = int(v)
             else:
                 raise ValueError(f"{name}: must be an integer, got {_show(v)}")
-        if lo is not None and v < lo:
-            raise ValueError(f"{name}: must be >= {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise ValueError(f"{name}: must be <= {hi}, got {v}")
-        return v
+        return _in_range(name, v, lo, hi)
     return check
 
 
@@ -60,11 +65,7 @@ def _num(lo: float | None = None, hi: float | None = None) -> Callable[[str, Any
         v = float(v)
         if not math.isfinite(v):
             raise ValueError(f"{name}: must be finite, got {v}")
-        if lo is not None and v < lo:
-            raise ValueError(f"{name}: must be >= {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise ValueError(f"{name}: must be <= {hi}, got {v}")
-        return v
+        return _in_range(name, v, lo, hi)
     return check
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import core, kvstate
-from .grammars import GrammarEngine, GrammarError, fill_masks
+from .grammars import GrammarEngine, GrammarError
 from .mask_ahead import MaskAhead, MaskJob
 from .models import resolve_model
 from .native import NativeError
@@ -573,7 +573,7 @@ class Engine:
                 seq.tokens.append(seq.next_token)
                 sampling.append((seq, row))
             elif what == "prompt":
-                taken = self._advance_prompt(seq)
+                self._advance_prompt(seq)
                 if seq.fed == len(seq.pending):
                     if seq.kind == "prefill":
                         seq.state = "held"
@@ -588,31 +588,29 @@ class Engine:
                         seq.state = "generate"
                         seq.t_first = now
                         sampling.append((seq, row))
-                del taken
             else:
                 self._advance_score(seq, logits[row:row + n_out])
         if sampling:
             self._sample(sampling, logits, job)
 
-    def _advance_prompt(self, seq: Sequence) -> int:
+    def _advance_prompt(self, seq: Sequence) -> None:
+        """Move the prompt tokens this tick's batch held for the sequence into its context."""
         batch = self.batch
         assert batch is not None
-        # how many tokens of this sequence went into the batch: recompute from positions
+        # how many tokens of this sequence went into the batch: count them in the batch
         take = int(np.count_nonzero(batch.seq[:batch.n] == seq.slot))
         seq.tokens.extend(int(t) for t in seq.pending[seq.fed:seq.fed + take])
         seq.fed += take
-        return take
 
     def _advance_score(self, seq: Sequence, rows: np.ndarray) -> None:
         batch = self.batch
         assert batch is not None
         pos0 = seq.n_past
-        take = self._advance_prompt(seq)
+        self._advance_prompt(seq)
         toks, first = seq.windows[seq.window]
         if len(rows):
             lo = max(first, pos0)
             seq.nll.extend(score_rows(rows, toks[lo + 1: lo + 1 + len(rows)]).tolist())
-        del take
         if seq.fed == len(seq.pending):
             seq.window += 1
             assert self.ctx is not None
@@ -635,16 +633,13 @@ class Engine:
         session.send(ev)
 
     def _sample(self, sampling: list[tuple[Sequence, int]], logits: np.ndarray, job: MaskJob) -> None:
-        model = self.model
-        assert model is not None and self.bitmask is not None
-        mask_rows = {seq.slot: job.row(seq.slot) for seq, _ in sampling if seq.matcher is not None}
-        late = [seq for seq, _ in sampling if seq.matcher is not None and mask_rows[seq.slot] is None]
-        if late:  # not planned as sampling (cannot happen today): fill them now
-            extra = np.zeros((len(late), self.bitmask.shape[1]), dtype=np.int32)
-            fill_masks([seq.matcher for seq in late], extra)
-            mask_rows.update({seq.slot: extra[k] for k, seq in enumerate(late)})
         for seq, row in sampling:
-            res = seq.sampler.sample(logits[row], mask_rows.get(seq.slot))
+            mask = None
+            if seq.matcher is not None:
+                mask = job.row(seq.slot)
+                # _start_masks plans a superset of the sequences that sample: never unmasked
+                assert mask is not None, f"no grammar mask planned for seq_id {seq.seq_id}"
+            res = seq.sampler.sample(logits[row], mask)
             if res.empty:
                 self._fail(seq, f"no token can be sampled: {res.reason}")
                 continue

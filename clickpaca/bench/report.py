@@ -80,18 +80,8 @@ def plot_lines(path: str | os.PathLike, series: dict[str, tuple[Sequence[float],
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     if logx:
         ax.set_xscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p)
-    plt.close(fig)
-    progress(f"wrote {p}")
-    return p
+    return _save(plt, fig, ax, path, xlabel, ylabel, title)
 
 
 def plot_points(path: str | os.PathLike, points: list[tuple[str, float, float]], xlabel: str,
@@ -106,6 +96,11 @@ def plot_points(path: str | os.PathLike, points: list[tuple[str, float, float]],
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if logy:
         ax.set_yscale("symlog", linthresh=1e-4)
+    return _save(plt, fig, ax, path, xlabel, ylabel, title)
+
+
+def _save(plt, fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, title: str) -> Path:
+    """Label, grid and write one figure to a PNG (parent folders created), then close it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
