@@ -12,12 +12,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from clickpaca.core import Model
 from clickpaca.grammars import (
     JSON_OVERRIDES, PARALLEL_MIN_BATCH, GrammarEngine, GrammarError, allowed_ids, detect_format,
     fill_masks, is_allowed,
 )
-from clickpaca.models import resolve_model
 
 pytestmark = pytest.mark.model
 
@@ -31,11 +29,6 @@ GBNF_XFAIL: dict[str, str] = {}
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def model():
-    return Model(resolve_model())
 
 
 @pytest.fixture(scope="module")

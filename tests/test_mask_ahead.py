@@ -5,10 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clickpaca.core import Model
 from clickpaca.grammars import GrammarEngine, allowed_ids, fill_masks
 from clickpaca.mask_ahead import MaskAhead
-from clickpaca.models import resolve_model
 
 GRAMMARS = [
     '%json_schema {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
@@ -18,12 +16,10 @@ GRAMMARS = [
 
 
 @pytest.fixture(scope="module")
-def engine():
-    model = Model(resolve_model(None))
+def engine(model):
     eng = GrammarEngine.start(model)
     assert eng.wait(120)
-    yield eng
-    model.close()
+    return eng
 
 
 @pytest.mark.parametrize("enabled", [True, False])

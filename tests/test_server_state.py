@@ -108,21 +108,26 @@ def same_up_to_a_near_tie(cold: list, other: list) -> bool:
     """Token-for-token equal, or parting only where the cold run had a near-tie: the
     token the other run chose is among the cold run's top N_TOP, within TIE nats of the
     cold run's choice (three-way near-ties occur under lossy cache types)."""
-    for a, b in zip(cold, other):
-        if a[0] == b[0]:
-            continue
-        top = dict(a[2])
-        return b[0] in top and top[a[0]] - top[b[0]] < TIE
-    return len(cold) == len(other)
+    step = first_difference(cold, other)
+    if step is None:
+        return len(cold) == len(other)
+    top, chosen = dict(cold[step][2]), other[step][0]
+    return chosen in top and top[cold[step][0]] - top[chosen] < TIE
 
 
 def where_they_part(cold: list, other: list) -> str:
     """For assertion messages: the first differing step and both runs' top tokens."""
-    for step, (a, b) in enumerate(zip(cold, other)):
-        if a[0] != b[0]:
-            return (f"part at step {step}: cold chose {a[0]} (top {a[2]}), other chose "
-                    f"{b[0]} (top {b[2]}); near-tie margin {TIE} nats")
-    return f"lengths {len(cold)} vs {len(other)}"
+    step = first_difference(cold, other)
+    if step is None:
+        return f"lengths {len(cold)} vs {len(other)}"
+    a, b = cold[step], other[step]
+    return (f"part at step {step}: cold chose {a[0]} (top {a[2]}), other chose "
+            f"{b[0]} (top {b[2]}); near-tie margin {TIE} nats")
+
+
+def first_difference(cold: list, other: list) -> int | None:
+    """The first step at which the two runs chose different tokens, None if none did."""
+    return next((i for i, (a, b) in enumerate(zip(cold, other)) if a[0] != b[0]), None)
 
 
 def free_quietly(c: Client, *seq_ids: int) -> None:
