@@ -7,28 +7,32 @@ COMPAT_VERSION ?= 0.3.16
 PYTEST_ARGS ?=
 export OMP_WAIT_POLICY ?= passive
 
-.PHONY: demo setup venv mainline turboquant bindgen model test test-tq test-compat bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant bindgen model test test-tq test-compat bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
 	$(PY) -m clickpaca demo
 
-## setup: venv + mainline build + generated bindings + default model
-setup: venv mainline bindgen model
+## setup: prerequisites check, venv + mainline build + generated bindings + default model
+setup: prereqs venv mainline bindgen model
+
+## prereqs: check the README's system prerequisites before any download or build
+prereqs:
+	@$(PYTHON) native/prereqs.py
 
 ## venv: the Python environment (.venv) with clickpaca installed in development mode
 venv: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml | prereqs
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev,model,plot]'
 	@touch $@
 
 ## mainline: llama.cpp from the pinned sdist -> builds/mainline (cached by source+preset+patches)
-mainline: venv
+mainline: prereqs venv
 	$(PY) native/build.py mainline --preset $(PRESET)
 
 ## turboquant: the pinned source + native/turboquant patch set -> builds/turboquant
-turboquant: venv
+turboquant: prereqs venv
 	$(PY) native/build.py turboquant --preset $(PRESET)
 
 ## bindgen: regenerate the cffi bindings (and API manifest, change report) of every build

@@ -19,6 +19,8 @@ build-info.json. Standard library only: it runs before any venv exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -32,14 +34,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "native"
 # Bump when the way a build is made changes in a way the key would not otherwise see.
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 TOOLS = [
     "llama-bench",
     "llama-batched-bench",
     "llama-perplexity",
     "llama-completion",
     "llama-tokenize",
+    "ggml-rpc-server",  # the RPC backend's worker (GGML_RPC=ON in every preset)
 ]
+# Names a tool is also reachable by in bin/: older trees and llama.cpp's docs say rpc-server.
+TOOL_ALIASES = {"ggml-rpc-server": "rpc-server"}
 HEADER_DIRS = ["include", "ggml/include"]
 
 
@@ -270,7 +275,26 @@ def tools_in(src: Path) -> list[str]:
     return [t for t in TOOLS if f"set(TARGET {t})" in text]
 
 
+@contextlib.contextmanager
+def cache_lock():
+    """One build at a time per cache: two `make setup` runs on one cache wait for each
+    other instead of deleting each other's half-built trees."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".build.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another build using {cache_dir()} ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
+    with cache_lock():
+        return build_locked(flavor, preset, sdist_version, jobs)
+
+
+def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
     source = resolve_source(flavor, sdist_version)
     src: Path = source["src"]
     tools = TOOLS
@@ -344,10 +368,11 @@ def assemble(out: Path, src: Path, tools: list[str]) -> None:
         else:
             link_or_copy(so, out / "lib" / so.name)
     for tool in tools:
+        # The linker already gave each tool the run path $ORIGIN/../lib (CMakeLists.txt),
+        # so a copy finds the libraries in lib/ with no post-build tool.
         shutil.copy2(cbin / tool, out / "bin" / tool)
-        # Tools find the libraries next to them in lib/, not in the build tree.
-        subprocess.run(["patchelf", "--set-rpath", "$ORIGIN/../lib", str(out / "bin" / tool)],
-                       check=False, capture_output=True)
+        if tool in TOOL_ALIASES:
+            os.symlink(tool, out / "bin" / TOOL_ALIASES[tool])
     for d in HEADER_DIRS:
         for h in (src / d).glob("*.h"):
             (out / "include").mkdir(exist_ok=True)
