@@ -13,6 +13,7 @@ in $CLICKPACA_CACHE/manifests/, or against --against).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -111,9 +112,13 @@ def generate(build: Path, against: Path | None = None, quiet: bool = False) -> d
     report = format_report(old["stamp"] if old else None, stamp,
                            diff_manifests(old or {}, manifest) if old else [])
     (tmp / "changes.txt").write_text(report + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    # Several checkouts share one build cache: swap the directory under a lock so two
+    # concurrent `make setup` runs never remove each other's bindings mid-rename.
+    with open(build / ".bindings.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
     if against is None:
         history.parent.mkdir(parents=True, exist_ok=True)
         history.write_text(json.dumps(manifest) + "\n")
