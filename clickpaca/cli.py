@@ -1,4 +1,4 @@
-"""The `clickpaca` command: serve, demo, model, tok, bench, ppl."""
+"""The `clickpaca` command: serve, demo, model, tok, bench, ppl, results."""
 
 from __future__ import annotations
 
@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_ppl)
+
+    from .results.cli import add_parser as add_results
+
+    add_results(sub)
     return ap
 
 
