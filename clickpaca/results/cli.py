@@ -107,8 +107,11 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
         print(f"  build    {name}: {b.get('flavor')} llama.cpp {b.get('commit')} b{b.get('build_number')} "
               f"preset {b.get('preset')} key {b.get('key')}")
     print(f"  model    {model.get('path')} ({model.get('size')} bytes, {str(model.get('edge_sha256'))[:16]})")
-    print(f"  machine  {m.get('cpu')}, {m.get('cores')} cores, {m.get('mem_gib')} GiB; load "
-          f"{p.get('loadavg_start')} at start, {p.get('loadavg_end')} at end")
+    def load(v: Any) -> str:
+        return " ".join(f"{x:.2f}" for x in v) if v else "-"
+
+    print(f"  machine  {m.get('cpu')}, {m.get('cores')} cores, {m.get('mem_gib')} GiB; load average "
+          f"{load(p.get('loadavg_start'))} at start, {load(p.get('loadavg_end'))} at end")
     print(f"  params   {json.dumps(run['params'], default=str)}")
     if run.get("run_group"):
         print(f"  group    {run['run_group']}")

@@ -146,12 +146,13 @@ def quality_pair(store: Store, ra: dict, sa: str, xa: dict, rb: dict, sb: str, x
             out["kl"] = paired.mean_ci(xb["token_kl"], **boot)
         if xb.get("token_top1") is not None:
             out["top1"] = paired.mean_ci(xb["token_top1"], **boot)
-        out["kl_note"] = f"KL({sa} || {sb}) and top-1 agreement, measured in one run"
+        out["kl_note"] = "KL(A || B) and top-1 agreement of B with A, measured position by position in one run"
     elif (not same_run and _reference(ra) == _reference(rb)
           and all(x.get(m) is not None for x in (xa, xb) for m in ("token_kl", "token_top1"))):
         out["kl_diff"] = paired.paired_mean_diff(xa["token_kl"], xb["token_kl"], **boot)
         out["top1_diff"] = paired.paired_mean_diff(xa["token_top1"], xb["token_top1"], **boot)
-        out["kl_note"] = f"KL and top-1 of each against its own run's {_reference(ra)}, paired per token"
+        out["kl_note"] = ("KL and top-1: Δ = B - A of each against its own run's reference "
+                          f"({_reference(ra)}), paired per token")
     return out
 
 

@@ -25,7 +25,7 @@ from .store import ResultsStoreError, Store
 _current: list[dict[str, Any]] = []
 
 #: Options that change where output goes, not what is measured.
-NOT_PARAMS = {"func", "out", "plot", "run_group"}
+NOT_PARAMS = {"func", "command", "out", "plot", "run_group"}
 
 
 def _params(args: Any) -> dict[str, Any]:
