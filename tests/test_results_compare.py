@@ -173,3 +173,24 @@ def test_list_show_export_plot(db, tmp_path, capsys):
     png = tmp_path / "p.png"
     assert main(["results", "plot", str(rid), "--measure", "ppl", "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_without_targets_takes_the_newest_run(db, capsys):
+    base = _nll(8)
+    assert main(["results", "compare"]) == 2
+    assert "no complete run" in capsys.readouterr().err
+    rid = _store_run(_ppl_data(["f16", "q8_0"], {"f16": base, "q8_0": base + 0.02}))
+    assert main(["results", "compare"]) == 0
+    out = capsys.readouterr().out
+    assert f"comparing {rid} " in out and f"| {rid}:f16 | {rid}:q8_0 |" in out
+
+    def decode(tps):
+        return {"params": {"tokens": 8}, "llama_bench_tg": {"median": float(np.median(tps)), "samples": tps}}
+
+    a = _store_run(decode([50.0, 51.0]), "bench decode")
+    assert main(["results", "compare"]) == 2
+    assert "only one of its command" in capsys.readouterr().err
+    b = _store_run(decode([52.0, 53.0]), "bench decode")
+    assert main(["results", "compare"]) == 0
+    out = capsys.readouterr().out
+    assert f"comparing {a} {b}" in out and f"| {a}:llama_bench_tg | {b}:llama_bench_tg |" in out

@@ -18,8 +18,8 @@ from clickpaca.results.store import Store
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
-def clickpaca(db, *args, check=True):
-    env = dict(os.environ, CLICKPACA_RESULTS=str(db), OMP_WAIT_POLICY="passive")
+def clickpaca(db, *args, check=True, env=None):
+    env = dict(os.environ, CLICKPACA_RESULTS=str(db), OMP_WAIT_POLICY="passive", **(env or {}))
     p = subprocess.run([sys.executable, "-m", "clickpaca", *args], capture_output=True, text=True, env=env,
                        timeout=900)
     if check:
@@ -34,7 +34,8 @@ def run_id(p) -> int:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """Three short ppl runs: f16,q8_0 and q4_0 over the same windows, f16 over other windows;
-    two decode runs of 8 tokens, 2 rounds."""
+    a bench kv run with llama-bench speeds (as make kv-study, tiny) in a group; two decode runs
+    of 8 tokens, 2 rounds."""
     d = tmp_path_factory.mktemp("real")
     db = d / "results.sqlite3"
     ids = {}
@@ -46,6 +47,9 @@ def recorded(tmp_path_factory):
                                      "--out", str(d / "out2")))
     ids["ppl_ctx64"] = run_id(clickpaca(db, "ppl", "--cache", "f16", "--ctx", "64", "--chunks", "2",
                                         "--out", str(d / "out3")))
+    kv = clickpaca(db, "bench", "kv", "--cache", "f16", "--speed", "--prompt-tokens", "32", "--tokens", "4",
+                   "--repeats", "2", "--kv-ctx", "256", "--out", str(d / "kv"), env={"CLICKPACA_RUN_GROUP": "study-1"})
+    ids["kv"] = run_id(kv)
     for k in ("decode_a", "decode_b"):
         ids[k] = run_id(clickpaca(db, "bench", "decode", "--tokens", "8", "--repeats", "2",
                                   "--out", str(d / k)))
@@ -133,3 +137,16 @@ def test_bench_decode_records_its_rounds_and_compares_by_ratio(recorded):
         assert p["ci"][0] <= p["ratio"] <= p["ci"][1]
     listed = clickpaca(db, "results", "list", "--command", "bench decode").stdout
     assert "2 run(s)" in listed
+
+
+def test_bench_kv_speed_records_the_repetitions_in_its_group(recorded):
+    db, ids = recorded
+    with Store(db) as s:
+        run, smp = s.run(ids["kv"]), s.samples(ids["kv"])
+    assert run["status"] == "complete" and run["run_group"] == "study-1"
+    [row] = run["result"]["rows"]
+    assert row["bytes_per_token"] == 18 * 256 * 2 * 2 and row["pp_vs_f16"] == 1.0
+    assert list(smp["rows/cache=f16/pp_tps"]["rounds"]) == row["pp_tps"]["samples"]
+    assert len(smp["rows/cache=f16/tg_tps"]["rounds"]) == 2
+    listed = clickpaca(db, "results", "list", "--group", "study-1").stdout
+    assert "1 run(s)" in listed and "bench kv" in listed

@@ -39,8 +39,9 @@ def add_parser(sub: Any) -> None:
     q.add_argument("--json", action="store_true")
 
     q = rs.add_parser("compare", help="paired statistics between runs or cache types")
-    q.add_argument("targets", nargs="+", metavar="ID[:SERIES]",
-                   help="the first is the baseline; one ppl run alone compares its types with its first")
+    q.add_argument("targets", nargs="*", metavar="ID[:SERIES]",
+                   help="the first is the baseline; one ppl run alone compares its types with its first; "
+                        "none: the newest complete run (a bench run: against the one before it)")
     q.add_argument("--force", action="store_true", help="compare runs over different texts, windows, models")
     q.add_argument("--seed", type=int, default=paired.SEED)
     q.add_argument("--resamples", type=int, default=paired.RESAMPLES)
@@ -71,7 +72,8 @@ def run_results(args: argparse.Namespace) -> int:
 
 def _series(run: dict) -> str:
     p = run.get("params") or {}
-    bits = [f"{k}={p[k]}" for k in ("cache", "ctx", "chunks", "seqs", "tokens", "repeats") if p.get(k) is not None]
+    bits = [f"{k}={','.join(map(str, p[k])) if isinstance(p[k], list) else p[k]}"
+            for k in ("cache", "ctx", "chunks", "seqs", "tokens", "repeats") if p.get(k) is not None]
     return " ".join(bits)
 
 
@@ -180,8 +182,25 @@ def format_compare(rep: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def latest_targets(store: Store) -> list[str]:
+    """The newest complete run alone (ppl), or with the complete run of the same command before it."""
+    done = [r for r in store.runs(limit=500) if r["status"] == "complete"]
+    if not done:
+        raise CompareError(f"no complete run in {store.path}")
+    last = done[0]
+    if last["command"] == "ppl":
+        return [str(last["id"])]
+    before = next((r for r in done[1:] if r["command"] == last["command"]), None)
+    if before is None:
+        raise CompareError(f"run {last['id']} (`{last['command']}`) is the only one of its command: nothing to compare")
+    return [str(before["id"]), str(last["id"])]
+
+
 def cmd_compare(store: Store, args: argparse.Namespace) -> int:
-    rep = compare(store, args.targets, force=args.force, seed=args.seed, resamples=args.resamples,
+    targets = args.targets or latest_targets(store)
+    if not args.targets:
+        print(f"comparing {' '.join(targets)} (the newest complete run)\n")
+    rep = compare(store, targets, force=args.force, seed=args.seed, resamples=args.resamples,
                   block=args.block)
     if args.json:
         print(json.dumps(rep, indent=2, default=str))

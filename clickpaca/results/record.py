@@ -45,7 +45,7 @@ def _model_path(args: Any) -> str | None:
 def _builds_of(args: Any) -> list[str]:
     builds = {getattr(args, "build", None) or "mainline"}
     cache = getattr(args, "cache", None)
-    if cache:
+    if cache and builds == {"mainline"}:  # mainline picks the build per type (turbo types: turboquant)
         from ..bench.cachetypes import build_for, parse_pair
 
         builds |= {build_for(*parse_pair(s)) for s in str(cache).split(",") if s.strip()}
@@ -85,8 +85,10 @@ def recording(command: str, args: Any) -> Iterator[dict[str, Any]]:
         samples, result = split_samples(data) if data is not None else ({}, None)
         if data is None and error is None:
             error = "the command emitted no result"
+        # what was asked, then what the command resolved (text path, threads, model, ...)
+        params = {**_params(args), **((result or {}).get("params") or {})}
         try:
-            store.close_run(run_id, result, samples, prov.finish(p, _builds_in(data or {})), error)
+            store.close_run(run_id, result, samples, prov.finish(p, _builds_in(data or {})), error, params)
             _say(f"run {run_id} {'failed' if error else 'complete'}: `clickpaca results show {run_id}`")
         finally:
             store.close()

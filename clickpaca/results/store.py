@@ -222,8 +222,9 @@ class Store:
             return int(cur.lastrowid)
 
     def close_run(self, run_id: int, result: dict | None, samples: dict[str, dict[str, Sequence[float]]],
-                  provenance: dict, error: str | None = None) -> None:
-        """Store the result and samples and mark the run complete (or failed), in one transaction."""
+                  provenance: dict, error: str | None = None, params: dict | None = None) -> None:
+        """Store the result and samples and mark the run complete (or failed), in one transaction
+        (params, when given, replace the ones known at the start)."""
         status = "failed" if error else "complete"
         with self._write() as c:
             for series, metrics in (samples or {}).items():
@@ -238,6 +239,8 @@ class Store:
                        None if result is None else json.dumps(result, default=str), error,
                        json.dumps(provenance, default=str),
                        ",".join(sorted(provenance.get("builds") or {})), run_id))
+            if params is not None:
+                c.execute("UPDATE runs SET params=? WHERE id=?", (json.dumps(params, default=str), run_id))
 
     def set_noise_floor(self, model_sha: str, build: str, measure: str, value: float,
                         source: str | None = None) -> None:
