@@ -189,3 +189,26 @@ def test_provenance_of_a_recorded_run(tmp_path, monkeypatch):
     assert len(p["loadavg_start"]) == 3 and len(p["loadavg_end"]) == 3
     assert p["started_utc"] <= p["ended_utc"]
     assert "mainline" in p["builds"]
+
+
+def test_emit_outside_a_recording_records_a_run_of_its_own(tmp_path, monkeypatch, capsys):
+    """A bench called from Python (not through the command line) is recorded too, and its
+    JSON export names the run and leaves the per-token samples in the store."""
+    import json
+
+    from clickpaca.bench.report import emit
+
+    db = tmp_path / "r.sqlite3"
+    monkeypatch.setenv("CLICKPACA_RESULTS", str(db))
+    data = {"params": {"tokens": 4}, "rows": [{"seqs": 1, "tps": {"median": 2.0, "samples": [1.0, 2.0, 3.0]}}],
+            "samples": {"f16": {"token_nll": [0.5, 1.5]}}}
+    emit(str(tmp_path / "out"), "peer", data, "| t |", "A new bench")
+    exported = json.loads((tmp_path / "out" / "peer.json").read_text())
+    assert "samples" not in exported
+    with Store(db) as s:
+        [run] = s.runs()
+        assert exported["results_run"] == run["id"] and run["command"] == "bench peer"
+        assert run["status"] == "complete"
+        smp = s.samples(run["id"])
+    assert list(smp["rows/seqs=1/tps"]["rounds"]) == [1.0, 2.0, 3.0]
+    assert list(smp["f16"]["token_nll"]) == [0.5, 1.5]
