@@ -173,6 +173,17 @@ def test_list_show_export_plot(db, tmp_path, capsys):
     png = tmp_path / "p.png"
     assert main(["results", "plot", str(rid), "--measure", "ppl", "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from clickpaca.results.cli import plot_series
+
+    speed = _store_run({"params": {}, "rows": [{"seqs": n, "tps": {"median": 2.0 * n, "samples": [n, 2.0 * n, 3.0 * n]}}
+                                               for n in (1, 8)]}, "bench batch")
+    with Store(db) as s:
+        [(xs, ys, cis)] = plot_series(s, [speed], "tps").values()
+        assert xs == ["rows/seqs=1/tps", "rows/seqs=8/tps"] and ys == [2.0, 16.0] and cis == [[1.0, 3.0], [8.0, 24.0]]
+        [(xs, ys, cis)] = plot_series(s, [rid], "kl").values()
+        assert xs == ["q4_0"] and cis[0][0] <= ys[0] <= cis[0][1]
+    assert main(["results", "plot", str(speed), "--measure", "tps", "--out", str(png)]) == 0
+    assert main(["results", "plot", str(speed), "--measure", "nothing", "--out", str(png)]) == 2
 
 
 def test_compare_without_targets_takes_the_newest_run(db, capsys):

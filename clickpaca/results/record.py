@@ -13,6 +13,7 @@ damaged database stops the command at once instead of after a long run.
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,9 +68,13 @@ def _say(msg: str) -> None:
 def recording(command: str, args: Any) -> Iterator[dict[str, Any]]:
     """Record the command run inside the block (see the module docstring)."""
     store = Store()  # a damaged or newer database raises here, before measuring
-    p = prov.capture(_model_path(args), _builds_of(args))
-    group = os.environ.get("CLICKPACA_RUN_GROUP") or getattr(args, "run_group", None)
-    run_id = store.open_run(command, _params(args), p, run_group=group)
+    try:
+        p = prov.capture(_model_path(args), _builds_of(args))
+        group = os.environ.get("CLICKPACA_RUN_GROUP") or getattr(args, "run_group", None)
+        run_id = store.open_run(command, _params(args), p, run_group=group)
+    except BaseException:
+        store.close()
+        raise
     _say(f"run {run_id} ({command}) recording in {store.path}")
     state: dict[str, Any] = {"id": run_id, "data": None, "name": None}
     _current.append(state)
@@ -90,6 +95,10 @@ def recording(command: str, args: Any) -> Iterator[dict[str, Any]]:
         try:
             store.close_run(run_id, result, samples, prov.finish(p, _builds_in(data or {})), error, params)
             _say(f"run {run_id} {'failed' if error else 'complete'}: `clickpaca results show {run_id}`")
+        except (ResultsStoreError, sqlite3.Error) as e:
+            _say(f"run {run_id} could NOT be closed (it stays incomplete): {e}")
+            if error is None:  # never hide the command's own error behind this one
+                raise
         finally:
             store.close()
 
