@@ -4,6 +4,7 @@ runs that crash or fail, two writers at once (real processes). No model needed."
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import subprocess
 import sys
@@ -15,7 +16,15 @@ from hypothesis import strategies as st
 
 from clickpaca.cli import main
 from clickpaca.results import record
-from clickpaca.results.store import SCHEMA_VERSION, ResultsStoreError, Store, default_path, migrate, schema_version
+from clickpaca.results.store import (
+    SCHEMA_VERSION,
+    ResultsStoreError,
+    Store,
+    default_path,
+    migrate,
+    proc_start,
+    schema_version,
+)
 
 
 def _schema(path) -> set[tuple[str, str]]:
@@ -137,6 +146,11 @@ def test_a_crashed_run_stays_incomplete(tmp_path, monkeypatch):
         [run] = s.runs()
         assert run["id"] == rid and run["status"] == "incomplete" and run["ended_utc"] is None
         assert s.run(rid)["result"] is None
+        # a live process that only reuses the pid is not the recording one
+        s.conn.execute("UPDATE runs SET pid=?", (os.getpid(),))
+        assert s.runs()[0]["status"] == "incomplete"
+        s.conn.execute("UPDATE runs SET proc_start=?", (proc_start(os.getpid()),))
+        assert s.runs()[0]["status"] == "running"
     assert main(["results", "compare", str(rid), str(rid)]) == 2  # nothing finished to compare
 
 
@@ -212,3 +226,31 @@ def test_emit_outside_a_recording_records_a_run_of_its_own(tmp_path, monkeypatch
         smp = s.samples(run["id"])
     assert list(smp["rows/seqs=1/tps"]["rounds"]) == [1.0, 2.0, 3.0]
     assert list(smp["f16"]["token_nll"]) == [0.5, 1.5]
+
+
+def test_bench_all_records_each_bench_in_one_group(tmp_path, monkeypatch):
+    """`bench all` dispatches every bench inside its own recording, all in one group (the
+    benches here are stand-ins that only emit: the real set takes minutes)."""
+    from clickpaca.bench import cli as bench_cli
+    from clickpaca.bench.report import emit
+
+    class Emits:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, args):
+            emit(str(tmp_path / "out"), self.name, {"params": {"repeats": args.repeats}}, "|x|", self.name)
+
+    db = tmp_path / "r.sqlite3"
+    monkeypatch.setenv("CLICKPACA_RESULTS", str(db))
+    monkeypatch.delenv("CLICKPACA_RUN_GROUP", raising=False)
+    monkeypatch.setattr(bench_cli, "_module", lambda what: Emits(what))
+    args = argparse.Namespace(what="all", repeats=1, tokens=None, seqs=None, prompt_tokens=None, cache=None,
+                              out=str(tmp_path / "out"), model=None, build="mainline")
+    assert bench_cli.run_bench(args) == 0
+    with Store(db) as s:
+        runs = s.runs()
+    assert sorted(r["command"] for r in runs) == sorted(f"bench {w}" for w in bench_cli.WHATS)
+    assert {r["status"] for r in runs} == {"complete"}
+    [group] = {r["run_group"] for r in runs}
+    assert group.startswith("bench-all-")

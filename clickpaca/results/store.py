@@ -71,6 +71,10 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (model_sha, build, measure)
     );
     """,
+    # 3: the start time of the recording process, so a reused pid is not taken for it
+    """
+    ALTER TABLE runs ADD COLUMN proc_start INTEGER;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -133,7 +137,17 @@ def unpack(blob: bytes) -> np.ndarray:
     return np.frombuffer(blob, dtype="<f8").copy()
 
 
-def _pid_alive(pid: int | None) -> bool:
+def proc_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc; None elsewhere or if gone)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _pid_alive(pid: int | None, started: int | None) -> bool:
+    """Whether the process that recorded the run still runs (same pid, same start time)."""
     if not pid:
         return False
     try:
@@ -141,8 +155,8 @@ def _pid_alive(pid: int | None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return started is None or proc_start(pid) == started
 
 
 class Store:
@@ -211,10 +225,11 @@ class Store:
         model = provenance.get("model") or {}
         with self._write() as c:
             cur = c.execute(
-                "INSERT INTO runs (command, status, started_utc, host, pid, git_commit, git_dirty, "
+                "INSERT INTO runs (command, status, started_utc, host, pid, proc_start, git_commit, git_dirty, "
                 "model_path, model_sha, builds, params, provenance, run_group) "
-                "VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (command, provenance.get("started_utc") or utc_now(), socket.gethostname(), os.getpid(),
+                 proc_start(os.getpid()),
                  git.get("commit"), None if git.get("dirty") is None else int(bool(git["dirty"])),
                  model.get("path"), model.get("edge_sha256"),
                  ",".join(sorted(provenance.get("builds") or {})),
@@ -292,7 +307,7 @@ class Store:
         if group:
             where.append("run_group = ?")
             args.append(group)
-        sql = ("SELECT id, command, status, started_utc, ended_utc, host, pid, git_commit, git_dirty, "
+        sql = ("SELECT id, command, status, started_utc, ended_utc, host, pid, proc_start, git_commit, git_dirty, "
                "model_path, model_sha, builds, params, run_group, error FROM runs")
         if where:
             sql += " WHERE " + " AND ".join(where)
@@ -325,5 +340,6 @@ class Store:
         if rec["status"] == "running":
             same_host = rec.get("host") == socket.gethostname()
             # a `running` row whose process is gone never finished
-            rec["status"] = "running" if same_host and _pid_alive(rec.get("pid")) else "incomplete"
+            alive = same_host and _pid_alive(rec.get("pid"), rec.get("proc_start"))
+            rec["status"] = "running" if alive else "incomplete"
         return rec
