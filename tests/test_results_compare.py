@@ -91,6 +91,13 @@ def test_same_named_types_of_two_runs_pair_with_kl_differences(db):
     for p in rep["pairs"]:
         assert p["delta_ppl"] == 0 and p["verdict"] == "within noise"
     assert rep["pairs"][1]["kl_diff"]["diff"] == 0 and rep["pairs"][1]["top1_diff"]["ci"] == [0.0, 0.0]
+    assert rep["pairs"][1]["kl_diff"]["verdict"] == "within noise"
+    # a type that changed in the second run: its KL against the same reference moved
+    c = _store_run(_ppl_data(["f16", "q4_0"], {"f16": base, "q4_0": base + 0.5}))
+    with Store(db) as s:
+        [_, q4] = compare(s, [str(a), str(c)])["pairs"]
+    assert q4["kl_diff"]["diff"] == pytest.approx(0.03) and q4["kl_diff"]["verdict"] == "higher"
+    assert q4["top1_diff"]["diff"] == 0.0  # both already disagree everywhere (|d| >= 0.1)
 
 
 def test_different_text_or_window_is_refused_unless_forced(db, capsys):

@@ -153,9 +153,9 @@ def format_compare(rep: dict[str, Any]) -> str:
             kd = p.get("kl_diff") or {}
             td = p.get("top1_diff") or {}
             kl_cell = (f"{fmt(kl['mean'])} {_ci(kl['ci'])}" if kl else
-                       f"Δ {kd['diff']:+.4f} {_ci(kd['ci'])}" if kd else "-")
+                       f"Δ {kd['diff']:+.4f} {_ci(kd['ci'])} {kd['verdict']}" if kd else "-")
             t1_cell = (f"{fmt(t1['mean'])} {_ci(t1['ci'])}" if t1 else
-                       f"Δ {td['diff']:+.4f} {_ci(td['ci'])}" if td else "-")
+                       f"Δ {td['diff']:+.4f} {_ci(td['ci'])} {td['verdict']}" if td else "-")
             rows.append((p["a"], p["b"], p["tokens"], p["ppl_a"], p["ppl_b"],
                          f"{p['delta_ppl']:+.3f} {_ci(p['delta_ppl_ci'])}",
                          f"{100 * p['delta_ppl_rel']:+.2f}% {_ci(p['delta_ppl_rel_ci'], 100, pct=True)}",

@@ -149,8 +149,10 @@ def quality_pair(store: Store, ra: dict, sa: str, xa: dict, rb: dict, sb: str, x
         out["kl_note"] = "KL(A || B) and top-1 agreement of B with A, measured position by position in one run"
     elif (not same_run and _reference(ra) == _reference(rb)
           and all(x.get(m) is not None for x in (xa, xb) for m in ("token_kl", "token_top1"))):
-        out["kl_diff"] = paired.paired_mean_diff(xa["token_kl"], xb["token_kl"], **boot)
-        out["top1_diff"] = paired.paired_mean_diff(xa["token_top1"], xb["token_top1"], **boot)
+        for key, metric in (("kl_diff", "token_kl"), ("top1_diff", "token_top1")):
+            d = paired.paired_mean_diff(xa[metric], xb[metric], **boot)
+            d["verdict"] = paired.verdict(*d["ci"], d["diff"])
+            out[key] = d
         out["kl_note"] = ("KL and top-1: Δ = B - A of each against its own run's reference "
                           f"({_reference(ra)}), paired per token")
     return out
