@@ -89,9 +89,9 @@ def test_same_named_types_of_two_runs_pair_with_kl_differences(db):
         rep = compare(s, [str(a), str(b)])
     assert [(p["a"], p["b"]) for p in rep["pairs"]] == [(f"{a}:f16", f"{b}:f16"), (f"{a}:q4_0", f"{b}:q4_0")]
     for p in rep["pairs"]:
-        assert p["delta_ppl"] == 0 and p["verdict"] == "within noise"
+        assert p["delta_ppl"] == 0 and p["verdict"] == "identical"
     assert rep["pairs"][1]["kl_diff"]["diff"] == 0 and rep["pairs"][1]["top1_diff"]["ci"] == [0.0, 0.0]
-    assert rep["pairs"][1]["kl_diff"]["verdict"] == "within noise"
+    assert rep["pairs"][1]["kl_diff"]["verdict"] == "identical"
     # a type that changed in the second run: its KL against the same reference moved
     c = _store_run(_ppl_data(["f16", "q4_0"], {"f16": base, "q4_0": base + 0.5}))
     with Store(db) as s:

@@ -63,11 +63,11 @@ def test_blocks_widen_the_interval_of_correlated_tokens():
 
 @settings(max_examples=40, deadline=None)
 @given(nll_lists)
-def test_zero_difference_is_zero_and_within_noise(a):
+def test_zero_difference_is_zero_and_identical(a):
     r = paired.delta_ppl(a, a, resamples=200)
     assert r["delta_ppl"] == 0 and r["delta_nll"] == 0
     assert r["delta_ppl_ci"] == [0.0, 0.0] and r["delta_nll_ci"] == [0.0, 0.0]
-    assert paired.verdict(*r["delta_ppl_ci"], r["delta_ppl"]) == "within noise"
+    assert paired.verdict(*r["delta_ppl_ci"], r["delta_ppl"]) == "identical"
 
 
 @settings(max_examples=40, deadline=None)
@@ -120,3 +120,6 @@ def test_verdict_uses_the_noise_floor():
     assert paired.verdict(0.01, 0.03, 0.02, floor=0.025) == "within noise (below the noise floor)"
     assert paired.verdict(0.01, 0.03, 0.02, floor=0.015) == "higher"
     assert paired.verdict(None, None, 0.02) == "no interval"
+    assert paired.verdict(0.0, 0.0, 0.0) == "identical"
+    assert paired.verdict(-0.01, 0.01, 0.0) == "within noise"
+    assert paired.verdict(1.0, 1.0, 1.0, zero=1.0) == "identical"

@@ -59,9 +59,12 @@ def bootstrap(stat: Callable[[np.ndarray], np.ndarray], arrays: Sequence[np.ndar
 def verdict(lo: float | None, hi: float | None, value: float | None, zero: float = 0.0,
             floor: float | None = None) -> str:
     """'within noise' when the interval includes `zero` or |value - zero| is below the noise
-    floor; 'higher' / 'lower' otherwise; 'no interval' when there is none."""
+    floor; 'identical' when every resample gave exactly `zero` (the same per-token values);
+    'higher' / 'lower' otherwise; 'no interval' when there is none."""
     if value is None or lo is None or hi is None or not all(map(math.isfinite, (lo, hi, value))):
         return "no interval"
+    if lo == hi == value == zero:
+        return "identical"
     if lo <= zero <= hi:
         return "within noise"
     if floor is not None and abs(value - zero) < floor:
