@@ -66,15 +66,17 @@ test-compat: setup
 bench: setup
 	$(PY) -m clickpaca bench all --plot
 
-## kv-study: the KV cache quality study of docs/KV-RESEARCH.md (perplexity, KL, top-1, speed)
+## kv-study: the KV cache quality study of docs/KV-RESEARCH.md (perplexity, KL, top-1, memory, speed);
+## both runs are recorded in the results store under one group (`clickpaca results list --group ...`)
 KV_TYPES ?= f16,q8_0,q4_0,turbo2,turbo3,turbo4,q8_0/turbo3,q8_0/turbo4
+kv-study: KV_GROUP := kv-study-$(shell date -u +%Y%m%dT%H%M%SZ)
 kv-study: setup turboquant
 	$(PY) -m bindgen
-	$(PY) -m clickpaca ppl --cache $(KV_TYPES) --ctx 512 --chunks 4 --native --plot --out bench-results/kv-study
-	$(PY) -m clickpaca bench kv --out bench-results/kv-study
-	for kv in f16:f16 q8_0:q8_0 q4_0:q4_0 turbo2:turbo2 turbo3:turbo3 turbo4:turbo4 q8_0:turbo3 q8_0:turbo4; do \
-		builds/turboquant/bin/llama-bench -m "$$($(PY) -m clickpaca model)" -fa 1 -p 512 -n 64 -t 2 -r 3 \
-			-ctk $${kv%%:*} -ctv $${kv##*:} -o md | grep -E 'pp512|tg64'; done
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache $(KV_TYPES) --ctx 512 --chunks 4 --native --plot \
+		--out bench-results/kv-study
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca bench kv --cache $(KV_TYPES) --build turboquant --speed \
+		--prompt-tokens 512 --tokens 64 --repeats 3 --out bench-results/kv-study
+	@echo "recorded as group $(KV_GROUP): .venv/bin/clickpaca results list --group $(KV_GROUP)"
 
 ## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
 clean:

@@ -1,4 +1,4 @@
-"""The `clickpaca` command: serve, demo, model, tok, bench, ppl."""
+"""The `clickpaca` command: serve, demo, model, tok, bench, ppl, results."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: kv every type of the build(s); state f16,q8_0,q4_0)")
     p.add_argument("--doc-tokens", type=int, default=None, help="state: document length (default 2000)")
     p.add_argument("--kv-ctx", type=int, default=None, help="kv: nCtx of each server (default 4096)")
+    p.add_argument("--speed", action="store_true",
+                   help="kv: also llama-bench pp/tg per cache type (--prompt-tokens 512, --tokens 64, --repeats)")
     p.add_argument("--text", help="state: document file (default: a public-domain play)")
     p.add_argument("--model")
     p.add_argument("--build", default="mainline")
@@ -113,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_ppl)
+
+    from .results.cli import add_parser as add_results
+
+    add_results(sub)
     return ap
 
 

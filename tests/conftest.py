@@ -27,6 +27,19 @@ LOSSLESS = {TEST_CACHE_K, TEST_CACHE_V} <= LOSSLESS_CACHES
 NEAR_TIE = 0.5 if LOSSLESS else 2.0
 
 
+@pytest.fixture(scope="session", autouse=True)
+def results_store(tmp_path_factory):
+    """Every run the tests record goes to a store of their own, never the user's."""
+    path = tmp_path_factory.mktemp("results") / "results.sqlite3"
+    old = os.environ.get("CLICKPACA_RESULTS")
+    os.environ["CLICKPACA_RESULTS"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("CLICKPACA_RESULTS", None)
+    else:
+        os.environ["CLICKPACA_RESULTS"] = old
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from clickpaca.models import resolve_model

@@ -6,6 +6,7 @@ import argparse
 import copy
 import time
 
+from ..results import recording
 from .stats import progress
 
 WHATS = ("decode", "batch", "grammar", "sampler", "kv", "state")
@@ -30,19 +31,23 @@ def _module(what: str):
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.what != "all":
-        _module(args.what).run(args)
+        with recording(f"bench {args.what}", args):
+            _module(args.what).run(args)
         return 0
     failed = []
     t0 = time.perf_counter()
+    group = time.strftime("bench-all-%Y%m%dT%H%M%SZ", time.gmtime())
     for what, overrides in ALL_PLAN.items():
         sub = copy.copy(args)
         sub.what = what
+        sub.run_group = group
         for k, v in overrides.items():
             if getattr(sub, k, None) is None:  # what the user gave explicitly wins
                 setattr(sub, k, v)
         progress(f"all: {what} ({time.perf_counter() - t0:.0f} s so far)")
         try:
-            _module(what).run(sub)
+            with recording(f"bench {what}", sub):
+                _module(what).run(sub)
         except Exception as e:  # noqa: BLE001 - one failing bench does not stop the set
             failed.append(f"{what}: {e}")
             progress(f"all: {what} FAILED: {e}")

@@ -39,7 +39,8 @@ def kl_rows(logp_ref: np.ndarray, logp: np.ndarray) -> np.ndarray:
 
 def compare(model_path: str, pairs: list[tuple[str, str]], tokens: np.ndarray, window: int,
             build: str = "mainline", threads: int | None = None) -> dict[str, dict[str, Any]]:
-    """Per cache pair 'k/v': ppl, nll, and (for all but the first) KL and top-1 vs the first."""
+    """Per cache pair 'k/v': ppl, nll, and (for all but the first) KL and top-1 vs the first;
+    the per-position values under token_nll, token_kl, token_top1 (paired comparisons)."""
     model = core.Model(model_path, build=build)
     bos = model.bos if model.add_bos else None
     wins = windows_for(tokens, window, bos)
@@ -88,12 +89,13 @@ def compare(model_path: str, pairs: list[tuple[str, str]], tokens: np.ndarray, w
     for i, (k, v) in enumerate(pairs):
         n = np.asarray(nll[i])
         rec: dict[str, Any] = {"tokens": len(n), "nll": float(n.mean()), "ppl": float(np.exp(n.mean())),
-                               "windows": len(wins)}
+                               "windows": len(wins), "token_nll": nll[i]}
         if i > 0:
             d = np.asarray(kl[i])
             rec.update({"kl_mean": float(d.mean()), "kl_median": float(np.median(d)),
                         "kl_p99": float(np.quantile(d, 0.99)), "kl_max": float(d.max()),
-                        "top1_agreement": float(np.mean(top1[i]))})
+                        "top1_agreement": float(np.mean(top1[i])),
+                        "token_kl": kl[i], "token_top1": [float(x) for x in top1[i]]})
         else:
             rec.update({"kl_mean": 0.0, "top1_agreement": 1.0})
         out[f"{k}/{v}"] = rec

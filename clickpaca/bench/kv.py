@@ -20,11 +20,12 @@ from .cachetypes import (
     pair_name,
     parse_pair,
 )
-from .common import model_path, out_dir, png, with_defaults
+from .common import model_path, out_dir, png, threads, with_defaults
 from .report import emit, machine, plot_points
 from .serve import Server
-from .stats import parse_list, progress
+from .stats import median, parse_list, progress, ratio, summary
 from .table import markdown
+from .tools import llama_bench_kv
 
 KV_CTX = 4096
 
@@ -72,12 +73,52 @@ def measure(args: Any) -> dict[str, Any]:
     for r in rows:
         if f16 and "kv_bytes" in r:
             r["bpv_effective"] = 16.0 * r["bytes_per_token"] / f16["bytes_per_token"]
-    return {"params": {"n_ctx": n_ctx, "model": model, "build": args.build},
+    speed = bool(getattr(args, "speed", False))
+    if speed:
+        measure_speed(args, model, rows)
+    return {"params": {"n_ctx": n_ctx, "model": model, "build": args.build, "cache": [r["cache"] for r in rows],
+                       **({"speed": True, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+                           "repeats": args.repeats, "threads": threads(args)} if speed else {})},
             "machine_start": m0, "rows": rows, "server_problems": problems,
             "notes": [f"one server per type: nCtx {n_ctx}, nSeqMax 1, flashAttn on; kvBytes is what "
                       "llama.cpp reports allocating (parsed from its log, MiB with 2 decimals)",
                       "the cache is unified: a sequence of L tokens uses L x bytes/token",
                       "effective bits/value = 16 x bytes/token / f16 bytes/token"]}
+
+
+def measure_speed(args: Any, model: str, rows: list[dict[str, Any]]) -> None:
+    """llama-bench pp/tg per cache type (what `make kv-study` reports), every repetition kept."""
+    p, g, t = args.prompt_tokens, args.tokens, threads(args)
+    for r in rows:
+        if "kv_bytes" not in r:
+            continue
+        progress(f"kv: llama-bench pp{p} tg{g} x{args.repeats}, {r['cache']} ({r['build']})")
+        try:
+            res = llama_bench_kv(model, p, g, t, r["cache_k"], r["cache_v"], r["build"], args.repeats)
+        except Exception as e:  # noqa: BLE001 - a type the tool refuses is a result too
+            r["speed_error"] = str(e)
+            continue
+        r.update({"pp_tps": summary(res["pp"]["samples_ts"]), "tg_tps": summary(res["tg"]["samples_ts"]),
+                  "speed_cmd": res["cmd"]})
+    f16 = next((r for r in rows if r.get("cache") == "f16" and "pp_tps" in r), None)
+    for r in rows:
+        if f16 and "pp_tps" in r:
+            r["pp_vs_f16"] = ratio(r["pp_tps"]["median"], f16["pp_tps"]["median"])
+            r["tg_vs_f16"] = ratio(r["tg_tps"]["median"], f16["tg_tps"]["median"])
+
+
+def speed_table(out: dict[str, Any]) -> str:
+    pr = out["params"]
+    rows = []
+    for r in out["rows"]:
+        if "pp_tps" in r:
+            rows.append((r["cache"], r["build"], r["pp_tps"]["median"], f"{r['pp_tps']['min']:.1f}-{r['pp_tps']['max']:.1f}",
+                         r.get("pp_vs_f16"), r["tg_tps"]["median"],
+                         f"{r['tg_tps']['min']:.1f}-{r['tg_tps']['max']:.1f}", r.get("tg_vs_f16")))
+        elif "speed_error" in r:
+            rows.append((r["cache"], r["build"], None, f"error: {r['speed_error'][:60]}", None, None, "", None))
+    return markdown(["K/V", "build", f"pp{pr['prompt_tokens']} tok/s median", "min-max", "vs f16",
+                     f"tg{pr['tokens']} tok/s median", "min-max", "vs f16"], rows, align="llrrrrrr")
 
 
 def table(out: dict[str, Any]) -> str:
@@ -95,9 +136,15 @@ def table(out: dict[str, Any]) -> str:
 
 
 def run(args: Any) -> dict[str, Any]:
-    args = with_defaults(args)
+    args = with_defaults(args, prompt_tokens=512)
     out = measure(args)
-    emit(out_dir(args), "kv", out, table(out), "KV cache memory per cache type")
+    text = table(out)
+    if out["params"].get("speed"):
+        pr = out["params"]
+        text += (f"\n\nSpeed: llama-bench -fa 1 -p {pr['prompt_tokens']} -n {pr['tokens']} -t {pr['threads']} "
+                 f"-r {pr['repeats']} of the type's build (median and min-max of the repetitions)\n\n"
+                 + speed_table(out))
+    emit(out_dir(args), "kv", out, text, "KV cache memory per cache type")
     if args.plot:
         pts = [(r["cache"], r.get("bpv_nominal") or r.get("bpv_effective"), r["bytes_per_1k_tokens"] / 2**20)
                for r in out["rows"] if "kv_bytes" in r]

