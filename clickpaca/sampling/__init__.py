@@ -8,7 +8,8 @@
 
 Order (``params.samplers`` may reorder or drop all but the grammar, which runs first):
 grammar -> logit bias -> repetition penalties -> top-k -> min-p -> top-p -> temperature
--> sample. ``steps`` holds the definitions, ``cut`` the exact shortcuts, ``chain`` the
+-> sample. ``steps`` holds the definitions, ``table`` one row per step (name, kind, when it
+is off, how it runs and is cut short), ``cut`` the exact shortcuts, ``chain`` the
 composition and per-sequence state, ``bench`` the microbenchmark.
 """
 
