@@ -25,12 +25,10 @@ from .grammars import GrammarEngine, GrammarError
 from .mask_ahead import MaskAhead, MaskJob
 from .models import resolve_model
 from .native import NativeError
-from .protocol import SAMPLER_FIELDS, ProtocolError, error_event
-from .sampling import SamplerParams, SequenceSampler
+from .protocol import ProtocolError, error_event
+from .sampling import SamplerParamError, SequenceSampler
 from .scoring import score_rows, windows_for
 from .text import StopMatcher, Utf8Assembler
-
-N_TOP_MAX = 100
 
 
 @dataclass(eq=False)
@@ -117,9 +115,6 @@ class Engine:
                                 request="init")
         types = (req["cacheTypeK"], req["cacheTypeV"])
         build = req["build"] or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
-        if req["nBatch"] < req["nSeqMax"]:
-            raise ProtocolError(f"nBatch: must be >= nSeqMax ({req['nSeqMax']}) so every "
-                                f"sequence gets a token each tick, got {req['nBatch']}", request="init")
         try:
             path = resolve_model(req["modelPath"])
             model = core.Model(path, n_gpu_layers=req["nGpuLayers"], build=build)
@@ -217,13 +212,10 @@ class Engine:
         held = session.seqs.get(seq_id)
         if held is not None and held.state != "held":
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "infer")
-        sampler_fields = {k: req[k] for k in SAMPLER_FIELDS if k in req}
-        try:
-            params = SamplerParams.from_request(sampler_fields, n_vocab=model.n_vocab)
-        except ValueError as e:
+        try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
+            sampler = SequenceSampler(req["params"], model.n_vocab)
+        except SamplerParamError as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
-        if params.n_probs > N_TOP_MAX:
-            raise ProtocolError(f"nProbs: must be <= {N_TOP_MAX}, got {params.n_probs}", seq_id, "infer")
         compiled = None
         if req["grammar_id"] is not None:
             compiled = session.grammars.get(req["grammar_id"])
@@ -246,7 +238,7 @@ class Engine:
                 self._reuse_prefix(seq)
         seq.n_prompt = len(seq.pending) - seq.fed
         seq.state = "prompt"
-        seq.sampler = SequenceSampler(params, model.n_vocab)
+        seq.sampler = sampler
         seq.sampler.extend(seq.tokens)
         seq.sampler.extend(seq.pending[seq.fed:])
         seq.matcher = compiled.new_matcher() if compiled is not None else None
@@ -254,7 +246,7 @@ class Engine:
         seq.utf8 = Utf8Assembler()
         seq.max_tokens = req["maxTokens"]
         seq.n_predicted = 0
-        seq.n_probs = params.n_probs
+        seq.n_probs = sampler.params.n_probs
         seq.t_prompt = seq.t_first = None
         self.order.append(seq)
 

@@ -1,7 +1,7 @@
 """Per-sequence sampler chains in pure numpy (no model needed).
 
-    params = SamplerParams.from_request(request, n_vocab=V)
-    sampler = SequenceSampler(params, V, prompt_tokens)
+    params = SamplerParams.from_request(request)  # checks every field (names it on error)
+    sampler = SequenceSampler(params, V, prompt_tokens)  # and the vocabulary-dependent bounds
     result = sampler.sample(logits_row, grammar_bitmask_or_None)
     if result.empty: end the sequence with result.reason
     sampler.accept(result.token)

@@ -77,12 +77,21 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
+def _float(v: numbers.Real) -> float:
+    """float(v); an integer beyond the float range (only in-process: JSON numbers that
+    large arrive as inf and are refused by the parser) becomes +-inf, not OverflowError."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def _real(name: str, v: Any, lo: float | None = None, hi: float | None = None,
           lo_open: bool = False) -> float:
     """Check a finite real in [lo, hi] (or (lo, hi] with lo_open) and return it as float."""
     if not _is_real(v):
         raise SamplerParamError(name, f"must be a number, got {v!r}")
-    x = float(v)
+    x = _float(v)
     if not math.isfinite(x):
         raise SamplerParamError(name, f"must be finite, got {x!r}")
     if lo is not None and (x <= lo if lo_open else x < lo):
@@ -141,7 +150,7 @@ def _norm_bias(v: Any) -> tuple[tuple[int, float], ...]:
             raise SamplerParamError(name, f"token id must be >= 0, got {tok}")
         if not _is_real(bias):
             raise SamplerParamError(name, f"bias for token {tok} must be a number, got {bias!r}")
-        b = float(bias)
+        b = _float(bias)
         if math.isnan(b):
             raise SamplerParamError(name, f"bias for token {tok} must not be NaN")
         if tok in out:
