@@ -92,33 +92,41 @@ def _upper_k(k: int) -> Cut:
     return cut
 
 
-def _min_p_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: float,
-               touched: np.ndarray, t_logits: np.ndarray) -> tuple[np.ndarray, float]:
-    """Every raw token within log(min_p) of the largest candidate logit."""
+def _largest(view: RowView, tau: float, words, frac: float, touched: np.ndarray,
+             t_logits: np.ndarray) -> float:
+    """The largest candidate logit: the best allowed untouched raw token (over tau) or a
+    touched one (-inf when there is none)."""
     top = upper_ids(view, 1, words, frac, touched)
-    vmax = float(gather(view.row, top, tau).max()) if top.size else -math.inf
-    if t_logits.size:
-        vmax = max(vmax, float(t_logits.max()))
-    if not vmax > -math.inf:
-        return upper_ids(view, view.n, words, frac, touched), 0.0
-    t = (vmax + math.log(p.min_p)) * tau
-    t -= (abs(t) + 1.0) * 1e-6  # a slightly larger superset absorbs rounding
+    best = float(gather(view.row, top, tau).max()) if top.size else -math.inf
+    return max(best, float(t_logits.max())) if t_logits.size else best
+
+
+def _allowed_ge(view: RowView, t: float, words, touched: np.ndarray) -> np.ndarray:
+    """ids of the allowed raw tokens outside ``touched`` with row[i] >= t."""
     ids = view.ge(t)
     if words is not None:
         ids = ids[allows(words, ids)]
     if touched.size:
         ids = ids[~isin_sorted(ids, touched)]
-    return ids, 0.0
+    return ids
+
+
+def _min_p_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: float,
+               touched: np.ndarray, t_logits: np.ndarray) -> tuple[np.ndarray, float]:
+    """Every raw token within log(min_p) of the largest candidate logit."""
+    vmax = _largest(view, tau, words, frac, touched, t_logits)
+    if not vmax > -math.inf:
+        return upper_ids(view, view.n, words, frac, touched), 0.0
+    t = (vmax + math.log(p.min_p)) * tau
+    t -= (abs(t) + 1.0) * 1e-6  # a slightly larger superset absorbs rounding
+    return _allowed_ge(view, t, words, touched), 0.0
 
 
 def _nucleus_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: float,
                  touched: np.ndarray, t_logits: np.ndarray) -> tuple[np.ndarray, float]:
     """Untouched allowed tokens that, with the touched ones, form a superset of the
     nucleus, and the mass of the allowed untouched tokens left out. One exp pass."""
-    top = upper_ids(view, 1, words, frac, touched)
-    ref = float(gather(view.row, top, tau).max()) if top.size else -math.inf
-    if t_logits.size:
-        ref = max(ref, float(t_logits.max()))
+    ref = _largest(view, tau, words, frac, touched, t_logits)
     if not ref > -math.inf:
         return upper_ids(view, view.n, words, frac, touched), 0.0
     buf, z_out = dense_exp(view, tau, words, touched, ref)
@@ -126,11 +134,7 @@ def _nucleus_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: flo
     target = p.top_p * (z_out + float(t_e.sum())) * (1 + 1e-5)
     for delta in (6.0, 12.0, 24.0, 48.0):
         t_v = ref - delta
-        ids = view.ge(t_v * tau)
-        if words is not None:
-            ids = ids[allows(words, ids)]
-        if touched.size:
-            ids = ids[~isin_sorted(ids, touched)]
+        ids = _allowed_ge(view, t_v * tau, words, touched)
         mass = float(np.add.reduce(buf[ids], dtype=np.float64))
         if mass + float(t_e[t_logits >= t_v].sum()) >= target:
             return ids, max(z_out - mass, 0.0)
