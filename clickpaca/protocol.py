@@ -110,7 +110,9 @@ def _str_list(name: str, v: Any) -> list[str]:
 
 
 def _with_params(name: str, v: Any) -> Any:
-    raise AssertionError(name)  # a marker: checked together by SamplerParams (_sampler_params)
+    """Marks the sampler fields: never checked one by one, but together by SamplerParams
+    (ACROSS["infer"]), which also decides which bad field to report first."""
+    raise AssertionError(name)
 
 
 def _show(v: Any) -> str:
