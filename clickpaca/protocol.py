@@ -2,9 +2,13 @@
 
 One JSON object per line in each direction. `parse_line` turns a raw line into a
 validated request dict (defaults filled in, types checked, unknown fields refused) or a
-`ProtocolError` naming the field and the reason. Checks that need server state (is the
-seq_id active, does the grammar exist) belong to the scheduler. docs/PROTOCOL.md is
-the user-facing description; tests/test_protocol_doc.py runs its examples.
+`ProtocolError` naming the field and the reason. This is the edge: every check that
+needs only the request is made here, once, including those across fields (an infer's
+sampler fields become one `SamplerParams` under "params"; init's nBatch against its
+nSeqMax). Checks that need the server's state (is the seq_id active, does the grammar
+exist, are the logit_bias ids in the vocabulary) belong to the engine's handlers.
+docs/PROTOCOL.md is the user-facing description; tests/test_protocol_doc.py runs its
+examples.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Callable
 import orjson
 
 from .chat import check_messages
+from .sampling import PROTOCOL_NAMES, SamplerParams
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 
@@ -105,8 +110,10 @@ def _str_list(name: str, v: Any) -> list[str]:
     return v
 
 
-def _passthrough(name: str, v: Any) -> Any:
-    return v  # validated by the sampler parameters (clickpaca.sampling)
+def _with_params(name: str, v: Any) -> Any:
+    """Marks the sampler fields: never checked one by one, but together by SamplerParams
+    (ACROSS["infer"]), which also decides which bad field to report first."""
+    raise AssertionError(name)
 
 
 def _show(v: Any) -> str:
@@ -119,8 +126,8 @@ def _show(v: Any) -> str:
 
 SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
 # Fields of each request: name -> (check, default). _MISSING = required.
-SAMPLER_FIELDS = ("temperature", "topK", "topP", "minP", "penaltyRepeat", "penaltyFreq",
-                  "penaltyPresent", "penaltyLastN", "logit_bias", "seed", "nProbs", "samplers")
+SAMPLER_FIELDS = tuple(PROTOCOL_NAMES.values())
+N_TOP_MAX = 100  # nProbs: log-probabilities of at most this many tokens per event
 # `messages` instead of `prompt` (infer, prefill): formatted with a chat template.
 CHAT_FIELDS = {
     "messages": (_opt(check_messages), None),
@@ -145,13 +152,13 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True), _MISSING)},
     "infer": {
         "seq_id": (SEQ, _MISSING),
-        "prompt": (_opt(_str()), None),
+        "prompt": (_str(), None),
         **CHAT_FIELDS,
         "maxTokens": (_int(0, 1 << 24), 256),
         "grammar_id": (_opt(_grammar_id), None),
         "stop": (_opt(_str_list), None),
         "reusePrefix": (_bool, True),
-        **{f: (_passthrough, _MISSING) for f in SAMPLER_FIELDS},
+        **{f: (_with_params, _MISSING) for f in SAMPLER_FIELDS},
     },
     "score": {
         "seq_id": (SEQ, _MISSING),
@@ -161,12 +168,32 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     },
     "cancel": {"seq_id": (SEQ, _MISSING)},
     "free": {"seq_id": (SEQ, _MISSING)},
-    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_opt(_str(True)), None), **CHAT_FIELDS},
+    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True), None), **CHAT_FIELDS},
     "fork": {"seq_id": (SEQ, _MISSING), "dst_seq_id": (SEQ, _MISSING)},
     "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
     "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
     "quit": {"now": (_bool, False)},
 }
+
+
+def _batch_fits(obj: dict, out: dict) -> None:
+    if out["nBatch"] < out["nSeqMax"]:
+        raise ValueError(f"nBatch: must be >= nSeqMax ({out['nSeqMax']}) so every sequence gets "
+                         f"a token each tick, got {out['nBatch']}")
+
+
+def _sampler_params(obj: dict, out: dict) -> None:
+    """The sampler fields, checked together by SamplerParams (its errors name the field);
+    the vocabulary-dependent checks wait for the model (SequenceSampler makes them)."""
+    params = SamplerParams.from_request({k: obj[k] for k in SAMPLER_FIELDS if k in obj})
+    if params.n_probs > N_TOP_MAX:
+        raise ValueError(f"nProbs: must be <= {N_TOP_MAX}, got {params.n_probs}")
+    out["params"] = params
+
+
+#: Checks across the fields of a request, after each field's own check: (the original
+#: object, the validated request so far) -> None, or a ValueError naming the field.
+ACROSS: dict[str, Callable[[dict, dict], None]] = {"init": _batch_fits, "infer": _sampler_params}
 
 
 def validate(obj: Any) -> dict:
@@ -187,17 +214,22 @@ def validate(obj: Any) -> dict:
         if name != "type" and name not in spec:
             raise ProtocolError(f"{name}: unknown field for {kind}", seq_id, kind)
     for name, (check, default) in spec.items():
+        if check is _with_params:
+            continue
         if name in obj:
             try:
                 out[name] = check(name, obj[name])
             except ValueError as e:
                 raise ProtocolError(str(e), seq_id, kind) from None
         elif default is _MISSING:
-            if check is _passthrough:
-                continue
             raise ProtocolError(f"{name}: missing (required for {kind})", seq_id, kind)
         else:
             out[name] = default
+    if kind in ACROSS:
+        try:
+            ACROSS[kind](obj, out)
+        except ValueError as e:
+            raise ProtocolError(str(e), seq_id, kind) from None
     if "messages" in spec:
         _prompt_or_messages(out, seq_id, kind)
     return out
@@ -214,7 +246,7 @@ def _prompt_or_messages(req: dict, seq_id: int, kind: str) -> None:
                 raise ProtocolError(f"{field}: only applies with messages", seq_id, kind)
         if req["prompt"] is None:
             if kind == "prefill":
-                raise ProtocolError("prompt: missing (prefill needs prompt or messages)", seq_id, kind)
+                raise ProtocolError("prompt: missing (required for prefill)", seq_id, kind)
             req["prompt"] = ""
 
 

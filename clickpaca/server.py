@@ -1,7 +1,7 @@
 """The NDJSON server over stdin/stdout.
 
 A reader thread turns lines into validated requests (or error events) and queues
-them; the main thread applies queued requests between ticks and runs the scheduler.
+them; the main thread applies queued requests between ticks and runs the engine.
 The main thread is the only writer, so events come out in the order they happen.
 End of input and `quit` are graceful: running sequences finish, then the process
 exits; `{"type": "quit", "now": true}` cancels them instead.
@@ -16,7 +16,7 @@ import traceback
 from typing import BinaryIO, Iterator
 
 from .protocol import MAX_LINE_BYTES, ProtocolError, encode, error_event, parse_line
-from .scheduler import Engine, Session
+from .engine import Engine, Session
 
 EOF = object()
 
@@ -122,8 +122,7 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
                 engine.tick()
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc(file=sys.stderr)
-                for seq in list(engine.order):
-                    engine._fail(seq, f"internal error during a tick: {type(e).__name__}: {e}")
+                engine.fail_all(f"internal error during a tick: {type(e).__name__}: {e}")
         flush()
         if (open_inputs <= 0 or quitting) and not engine.has_work() and inbox.empty():
             return

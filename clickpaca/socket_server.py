@@ -32,7 +32,7 @@ from pathlib import Path
 import orjson
 
 from .protocol import ProtocolError, encode, error_event, parse_line, validate
-from .scheduler import Engine, Session
+from .engine import Engine, Session
 from .server import EOF, read_lines, run_loop
 
 
@@ -196,7 +196,7 @@ class SocketServer:
 
     def run(self) -> int:
         self.engine.handle(self.admin, self.init_request)
-        if self.engine.ctx is None:
+        if self.engine.ready_event is None:
             print(f"clickpaca: init failed: {self.init_error}", file=sys.stderr)
             return 1
         self.bind()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, SAMPLER_FIELDS, ProtocolError, encode,
                                 error_event, parse_line, validate)
+from clickpaca.sampling import SamplerParams
 from clickpaca.server import read_lines
 
 # A minimal valid body for each request type (required fields only).
@@ -37,14 +38,16 @@ MINIMAL = {
     "quit": {},
 }
 
+CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": True}
 DEFAULTS = {
     "init": {"modelPath": None, "nGpuLayers": 99, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
              "flashAttn": "auto", "swaFull": True, "kvUnified": True},
     "grammar": {},
-    "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True},
+    "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
+              "params": SamplerParams(), **CHAT_DEFAULTS},
     "score": {"window": None, "perToken": False},
-    "cancel": {}, "free": {}, "prefill": {}, "fork": {}, "save": {}, "load": {},
+    "cancel": {}, "free": {}, "prefill": dict(CHAT_DEFAULTS), "fork": {}, "save": {}, "load": {},
     "quit": {"now": False},
 }
 
@@ -71,25 +74,50 @@ def test_validate_does_not_modify_its_input(kind):
     assert json.dumps(obj, sort_keys=True) == before
 
 
-def test_sampler_fields_pass_through_untouched_and_are_not_defaulted():
+def test_sampler_fields_become_one_sampler_params():
     out = validate(req("infer"))
     assert not set(SAMPLER_FIELDS) & set(out)
+    assert out["params"] == SamplerParams()
     fields = {"temperature": 0, "topK": 1, "topP": 0.5, "minP": 0.1, "penaltyRepeat": 1.1,
               "penaltyFreq": 0.2, "penaltyPresent": 0.3, "penaltyLastN": -1,
               "logit_bias": [{"token": 5, "bias": -1e9}], "seed": 42, "nProbs": 3,
               "samplers": ["grammar", "top_k", "temperature"]}
     assert set(fields) == set(SAMPLER_FIELDS)
     out = validate(req("infer", **fields))
-    for k, v in fields.items():
-        assert out[k] == v
-    # checked later by SamplerParams (in the scheduler), which names the field
-    from clickpaca.sampling import SamplerParamError, SamplerParams
-    for name, bad in [("temperature", math.nan), ("temperature", math.inf), ("topP", 1.5),
-                      ("topK", True), ("seed", -1), ("nProbs", 1.5), ("samplers", "top_k")]:
-        out = validate(req("infer", **{name: bad}))
-        with pytest.raises(SamplerParamError) as ei:
-            SamplerParams.from_request({k: out[k] for k in SAMPLER_FIELDS if k in out})
-        assert str(ei.value).startswith(name + ":")
+    assert not set(SAMPLER_FIELDS) & set(out)
+    assert out["params"] == SamplerParams.from_request(fields)
+    assert out["params"].to_request() == {**fields, "samplers": ["grammar", "top_k", "temperature"]}
+    # a JSON null means the default, as for every optional field
+    assert validate(req("infer", topK=None, seed=None))["params"] == SamplerParams()
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("temperature", math.nan), ("temperature", math.inf), ("topP", 1.5), ("topK", True), ("seed", -1),
+    ("nProbs", 1.5), ("samplers", "top_k"), ("samplers", ["sample", "grammar"]), ("penaltyRepeat", 0),
+    ("logit_bias", [{"token": -1, "bias": 1}]), ("logit_bias", [[1, 1], [1, 2]]), ("nProbs", 101),
+])
+def test_bad_sampler_field_named_at_the_edge(name, bad):
+    # checked together by SamplerParams, at the edge: the message names the field
+    with pytest.raises(ProtocolError) as ei:
+        validate(req("infer", **{name: bad}))
+    e = ei.value
+    assert e.message.startswith(name + ":"), e.message
+    assert e.request == "infer" and e.seq_id == MINIMAL["infer"]["seq_id"]
+    assert validate(req("infer", nProbs=100))["params"].n_probs == 100
+
+
+def test_sampler_fields_checked_after_the_others():
+    with pytest.raises(ProtocolError, match="^maxTokens: "):
+        validate(req("infer", maxTokens=-1, topP=1.5))
+
+
+def test_init_batch_must_hold_a_token_per_sequence():
+    with pytest.raises(ProtocolError) as ei:
+        validate(req("init", nBatch=7, nSeqMax=8))
+    assert ei.value.message == ("nBatch: must be >= nSeqMax (8) so every sequence gets a token "
+                                "each tick, got 7")
+    assert ei.value.request == "init" and ei.value.seq_id == -1
+    assert validate(req("init", nBatch=8, nSeqMax=8))["nBatch"] == 8
 
 
 def test_valid_values_accepted():
@@ -153,6 +181,9 @@ BAD = [
     ("infer", "stop", [""], "empty"), ("infer", "stop", [["a"]], "list of strings"),
     ("infer", "stop", {"a": "b"}, "list of strings"), ("infer", "stop", ["a", None], "list of strings"),
     ("infer", "reusePrefix", 1, "true or false"), ("infer", "reusePrefix", None, "true or false"),
+    ("infer", "messages", [], "empty"), ("infer", "messages", "hi", "list"),
+    ("infer", "chatTemplate", "", "empty"), ("infer", "chatTemplate", 3, "string"),
+    ("infer", "addGenerationPrompt", 1, "true or false"),
     # score
     ("score", "seq_id", -5, ">= 0"), ("score", "text", "", "empty"), ("score", "text", 5, "string"),
     ("score", "text", None, "string"),
@@ -162,6 +193,8 @@ BAD = [
     ("cancel", "seq_id", -1, ">= 0"), ("cancel", "seq_id", "1", "integer"),
     ("free", "seq_id", 1.25, "integer"), ("free", "seq_id", {}, "integer"),
     ("prefill", "seq_id", -2, ">= 0"), ("prefill", "prompt", "", "empty"), ("prefill", "prompt", 3, "string"),
+    ("prefill", "messages", {}, "list"), ("prefill", "chatTemplate", "gemma", "only applies with messages"),
+    ("prefill", "addGenerationPrompt", "no", "true or false"),
     ("fork", "seq_id", "a", "integer"), ("fork", "dst_seq_id", -1, ">= 0"), ("fork", "dst_seq_id", "4", "integer"),
     ("fork", "dst_seq_id", 1e20, "<="),
     ("save", "path", "", "empty"), ("save", "path", 1, "string"), ("save", "seq_id", None, "integer"),
@@ -422,7 +455,8 @@ def _check_result(line: bytes) -> None:
         return
     assert isinstance(out, dict) and out.get("type") in REQUESTS
     spec = REQUESTS[out["type"]]
-    assert set(out) <= set(spec) | {"type"}
+    assert set(out) <= (set(spec) - set(SAMPLER_FIELDS)) | {"type", "params"}
+    assert ("params" in out) == (out["type"] == "infer")
     for name, (_, default) in spec.items():
         if name not in SAMPLER_FIELDS:
             assert name in out

@@ -131,6 +131,15 @@ def test_validate_needs_vocab():
         SamplerParams.from_request({"logit_bias": {"10": 1}}, n_vocab=10)
 
 
+def test_integers_beyond_float_range_are_infinite_not_overflow():
+    # only in-process (JSON numbers that large arrive as inf): still a SamplerParamError
+    with pytest.raises(SamplerParamError, match="^temperature: must be finite"):
+        SamplerParams(temperature=10**400)
+    with pytest.raises(SamplerParamError, match="^penaltyFreq: must be finite"):
+        SamplerParams(penalty_freq=-10**400)
+    assert SamplerParams(logit_bias={1: 10**400, 2: -10**400}).logit_bias == ((1, math.inf), (2, -math.inf))
+
+
 def test_request_must_be_an_object():
     with pytest.raises(SamplerParamError):
         SamplerParams.from_request([("topK", 1)])

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..sampling import SequenceSampler
 from ..sampling.bench import SCENARIOS, _mask, microbench
+from ..sampling.table import CONSTRAINT, ELEMENTWISE, SCALE, STEPS, TRUNCATION
 from .common import out_dir, png, with_defaults
 from .report import emit, machine, plot_points
 from .stats import progress
@@ -24,8 +25,10 @@ from .table import markdown
 N_VOCAB = 262_144
 SYNTH_REPEATS = 100  # sample calls per round on synthetic rows
 REAL_ROWS = 64  # real logits rows
-STEP_ORDER = ("grammar", "logit_bias", "penalties", "cut", "top_k", "min_p", "top_p", "temperature",
-              "sample", "probs")
+# Timing stages in the order a default chain meets them: the steps before the cut (grammar,
+# elementwise), the cut, the truncations and temperature, then sampling and logprobs.
+STEP_ORDER = (*(s.name for s in STEPS if s.kind in (CONSTRAINT, ELEMENTWISE)), "cut",
+              *(s.name for s in STEPS if s.kind in (TRUNCATION, SCALE)), "sample", "probs")
 
 
 def real_rows(n_rows: int, model_path: str | None) -> tuple[np.ndarray, np.ndarray] | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -12,23 +11,19 @@ from typing import Iterable
 
 import numpy as np
 
-from . import steps as S
 from .bitmask import allowed_ids, allows, as_words, count_allowed
-from .candidates import Candidates, Dense, dense_exp, gather, raw_logprobs
-from .cut import RowView, isin_sorted, upper_ids
-from .params import FORCE, SamplerParams
+from .candidates import Candidates, Dense, gather, raw_logprobs
+from .cut import RowView
+from .params import SamplerParams
+from .steps import FORCE
+from .table import BY_NAME, ELEMENTWISE, EMPTY_REASONS, TRUNCATION, Step
 
 __all__ = ["Candidates", "SampleResult", "SequenceSampler", "apply_chain", "EMPTY_REASONS"]
 
 #: With a grammar allowing at most this many tokens, the allowed ids are listed outright.
 EXPLICIT_MAX = 4096
 
-#: Why a candidate set became empty, by the step that emptied it.
-EMPTY_REASONS = {
-    "grammar": "the grammar allows no token",
-    "logit_bias": "logit_bias bans every token still allowed",
-    "sample": "no candidate has a finite logit",
-}
+_LOGIT_BIAS, _TEMPERATURE = BY_NAME["logit_bias"], BY_NAME["temperature"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,74 +52,22 @@ class SampleResult:
     steered_top: tuple[tuple[int, float], ...] | None = None
 
 
-def _truncates(name: str, p: SamplerParams, n_allowed: int) -> bool:
-    if name == "top_k":
-        return 0 < p.top_k < n_allowed
-    if name == "min_p":
-        return p.min_p > 0
-    if name == "top_p":
-        return p.top_p < 1
-    if name == "temperature":
-        return p.temperature <= 0
-    return False
-
-
-_ELEMENTWISE = ("logit_bias", "penalties")
-_TRUNCATIONS = ("top_k", "min_p", "top_p")
-
-
 @functools.lru_cache(maxsize=1024)
-def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tuple[str, ...], int | None]:
+def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tuple[Step, ...], int | None]:
     """(active steps, index of the first truncating one or None), cached: params are
     frozen and the answer depends only on them, on whether there is a penalty history
-    and on how many tokens the grammar allows (the same every tick without a grammar)."""
-    active = _active(p, has_hist)
-    if p.temperature <= 0 and "temperature" in active:
+    and on how many tokens the grammar allows (the same every tick without a grammar).
+    Active: the listed steps minus those that are identities for these params."""
+    active = [step for step in map(BY_NAME.__getitem__, p.steps) if not step.off(p, has_hist)]
+    if p.temperature <= 0 and _TEMPERATURE in active:
         # Greedy: every truncation keeps the canonical first candidate, so one that runs
         # before greedy with no elementwise step after it cannot change the result.
-        t = active.index("temperature")
-        last_elementwise = max((i for i, s in enumerate(active) if s in _ELEMENTWISE), default=-1)
+        t = active.index(_TEMPERATURE)
+        last_elementwise = max((i for i, s in enumerate(active) if s.kind == ELEMENTWISE), default=-1)
         active = [s for i, s in enumerate(active)
-                  if not (s in _TRUNCATIONS and last_elementwise < i < t)]
-    first = next((i for i, s in enumerate(active) if _truncates(s, p, n_allowed)), None)
+                  if not (s.kind == TRUNCATION and last_elementwise < i < t)]
+    first = next((i for i, s in enumerate(active) if s.truncates(p, n_allowed)), None)
     return tuple(active), first
-
-
-def _active(p: SamplerParams, has_hist: bool) -> list[str]:
-    """The listed steps minus those that are identities for these params."""
-    out = []
-    for name in p.steps:
-        if name == "logit_bias" and not p.logit_bias:
-            continue
-        if name == "penalties" and (not has_hist or not p.penalties_active):
-            continue
-        if name == "top_k" and p.top_k <= 0:
-            continue
-        if name == "min_p" and p.min_p <= 0:
-            continue
-        if name == "top_p" and p.top_p >= 1:
-            continue
-        if name == "temperature" and p.temperature == 1.0:
-            continue
-        out.append(name)
-    return out
-
-
-def _run(name, ids, logits, p: SamplerParams, hist_ids, hist_counts):
-    if name == "logit_bias":
-        return S.logit_bias(ids, logits, *p.bias_arrays)
-    if name == "penalties":
-        return S.penalties(ids, logits, hist_ids, hist_counts, p.penalty_repeat, p.penalty_freq,
-                           p.penalty_present)
-    if name == "top_k":
-        return S.top_k(ids, logits, p.top_k)
-    if name == "min_p":
-        return S.min_p(ids, logits, p.min_p)
-    if name == "top_p":
-        return S.top_p(ids, logits, p.top_p)
-    if name == "temperature":
-        return S.temperature(ids, logits, p.temperature)
-    raise AssertionError(name)
 
 
 _NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
@@ -165,7 +108,6 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
         return t1
 
     n = row.shape[0]
-    hist_ids, hist_counts = hist
 
     n_allowed, frac = n, 1.0
     if words is not None:
@@ -174,17 +116,17 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
             return Candidates(_NO_IDS, np.empty(0), "grammar")
         frac = n_allowed / n
     if words is None:
-        active, first = _steps_to_run(params, hist_ids.size > 0, n_allowed)
+        active, first = _steps_to_run(params, hist[0].size > 0, n_allowed)
     else:  # n_allowed changes every tick: do not fill the cache with it
-        active, first = _steps_to_run.__wrapped__(params, hist_ids.size > 0, n_allowed)
+        active, first = _steps_to_run.__wrapped__(params, hist[0].size > 0, n_allowed)
 
-    def run(names, ids, logits, t0):
-        for name in names:
-            ids, logits = _run(name, ids, logits, params, hist_ids, hist_counts)
+    def run(steps, ids, logits, t0):
+        for step in steps:
+            ids, logits = step.run(ids, logits, params, hist)
             if tick:
-                t0 = lap(name, t0)
+                t0 = lap(step.name, t0)
             if ids.size == 0:
-                return Candidates(ids, logits, name)
+                return Candidates(ids, logits, step.name)
         return Candidates(ids, logits)
 
     if words is not None and n_allowed <= explicit_max:
@@ -199,63 +141,42 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
 
     view = view or RowView(row)
     prefix = active if first is None else active[:first]
-    tail = [] if first is None else active[first:]
+    tail = () if first is None else active[first:]
 
-    # T: the tokens bias and penalties touch, and their values after the prefix steps.
-    bias_ids, bias = params.bias_arrays
-    use_bias, use_pen = "logit_bias" in prefix, "penalties" in prefix
-    if use_bias and use_pen:
-        touched = np.concatenate((bias_ids, hist_ids))
+    # T: the tokens the elementwise steps touch, and their values after the prefix steps.
+    touched_sets = [step.touches(params, hist) for step in prefix if step.touches is not None]
+    if len(touched_sets) > 1:
+        touched = np.concatenate(touched_sets)
         touched.sort()
         touched = touched[np.concatenate(([True], touched[1:] != touched[:-1]))]
     else:
-        touched = bias_ids if use_bias else hist_ids if use_pen else _NO_IDS
+        touched = touched_sets[0] if touched_sets else _NO_IDS
     t_ids = touched[allows(words, touched)] if words is not None and touched.size else touched
     n_dense = n_allowed - t_ids.size
     t_logits = gather(row, t_ids) if t_ids.size else _NO_LOGITS
     if tick:
         t0 = lap("cut", t0)
-    for name in prefix:
-        if name != "temperature" or t_ids.size:
-            t_ids, t_logits = _run(name, t_ids, t_logits, params, hist_ids, hist_counts)
+    for step in prefix:
+        t_ids, t_logits = step.run(t_ids, t_logits, params, hist)
         if tick:
-            t0 = lap(name, t0)
-    if use_bias:
+            t0 = lap(step.name, t0)
+    if _LOGIT_BIAS in prefix:
+        bias_ids, bias = params.bias_arrays
         forced = bias_ids[bias >= FORCE]
         if forced.size and (words is None or allows(words, forced).any()):
             # The bias step left only the forced tokens: nothing else to consider.
             return run(tail, t_ids, t_logits, t0)
     if n_dense == 0:
         if t_ids.size == 0:
-            return Candidates(t_ids, t_logits, "logit_bias")
+            return Candidates(t_ids, t_logits, _LOGIT_BIAS.name)
         return run(tail, t_ids, t_logits, t0)
-    tau = params.temperature if "temperature" in prefix else 1.0
+    tau = params.temperature if _TEMPERATURE in prefix else 1.0
 
     if first is None:
         return Candidates(t_ids, t_logits, dense=Dense(view, tau, words, frac, touched, n_dense))
 
-    t1 = tail[0]
-    rest_mass = 0.0
-    if t1 in ("top_k", "temperature"):  # temperature here is greedy
-        k = params.top_k if t1 == "top_k" else 1
-        ids = upper_ids(view, k, words, frac, touched)
-    elif t1 == "min_p":
-        top = upper_ids(view, 1, words, frac, touched)
-        vmax = float(gather(row, top, tau).max()) if top.size else -math.inf
-        if t_logits.size:
-            vmax = max(vmax, float(t_logits.max()))
-        if vmax > -math.inf:
-            t = (vmax + math.log(params.min_p)) * tau
-            t -= (abs(t) + 1.0) * 1e-6  # a slightly larger superset absorbs rounding
-            ids = view.ge(t)
-            if words is not None:
-                ids = ids[allows(words, ids)]
-            if touched.size:
-                ids = ids[~isin_sorted(ids, touched)]
-        else:
-            ids = upper_ids(view, n, words, frac, touched)
-    else:  # top_p
-        ids, rest_mass = _nucleus_superset(view, params.top_p, tau, words, frac, touched, t_logits)
+    # The first truncation: its row says how to find a superset of what it keeps.
+    ids, rest_mass = tail[0].cut(view, params, tau, words, frac, touched, t_logits)
     ids = ids.astype(np.int32)
     if tick:
         t0 = lap("cut", t0)
@@ -264,39 +185,12 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
         u_logits = np.concatenate((gather(row, ids, tau), t_logits))
     else:
         u_ids, u_logits = ids, gather(row, ids, tau)
-    if rest_mass:
-        u_ids, u_logits = S.top_p(u_ids, u_logits, params.top_p, rest_mass)
+    if rest_mass:  # the step needs the mass left out (top-p): run it here with that mass
+        u_ids, u_logits = tail[0].run(u_ids, u_logits, params, hist, rest_mass)
         if tick:
-            t0 = lap("top_p", t0)
+            t0 = lap(tail[0].name, t0)
         tail = tail[1:]
     return run(tail, u_ids, u_logits, t0)
-
-
-def _nucleus_superset(view: RowView, p: float, tau: float, words, frac: float,
-                      touched: np.ndarray, t_logits: np.ndarray) -> tuple[np.ndarray, float]:
-    """(ids, rest_mass) for top-p as the first truncation: untouched allowed tokens that,
-    with the touched ones, form a superset of the nucleus, and the mass of the allowed
-    untouched tokens left out, relative to the largest candidate logit. One exp pass."""
-    top = upper_ids(view, 1, words, frac, touched)
-    ref = float(gather(view.row, top, tau).max()) if top.size else -math.inf
-    if t_logits.size:
-        ref = max(ref, float(t_logits.max()))
-    if not ref > -math.inf:
-        return upper_ids(view, view.n, words, frac, touched), 0.0
-    buf, z_out = dense_exp(view, tau, words, touched, ref)
-    t_e = np.exp(t_logits - ref)
-    target = p * (z_out + float(t_e.sum())) * (1 + 1e-5)
-    for delta in (6.0, 12.0, 24.0, 48.0):
-        t_v = ref - delta
-        ids = view.ge(t_v * tau)
-        if words is not None:
-            ids = ids[allows(words, ids)]
-        if touched.size:
-            ids = ids[~isin_sorted(ids, touched)]
-        mass = float(np.add.reduce(buf[ids], dtype=np.float64))
-        if mass + float(t_e[t_logits >= t_v].sum()) >= target:
-            return ids, max(z_out - mass, 0.0)
-    return upper_ids(view, view.n, words, frac, touched), 0.0
 
 
 class SequenceSampler:

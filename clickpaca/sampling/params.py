@@ -15,6 +15,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .steps import BAN, FORCE
+from .table import ALIASES, STEP_NAMES
+
 __all__ = [
     "BAN",
     "FORCE",
@@ -25,21 +28,10 @@ __all__ = [
     "SamplerParams",
 ]
 
-#: A bias at or below BAN removes the token; at or above FORCE forces it.
-BAN = -1e9
-FORCE = 1e9
-
-#: Every step, in the default order. The grammar is always applied first when the
-#: caller passes a bitmask: it is a hard constraint, not a preference, so no other
-#: step may see (and e.g. force) a token the grammar forbids.
-STEP_NAMES = ("grammar", "logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature")
+#: Every step, in the default order (the rows of ``table.STEPS``). The grammar is
+#: always applied first when the caller passes a bitmask: it is a hard constraint, not
+#: a preference, so no other step may see (and e.g. force) a token the grammar forbids.
 DEFAULT_SAMPLERS = STEP_NAMES
-
-# Accepted spellings in ``samplers`` -> canonical step name.
-_STEP_ALIASES = {name: name for name in STEP_NAMES}
-_STEP_ALIASES.update(
-    {"logitBias": "logit_bias", "topK": "top_k", "minP": "min_p", "topP": "top_p", "temp": "temperature"}
-)
 
 #: dataclass field -> protocol (wire) name.
 PROTOCOL_NAMES = {
@@ -85,12 +77,21 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
+def _float(v: numbers.Real) -> float:
+    """float(v); an integer beyond the float range (only in-process: JSON numbers that
+    large arrive as inf and are refused by the parser) becomes +-inf, not OverflowError."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def _real(name: str, v: Any, lo: float | None = None, hi: float | None = None,
           lo_open: bool = False) -> float:
     """Check a finite real in [lo, hi] (or (lo, hi] with lo_open) and return it as float."""
     if not _is_real(v):
         raise SamplerParamError(name, f"must be a number, got {v!r}")
-    x = float(v)
+    x = _float(v)
     if not math.isfinite(x):
         raise SamplerParamError(name, f"must be finite, got {x!r}")
     if lo is not None and (x <= lo if lo_open else x < lo):
@@ -149,7 +150,7 @@ def _norm_bias(v: Any) -> tuple[tuple[int, float], ...]:
             raise SamplerParamError(name, f"token id must be >= 0, got {tok}")
         if not _is_real(bias):
             raise SamplerParamError(name, f"bias for token {tok} must be a number, got {bias!r}")
-        b = float(bias)
+        b = _float(bias)
         if math.isnan(b):
             raise SamplerParamError(name, f"bias for token {tok} must not be NaN")
         if tok in out:
@@ -164,7 +165,7 @@ def _norm_samplers(v: Any) -> tuple[str, ...]:
         raise SamplerParamError(name, f"must be a list of step names, got {v!r}")
     out = []
     for s in v:
-        canon = _STEP_ALIASES.get(s) if isinstance(s, str) else None
+        canon = ALIASES.get(s) if isinstance(s, str) else None
         if canon is None:
             raise SamplerParamError(name, f"unknown step {s!r}; known: {', '.join(STEP_NAMES)}")
         if canon in out:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from .bitmask import allows
-from .params import BAN, FORCE
 
 __all__ = [
-    "grammar", "logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature",
+    "BAN", "FORCE", "grammar", "logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature",
     "sample", "canonical_order", "top_n", "log_softmax",
 ]
 
@@ -29,6 +28,9 @@ _max = np.maximum.reduce
 _sum = np.add.reduce
 _cumsum = np.add.accumulate
 _NEG_INF = -np.inf
+#: A bias at or below BAN removes the token; at or above FORCE forces it.
+BAN = -1e9
+FORCE = 1e9
 #: The logit a forced token gets when the model gave it -inf (or NaN).
 FORCED_FLOOR = -1e30
 

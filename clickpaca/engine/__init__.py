@@ -1,0 +1,94 @@
+"""The engine behind both servers: validated requests in, events out, one decode per tick.
+
+One room per concern:
+
+    runtime.py     what `init` loads: model, context, batch, grammar engine, mask worker;
+                   the `ready` event
+    sequences.py   Session, Sequence; the slots, the active order and every ending
+                   (`done`, `error`, or silently), each freeing the KV cells at once
+    handlers.py    one handler per request type: the checks that need the server's state,
+                   then a sequence set up for the scheduler, or an answer
+    scheduler.py   the tick: plan a batch, decode (recovering from a full KV cache),
+                   hand each output row to its sequence
+    generation.py  a generating sequence's row: sample, emit the token, decide the end
+
+`Engine` only routes: requests to their handler (between ticks), ticks to the scheduler.
+Requests arrive validated by clickpaca.protocol, the edge, where every check that needs
+only the request is made.
+"""
+
+from __future__ import annotations
+
+from ..protocol import ProtocolError
+from .handlers import Handlers
+from .runtime import Runtime
+from .scheduler import Scheduler
+from .sequences import Sequence, Sequences, Session
+
+__all__ = ["Engine", "Session", "Sequence"]
+
+
+class Engine:
+    """Owns the runtime and every sequence of every session, once `init` succeeded."""
+
+    def __init__(self) -> None:
+        self.rt: Runtime | None = None
+        self.seqs: Sequences | None = None
+        self.handlers: Handlers | None = None
+        self.scheduler: Scheduler | None = None
+
+    @property
+    def ready_event(self) -> dict | None:
+        """The `ready` event of the successful `init` (None before)."""
+        return self.rt.ready_event if self.rt is not None else None
+
+    def handle(self, session: Session, req: dict) -> None:
+        """Apply one validated request; errors become `error` events for that session."""
+        kind = req["type"]
+        try:
+            if kind == "init":
+                self._init(session, req)
+                return
+            if self.handlers is None:
+                raise ProtocolError(f"{kind} before init: send an init request first",
+                                    req.get("seq_id", -1), kind)
+            getattr(self.handlers, kind)(session, req)
+        except ProtocolError as e:
+            if e.request is None:
+                e.request = kind
+            session.send(e.event())
+
+    def _init(self, session: Session, req: dict) -> None:
+        if self.rt is not None:
+            raise ProtocolError("init: the server is already initialised (one init per process)",
+                                request="init")
+        self.rt = rt = Runtime.open(req)
+        self.seqs = Sequences(rt.ctx)
+        self.handlers = Handlers(rt, self.seqs)
+        self.scheduler = Scheduler(rt, self.seqs)
+        session.send(rt.ready_event)
+
+    def has_work(self) -> bool:
+        return self.seqs is not None and bool(self.seqs.order)
+
+    def tick(self) -> None:
+        assert self.scheduler is not None
+        self.scheduler.tick()
+
+    def fail_all(self, message: str) -> None:
+        """End every active sequence with an `error` (a tick raised: a bug, not a request)."""
+        if self.seqs is not None:
+            self.seqs.fail_all(message)
+
+    def close_session(self, session: Session) -> None:
+        """A client went away: cancel its sequences, free their KV, forget its grammars."""
+        if self.seqs is not None:
+            self.seqs.close_session(session)
+        session.grammars.clear()
+
+    def shutdown(self) -> None:
+        if self.seqs is not None:
+            self.seqs.finish_all("shutdown", notify=False)
+        if self.rt is not None:
+            self.rt.close()
+        self.rt = self.seqs = self.handlers = self.scheduler = None

@@ -1,0 +1,64 @@
+"""What a generating sequence does with its logits row after a decode: sample through
+its own sampler chain and grammar mask, then emit the token (with log-probabilities
+when asked) and end the request when it is over: an end-of-generation token, a
+completed grammar, a stop string or maxTokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..mask_ahead import MaskJob
+from ..sampling import SampleResult
+from .runtime import Runtime
+from .sequences import Sequence, Sequences
+
+
+def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], logits: np.ndarray,
+           job: MaskJob) -> None:
+    """Sample each (sequence, row) of this tick and accept the token."""
+    for seq, row in sampling:
+        mask = None
+        if seq.matcher is not None:
+            mask = job.row(seq.slot)
+            # the scheduler's _start_masks plans a superset of the sequences that sample
+            assert mask is not None, f"no grammar mask planned for seq_id {seq.seq_id}"
+        res = seq.sampler.sample(logits[row], mask)
+        if res.empty:
+            seqs.fail(seq, f"no token can be sampled: {res.reason}")
+            continue
+        _accept(rt, seqs, seq, int(res.token), res)
+
+
+def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, token: int, res: SampleResult) -> None:
+    seq.sampler.accept(token)
+    if rt.model.is_eog(token):
+        grammar_done = seq.matcher is not None and seq.matcher.is_accepting()
+        seqs.finish(seq, "grammar" if grammar_done else "eos")
+        return
+    if seq.matcher is not None and not seq.matcher.consume(token):
+        seqs.fail(seq, f"grammar rejected token {token} (matcher: {seq.matcher.error()})")
+        return
+    piece = seq.utf8.feed(rt.model.token_to_piece(token, special=True))
+    ev: dict[str, Any] = {"type": "token", "seq_id": seq.seq_id, "token": token, "piece": piece}
+    if seq.sampler.params.n_probs:
+        ev["logprob"] = res.logprob
+        ev["top"] = _top(rt, res.top)
+        ev["steered_logprob"] = res.steered_logprob
+        ev["steered_top"] = _top(rt, res.steered_top)
+    seq.session.send(ev)
+    seq.n_predicted += 1
+    seq.next_token = token
+    stop = seq.stops.feed(piece) if seq.stops else None
+    if stop is not None:
+        seqs.finish(seq, "stop", stop=stop)
+    elif seq.matcher is not None and seq.matcher.is_stopped():
+        seqs.finish(seq, "grammar")
+    elif seq.n_predicted >= seq.max_tokens:
+        seqs.finish(seq, "max_tokens")
+
+
+def _top(rt: Runtime, pairs) -> list[dict]:
+    return [{"token": t, "piece": rt.piece(t), "logprob": lp} for t, lp in pairs]

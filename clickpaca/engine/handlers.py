@@ -1,0 +1,240 @@
+"""One handler per request type after `init`, applied between ticks.
+
+A handler gets a request the protocol layer has validated (every check that needs only
+the request is done). It makes the checks that need the server's state (is the seq_id
+in range and free, does the grammar exist, do the logit_bias ids fit the vocabulary,
+does the prompt fit the context), each raising a ProtocolError that names the field,
+and then either answers at once (grammar, cancel, free, fork, save, load) or sets up a
+sequence and appends it to the active order for the scheduler (infer, score, prefill).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import kvstate
+from ..grammars import GrammarError
+from ..protocol import ProtocolError
+from ..sampling import SamplerParamError, SequenceSampler
+from ..scoring import windows_for
+from ..text import StopMatcher, Utf8Assembler
+from .runtime import Runtime
+from .sequences import Sequence, Sequences, Session
+
+
+class Handlers:
+    def __init__(self, rt: Runtime, seqs: Sequences) -> None:
+        self.rt, self.seqs = rt, seqs
+
+    # ------------------------------------------------------------ grammars
+
+    def grammar(self, session: Session, req: dict) -> None:
+        try:
+            compiled = self.rt.grammars.compile(req["grammar"])
+        except GrammarError as e:
+            raise ProtocolError(f"grammar: {e}") from None
+        session.grammars[req["id"]] = compiled
+        session.send({"type": "grammar_ready", "id": req["id"]})
+
+    # ------------------------------------------------------------ sequences that run
+
+    def infer(self, session: Session, req: dict) -> None:
+        rt, seqs = self.rt, self.seqs
+        seq_id = req["seq_id"]
+        seqs.check_id(seq_id, "infer")
+        held = self._held_or_free(session, seq_id, "infer")
+        try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
+            sampler = SequenceSampler(req["params"], rt.model.n_vocab)
+        except SamplerParamError as e:
+            raise ProtocolError(str(e), seq_id, "infer") from None
+        compiled = None
+        if req["grammar_id"] is not None:
+            compiled = session.grammars.get(req["grammar_id"])
+            if compiled is None:
+                raise ProtocolError(f"grammar_id: unknown grammar {req['grammar_id']!r} "
+                                    "(send a grammar request first)", seq_id, "infer")
+        prompt = rt.tokenize_prompt(rt.prompt_text(req), continuing=held is not None)
+        if held is None and len(prompt) == 0:
+            raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
+        self._check_fits(held, prompt, seq_id, "infer")
+        seq = held if held is not None else seqs.new(session, seq_id, "infer")
+        seq.kind = "infer"
+        seq.t_arrival = time.perf_counter()
+        if held is not None:
+            self._reopen_held(seq, prompt)
+        else:
+            seq.pending = prompt
+            seq.fed = 0
+            if req["reusePrefix"]:
+                self._reuse_prefix(seq)
+        seq.n_prompt = len(seq.pending) - seq.fed
+        seq.state = "prompt"
+        seq.sampler = sampler
+        sampler.extend(seq.tokens)
+        sampler.extend(seq.pending[seq.fed:])
+        seq.matcher = compiled.new_matcher() if compiled is not None else None
+        seq.stops = StopMatcher(req["stop"])
+        seq.utf8 = Utf8Assembler()
+        seq.max_tokens = req["maxTokens"]
+        seq.n_predicted = 0
+        seq.t_prompt = seq.t_first = None
+        seqs.order.append(seq)
+
+    def score(self, session: Session, req: dict) -> None:
+        model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
+        seq_id = req["seq_id"]
+        seqs.check_id(seq_id, "score")
+        if seq_id in session.seqs:
+            raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "score")
+        window = req["window"] or min(512, ctx.n_ctx_seq)
+        if window > ctx.n_ctx_seq:
+            raise ProtocolError(f"window: {window} exceeds the context per sequence "
+                                f"({ctx.n_ctx_seq})", seq_id, "score")
+        tokens = model.tokenize(req["text"], add_special=True, parse_special=False)
+        windows = windows_for(tokens, window, model.bos if model.add_bos else None)
+        if not windows:
+            raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
+        seq = seqs.new(session, seq_id, "score")
+        seq.windows = windows
+        seq.window = 0
+        seq.pending = windows[0][0]
+        seq.fed = 0
+        seq.per_token = req["perToken"]
+        seq.n_prompt = sum(len(w[0]) for w in windows)
+        seqs.order.append(seq)
+
+    def prefill(self, session: Session, req: dict) -> None:
+        seqs = self.seqs
+        seq_id = req["seq_id"]
+        seqs.check_id(seq_id, "prefill")
+        held = self._held_or_free(session, seq_id, "prefill")
+        prompt = self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing=held is not None)
+        self._check_fits(held, prompt, seq_id, "prefill")
+        seq = held if held is not None else seqs.new(session, seq_id, "prefill")
+        seq.kind = "prefill"
+        seq.state = "prompt"
+        seq.pending, seq.fed = prompt, 0
+        seq.n_prompt = len(prompt)
+        seq.t_arrival = time.perf_counter()
+        seq.t_prompt = None
+        seqs.order.append(seq)
+
+    def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
+        """The held sequence to continue, None for a free seq_id; an active one is an error."""
+        held = session.seqs.get(seq_id)
+        if held is not None and held.state != "held":
+            raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, kind)
+        return held
+
+    def _check_fits(self, held: Sequence | None, prompt: np.ndarray, seq_id: int, kind: str) -> None:
+        n_ctx_seq = self.rt.ctx.n_ctx_seq
+        total = (held.n_past if held else 0) + len(prompt)
+        if total >= n_ctx_seq:
+            raise ProtocolError(f"prompt: {total} tokens do not fit the context "
+                                f"({n_ctx_seq} tokens per sequence)", seq_id, kind)
+
+    def _reopen_held(self, seq: Sequence, prompt: np.ndarray) -> None:
+        """Continue a held sequence: re-feed its last token so there is a logits row."""
+        last = seq.tokens.pop()
+        self.rt.ctx.seq_rm(seq.slot, len(seq.tokens), -1)
+        seq.pending = np.concatenate([np.array([last], np.int32), prompt])
+        seq.fed = 0
+        seq.n_reused = len(seq.tokens)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Share the cells of the held sequence with the longest common prompt prefix."""
+        ctx, model = self.rt.ctx, self.rt.model
+        if not ctx.kv_unified:
+            return  # one stream per sequence: llama.cpp copies only whole ones (GGML_ASSERT)
+        best, best_n = None, 0
+        for other in seq.session.seqs.values():
+            if other is seq or other.state != "held" or not other.tokens:
+                continue
+            m = min(len(other.tokens), len(seq.pending) - 1)
+            a = np.asarray(other.tokens[:m], np.int32)
+            diff = np.flatnonzero(a != seq.pending[:m])
+            n = int(diff[0]) if len(diff) else m
+            if n < len(other.tokens) and ctx.seq_pos_min(other.slot) > max(
+                    0, n - model.nat.lib.llama_model_n_swa(model.ptr)):
+                continue  # cells before n left its sliding window (a loaded state keeps the last)
+            if n > best_n:
+                best, best_n = other, n
+        if best is not None and best_n > 0:
+            ctx.seq_cp(best.slot, seq.slot, 0, best_n)
+            seq.tokens = [int(t) for t in seq.pending[:best_n]]
+            seq.fed = best_n
+            seq.n_reused = best_n
+
+    # ------------------------------------------------------------ running and held sequences
+
+    def cancel(self, session: Session, req: dict) -> None:
+        seq = session.seqs.get(req["seq_id"])
+        if seq is None or seq.state == "held":
+            raise ProtocolError(f"seq_id: sequence {req['seq_id']} is not running "
+                                "(use free to release a held sequence)", req["seq_id"], "cancel")
+        self.seqs.finish(seq, "cancelled")
+
+    def free(self, session: Session, req: dict) -> None:
+        seq = session.seqs.get(req["seq_id"])
+        if seq is None:
+            raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds nothing", req["seq_id"], "free")
+        if seq.state != "held":
+            self.seqs.finish(seq, "cancelled")
+        else:
+            self.seqs.release(seq)
+        session.send({"type": "freed", "seq_id": req["seq_id"]})
+
+    def fork(self, session: Session, req: dict) -> None:
+        seqs = self.seqs
+        src = session.seqs.get(req["seq_id"])
+        dst_id = req["dst_seq_id"]
+        try:
+            seqs.check_id(dst_id, "fork", "dst_seq_id")
+        except ProtocolError as e:
+            e.seq_id = req["seq_id"]  # answer on the request's seq_id, where the client waits
+            raise
+        if src is None or src.state != "held":
+            raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to fork "
+                                "(prefill it first)", req["seq_id"], "fork")
+        if dst_id in session.seqs:
+            raise ProtocolError(f"dst_seq_id: sequence {dst_id} is in use", req["seq_id"], "fork")
+        dst = seqs.new(session, dst_id, "prefill")
+        self.rt.ctx.seq_cp(src.slot, dst.slot, -1, -1)
+        dst.tokens = list(src.tokens)
+        dst.state = "held"
+        session.send({"type": "forked", "seq_id": src.seq_id, "dst_seq_id": dst_id,
+                      "tokens": dst.n_past})
+
+    def save(self, session: Session, req: dict) -> None:
+        seq = session.seqs.get(req["seq_id"])
+        if seq is None or seq.state != "held":
+            raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to save",
+                                req["seq_id"], "save")
+        try:
+            n = kvstate.save(self.rt.ctx, seq.slot, seq.tokens, req["path"])
+        except (OSError, kvstate.StateFileError) as e:
+            raise ProtocolError(f"path: {e}", req["seq_id"], "save") from None
+        session.send({"type": "saved", "seq_id": seq.seq_id, "path": req["path"], "bytes": n,
+                      "tokens": seq.n_past})
+
+    def load(self, session: Session, req: dict) -> None:
+        seqs = self.seqs
+        seq_id = req["seq_id"]
+        seqs.check_id(seq_id, "load")
+        if seq_id in session.seqs:
+            raise ProtocolError(f"seq_id: sequence {seq_id} is in use (free it first)", seq_id, "load")
+        seq = seqs.new(session, seq_id, "prefill")
+        try:
+            tokens = kvstate.load(self.rt.ctx, seq.slot, req["path"])
+        except (OSError, kvstate.StateFileError) as e:
+            seqs.release(seq)
+            raise ProtocolError(f"path: {e}", seq_id, "load") from None
+        seq.tokens = tokens
+        seq.state = "held"
+        session.send({"type": "loaded", "seq_id": seq_id, "tokens": seq.n_past})
+
+    def quit(self, session: Session, req: dict) -> None:
+        if req["now"]:
+            self.seqs.finish_all("shutdown")

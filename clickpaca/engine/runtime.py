@@ -1,0 +1,126 @@
+"""What an `init` loads, once per process: the model, its context and batch, the grammar
+engine and the worker that fills grammar masks during a decode; and the `ready` event
+that describes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import chat, core
+from ..grammars import GrammarEngine
+from ..mask_ahead import MaskAhead
+from ..models import resolve_model
+from ..native import NativeError
+from ..protocol import ProtocolError
+
+
+class Runtime:
+    """The loaded model and everything built on it (`open`); `close` releases them in order."""
+
+    def __init__(self, model: core.Model, ctx: core.Context) -> None:
+        self.model, self.ctx = model, ctx
+
+    def _start(self, req: dict) -> None:
+        model, ctx = self.model, self.ctx
+        self.batch = core.Batch(model.nat, ctx.n_batch)
+        self._warm_up()
+        self.grammars = GrammarEngine.start(model)
+        self.masks = MaskAhead(np.zeros((ctx.n_seq_max, (model.n_vocab + 31) // 32), dtype=np.int32))
+        self.ready_event: dict[str, Any] = {
+            "type": "ready",
+            "nVocab": model.n_vocab,
+            "build": model.nat.name,
+            "buildCommit": model.nat.info.get("commit"),
+            "buildNumber": model.nat.info.get("build_number"),
+            "nCtx": ctx.n_ctx,
+            "nCtxPerSeq": ctx.n_ctx_seq,
+            "nCtxShared": bool(req["kvUnified"]),
+            "nBatch": ctx.n_batch,
+            "nSeqMax": ctx.n_seq_max,
+            "nThreads": ctx.n_threads,
+            "cacheTypeK": ctx.type_k,
+            "cacheTypeV": ctx.type_v,
+            "kvBytes": ctx.kv_bytes,
+            "kvUnified": bool(req["kvUnified"]),
+            "swaFull": bool(req["swaFull"]),
+            "flashAttn": req["flashAttn"],
+            "cacheTypes": sorted(core.cache_types(model.nat)),
+            "model": {"path": str(model.path), "description": model.description,
+                      "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
+                      "nCtxTrain": model.n_ctx_train, "addBos": model.add_bos},
+        }
+
+    @classmethod
+    def open(cls, req: dict) -> "Runtime":
+        """Load what a validated `init` request asks for; ProtocolError naming the field."""
+        types = (req["cacheTypeK"], req["cacheTypeV"])
+        build = req["build"] or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
+        try:
+            path = resolve_model(req["modelPath"])
+            model = core.Model(path, n_gpu_layers=req["nGpuLayers"], build=build)
+        except core.ModelError as e:
+            raise ProtocolError(f"modelPath: {e}", request="init") from None
+        except NativeError as e:
+            raise ProtocolError(f"build: {e}", request="init") from None
+        try:
+            ctx = core.Context(model, n_ctx=req["nCtx"], n_batch=req["nBatch"],
+                               n_seq_max=req["nSeqMax"], type_k=types[0], type_v=types[1],
+                               n_threads=req["nThreads"], flash_attn=req["flashAttn"],
+                               kv_unified=req["kvUnified"], swa_full=req["swaFull"])
+        except core.ContextError as e:
+            model.close()
+            raise ProtocolError(str(e), request="init") from None
+        rt = cls(model, ctx)
+        try:
+            rt._start(req)
+        except BaseException:
+            rt.close()
+            raise
+        return rt
+
+    def _warm_up(self) -> None:
+        """One throw-away decode, so the first request's timings exclude graph setup."""
+        self.batch.clear()
+        self.batch.add([self.model.bos], 0, 0, output_last=True)
+        self.ctx.decode(self.batch)
+        self.ctx.seq_rm(0, -1, -1)
+        self.batch.clear()
+
+    def prompt_text(self, req: dict) -> str:
+        """The request's prompt, or its messages formatted with a chat template."""
+        if req["messages"] is None:
+            return req["prompt"]
+        try:
+            return chat.format_messages(self.model, req["chatTemplate"], req["messages"],
+                                        req["addGenerationPrompt"])
+        except chat.ChatError as e:
+            raise ProtocolError(str(e), req["seq_id"], req["type"]) from None
+
+    def tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
+        """Special tokens in the text are parsed; BOS is added once at the start only."""
+        model = self.model
+        toks = model.tokenize(text, add_special=not continuing, parse_special=True)
+        if not continuing and model.add_bos and len(toks) >= 2 \
+                and toks[0] == model.bos and toks[1] == model.bos:
+            toks = toks[1:]  # the text began with <bos> already
+        return toks
+
+    def piece(self, token: int) -> str:
+        return self.model.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """After every sequence has ended: the mask worker, the grammar engine's tokenizer
+        build (it reads the model's vocabulary), the context, the model. Also what a
+        failed `open` had started."""
+        if getattr(self, "masks", None) is not None:
+            self.masks.close()
+        if getattr(self, "grammars", None) is not None:
+            try:
+                self.grammars.wait(None)
+            except Exception:  # noqa: BLE001 - a failed build is irrelevant at exit
+                pass
+        self.ctx.close()
+        self.model.close()

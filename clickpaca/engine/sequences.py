@@ -1,0 +1,156 @@
+"""Sequences, their slots, and how each request ends.
+
+A `Session` is one client's namespace of seq_ids and grammar ids (stdio has exactly
+one). A `Sequence` is what one seq_id holds: a slot (llama.cpp's sequence id), the
+tokens in its KV cells, and what it is doing (kind infer, score or prefill; state
+prompt -> generate, or held). `Sequences` owns the slots and the active order, and every
+ending goes through it: `finish` (a `done` event), `fail` (an `error` event) or
+`release` (silently), each of which frees the slot and its KV cells at once, so the
+seq_id is reusable by the next request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import core
+from ..protocol import ProtocolError, error_event
+from ..sampling import SequenceSampler
+from ..text import StopMatcher, Utf8Assembler
+
+
+@dataclass(eq=False)
+class Session:
+    """One client's namespace of seq_ids and grammar ids (stdio has exactly one)."""
+
+    send: Callable[[dict], None]
+    name: str = "stdio"
+    seqs: dict[int, "Sequence"] = field(default_factory=dict)
+    grammars: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Sequence:
+    session: Session
+    seq_id: int
+    slot: int
+    kind: str  # "infer" | "score" | "prefill"
+    state: str = "prompt"  # "prompt" -> "generate" | "held"
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    fed: int = 0  # how many of `pending` are in the KV cache
+    tokens: list[int] = field(default_factory=list)  # every token in the KV, in order
+    next_token: int | None = None
+    sampler: SequenceSampler | None = None
+    matcher: Any = None
+    stops: StopMatcher | None = None
+    utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
+    max_tokens: int = 0
+    n_predicted: int = 0
+    n_prompt: int = 0
+    n_reused: int = 0
+    t_arrival: float = 0.0
+    t_prompt: float | None = None
+    t_first: float | None = None
+    kv_wait: bool = False
+    # scoring
+    windows: list = field(default_factory=list)
+    window: int = 0
+    nll: list = field(default_factory=list)
+    per_token: bool = False
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+
+def done_event(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
+    """The `done` event that ends a request."""
+    if seq.kind in ("score", "prefill") and reason in ("cancelled", "shutdown"):
+        return {"type": "done", "seq_id": seq.seq_id, "stop_reason": reason, "request": seq.kind}
+    t_prompt_end = seq.t_first or now
+    prompt_s = (t_prompt_end - seq.t_prompt) if seq.t_prompt else 0.0
+    eval_s = (now - seq.t_first) if seq.t_first else 0.0
+    ev = {"type": "done", "seq_id": seq.seq_id, "tokens_prompt": seq.n_prompt,
+          "tokens_reused": seq.n_reused, "tokens_predicted": seq.n_predicted,
+          "prompt_ms": round(prompt_s * 1000, 3), "eval_ms": round(eval_s * 1000, 3),
+          "prompt_tps": round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
+          # the first token comes from the prompt's logits: n tokens take n - 1 decodes
+          "eval_tps": round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None,
+          "stop_reason": reason}
+    if stop is not None:
+        ev["stop"] = stop
+    return ev
+
+
+class Sequences:
+    """The slots of one context, the active (not held) sequences in arrival order, and
+    every ending."""
+
+    def __init__(self, ctx: core.Context) -> None:
+        self.ctx = ctx
+        self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
+        self.order: list[Sequence] = []  # active (not held) sequences in arrival order
+
+    def check_id(self, seq_id: int, kind: str, field_: str = "seq_id") -> None:
+        if not 0 <= seq_id < self.ctx.n_seq_max:
+            raise ProtocolError(f"{field_}: must be in 0..{self.ctx.n_seq_max - 1} (nSeqMax), "
+                                f"got {seq_id}", seq_id, kind)
+
+    def new(self, session: Session, seq_id: int, kind: str) -> Sequence:
+        if not self.free_slots:
+            raise ProtocolError(f"seq_id: no free sequence slot (all {self.ctx.n_seq_max} in use)",
+                                seq_id, kind)
+        seq = Sequence(session=session, seq_id=seq_id, slot=self.free_slots.pop(), kind=kind,
+                       t_arrival=time.perf_counter())
+        session.seqs[seq_id] = seq
+        return seq
+
+    # ------------------------------------------------------------ endings
+
+    def release(self, seq: Sequence) -> None:
+        """Free the sequence's KV cells and slot at once; its seq_id is reusable now."""
+        self.ctx.seq_rm(seq.slot, -1, -1)
+        if seq in self.order:
+            self.order.remove(seq)
+        if seq.session.seqs.get(seq.seq_id) is seq:
+            del seq.session.seqs[seq.seq_id]
+        self.free_slots.append(seq.slot)
+        for other in self.order:
+            other.kv_wait = False
+        if len(self.free_slots) == self.ctx.n_seq_max:
+            # Nothing is held or running: start the next requests from the first cells.
+            # Otherwise new cells land after the freed ones and every later decode
+            # attends over the larger span (measured: 64 sequences ran ~35% slower).
+            self.ctx.clear()
+
+    def finish(self, seq: Sequence, reason: str, stop: str | None = None, notify: bool = True) -> None:
+        """End a request with a `done` event (none when not ``notify``)."""
+        now = time.perf_counter()
+        self.release(seq)
+        if notify:
+            seq.session.send(done_event(seq, reason, stop, now))
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End a request with an `error` event."""
+        self.release(seq)
+        seq.session.send(error_event(message, seq.seq_id, seq.kind))
+
+    def finish_all(self, reason: str, notify: bool = True) -> None:
+        for seq in list(self.order):
+            self.finish(seq, reason, notify=notify)
+
+    def fail_all(self, message: str) -> None:
+        for seq in list(self.order):
+            self.fail(seq, message)
+
+    def close_session(self, session: Session) -> None:
+        """A client went away: end its sequences silently and free their KV cells."""
+        for seq in list(session.seqs.values()):
+            if seq.state == "held":
+                self.release(seq)
+            else:
+                self.finish(seq, "cancelled", notify=False)
