@@ -21,45 +21,7 @@ import pytest
 from bindgen.smoke_model import knows_architecture
 from bindgen.compat import IF_PRESENT, CompatError, adapted, params_of, plan, takes_vocab
 
-ROOT = Path(__file__).resolve().parents[2]
-MAINLINE = ROOT / "builds" / "mainline"
-MAINLINE_MANIFEST = MAINLINE / "bindings" / "manifest.json"
-
-
-def compat_build() -> Path:
-    value = os.environ.get("COMPAT_BUILD")
-    if not value:
-        pytest.skip("set COMPAT_BUILD=builds/compat-X (make test-compat does)")
-    build = Path(value)
-    if not build.is_absolute():
-        build = ROOT / build
-    assert (build / "build-info.json").exists(), (
-        f"COMPAT_BUILD={value} is not a build: run `python3 native/build.py compat --sdist-version X`")
-    return build
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
-# ---------------------------------------------------------------- with a compat build
-
-
-@pytest.fixture(scope="module")
-def generated() -> tuple[Path, str]:
-    """Generate the compat build's bindings, as `python -m bindgen B --against mainline`."""
-    build = compat_build()
-    args = ["-m", "bindgen", str(build)]
-    if MAINLINE_MANIFEST.exists():
-        args += ["--against", str(MAINLINE_MANIFEST)]
-    proc = run(*args)
-    assert proc.returncode == 0, f"bindgen failed on {build} (no hand edits allowed):\n{proc.stderr}"
-    sys.stderr.write(proc.stdout)  # the change report, visible with -s
-    return build, proc.stdout
+from compat_common import MAINLINE, MAINLINE_MANIFEST, last_json, run
 
 
 @pytest.mark.model
