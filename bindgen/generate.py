@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not load the library to check its exports (a build that cannot "
                          "run here); recorded in the stamp")
     args = ap.parse_args(argv)
-    builds = args.builds or sorted(p for p in (ROOT / "builds").glob("*")
-                                   if (p / "build-info.json").exists())
+    # mainline first: the other builds' reports compare with it (bindgen/history.py)
+    builds = args.builds or sorted((p for p in (ROOT / "builds").glob("*")
+                                    if (p / "build-info.json").exists()),
+                                   key=lambda p: (p.name != "mainline", p.name))
     if not builds:
         print("bindgen: no builds found; run `make mainline` first", file=sys.stderr)
         return 1
