@@ -15,6 +15,7 @@ or a build directory), else against the previous version in the manifest history
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -115,7 +116,8 @@ def generate(build: Path, against: Path | None = None, quiet: bool = False,
     builder = cffi.FFI()
     builder.cdef(decls.cdef)
     builder.set_source(MODULE, None)
-    builder.emit_python_code(str(tmp / f"{MODULE}.py"))
+    with contextlib.redirect_stdout(sys.stderr):  # cffi says "generating ..."; stdout is the report
+        builder.emit_python_code(str(tmp / f"{MODULE}.py"))
     with open(tmp / f"{MODULE}.py", "a") as f:
         f.write("\n# Written by bindgen/generate.py: the build these bindings belong to.\n")
         f.write(f"STAMP = {json.dumps(stamp, sort_keys=True)!r}\n")
