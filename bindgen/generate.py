@@ -88,6 +88,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 def generate(build: Path, against: Path | None = None, quiet: bool = False,
              export_check: bool = True, full: bool = False, as_json: bool = False) -> dict:
     """Generate, prove and write the bindings of one build; return its manifest."""
+    label = Path(build).name  # builds/compat-0.3.16, not the cache directory it links to
     build = build.resolve()
     info = json.loads((build / "build-info.json").read_text())
     include = build / "include"
@@ -139,7 +140,7 @@ def generate(build: Path, against: Path | None = None, quiet: bool = False,
     if as_json:
         print(json.dumps(report, indent=1))
     elif not quiet:
-        print(f"bindgen: {build.name}: {len(decls.functions)} functions, "
+        print(f"bindgen: {label}: {len(decls.functions)} functions, "
               f"{len(manifest['records'])} records ({n_fields} field offsets proved), "
               f"{len(decls.enums)} enums, {len(decls.callbacks)} callback types, "
               f"{len(decls.skipped)} skipped, in {time.monotonic() - t0:.1f} s")
