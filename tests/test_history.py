@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 from bindgen import history
 
@@ -17,10 +16,11 @@ def test_each_version_keeps_its_manifest_and_the_baseline_is_another_version(tmp
     assert history.baseline("mainline", "a") is None
     pa = history.save(m("mainline", "a"))
     assert history.baseline("mainline", "a") is None  # never itself
-    time.sleep(0.01)
     pb = history.save(m("mainline", "b"))
+    os.utime(pa, (1000, 1000))
+    os.utime(pb, (2000, 2000))
     assert history.baseline("mainline", "b") == pa and history.baseline("mainline", "a") == pb
-    history.save(m("mainline", "a"))  # regenerating a replaces only a's file
+    history.save(m("mainline", "a"))  # regenerating a replaces only a's file (and is newest)
     assert sorted(p.name for p in (tmp_path / "manifests" / "mainline").iterdir()) == ["a.json", "b.json"]
     # compat versions are compared with the newest mainline, never with each other
     history.save(m("compat", "x"))
