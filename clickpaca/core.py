@@ -256,7 +256,8 @@ MEMORY_API = ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp",
               "llama_memory_seq_keep", "llama_memory_seq_pos_max", "llama_memory_seq_pos_min",
               "llama_memory_clear")
 
-_KV_SIZE_RE = re.compile(r"llama_kv_cache: size = +([0-9.]+) MiB")
+# (b6170 and before name the class llama_kv_cache_unified in this log line)
+_KV_SIZE_RE = re.compile(r"llama_kv_cache(?:_unified)?: size = +([0-9.]+) MiB")
 
 
 class Context:

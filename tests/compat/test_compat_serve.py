@@ -60,6 +60,7 @@ def test_serve_works_or_refuses_by_name(served):
         assert ready["build"] == build.name
         info = json.loads((build / "build-info.json").read_text())
         assert ready["buildNumber"] == info["build_number"] and ready["buildCommit"] == info["commit"]
+        assert ready["kvBytes"] > 0 and ready["nCtxPerSeq"] == ready["nCtx"]  # unified cache
         return
     assert isinstance(ready, ServerError), f"init succeeded although {block[0]['name']} is missing"
     message = str(ready)
