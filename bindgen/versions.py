@@ -146,7 +146,7 @@ def manifest_of(version: str) -> tuple[dict[str, Any], int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bindgen.versions", description=__doc__.split("\n\n")[0])
-    ap.add_argument("versions", nargs="*", help=f"sdist versions or 'turboquant' (default: all; "
+    ap.add_argument("versions", nargs="*", help="sdist versions or 'turboquant' (default: all; "
                     "two: the change report from the first to the second)")
     ap.add_argument("--full", action="store_true", help="list ggml/gguf and offset-only changes too")
     ap.add_argument("--json", action="store_true", help="the report as JSON")

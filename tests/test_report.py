@@ -1,4 +1,5 @@
-"""The change report's pure parts, on small manifests written here (no build, no model)."""
+"""The change report (bindgen.report, .apidiff, .impact) on small manifests written here:
+no build, no model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bindgen import report
+from bindgen import apidiff, impact, report
 from bindgen.usage import Usage, scan_source
 
 
@@ -101,7 +102,7 @@ def test_direction_is_old_to_new_whichever_comes_first():
 def test_a_renamed_function_is_paired():
     old = manifest(1, {"llama_apply_adapter_cvec": "int32_t llama_apply_adapter_cvec(struct c *x, float v)"})
     new = manifest(2, {"llama_set_adapter_cvec": "int32_t llama_set_adapter_cvec(struct c *x, float v)"})
-    f = report.compare_functions(old, new)
+    f = apidiff.compare_functions(old, new)
     assert f["renamed"] == [["llama_apply_adapter_cvec", "llama_set_adapter_cvec"]]
     assert f["added"] == f["removed"] == []
 
@@ -128,14 +129,14 @@ def test_same_abi_respellings_are_not_signature_changes():
                        "llama_chain_get": "struct s *llama_chain_get(const struct s *c, int32_t i)"})
     new = manifest(2, {"llama_split_path": "int32_t llama_split_path(char *p, int32_t n)",
                        "llama_chain_get": "struct s *llama_chain_get(struct s *c, int32_t i)"})
-    f = report.compare_functions(old, new)
+    f = apidiff.compare_functions(old, new)
     assert f["changed"] == [] and f["same_abi_spelling"] == ["llama_chain_get", "llama_split_path"]
 
 
 def test_param_diff_names_what_changed():
-    assert report.param_diff("struct s *f(const struct v *vocab, int32_t n_ctx_train, float m)",
+    assert apidiff.param_diff("struct s *f(const struct v *vocab, int32_t n_ctx_train, float m)",
                              "struct s *f(const struct v *vocab, float m)") == "-n_ctx_train"
-    assert report.param_diff("int f(int a)", "int64_t f(int a, void (*cb)(int), int b)") == \
+    assert apidiff.param_diff("int f(int a)", "int64_t f(int a, void (*cb)(int), int b)") == \
         "returns int64_t (was int), +void (*cb)(int) (void (*cb)(int)), +b (int)"
 
 
@@ -155,13 +156,13 @@ def test_grouping_names_loses_none(names):
 @given(st.lists(st.tuples(st.sampled_from(["core.py", "grammars.py", "sampling/x.py"]),
                           st.integers(1, 999)), min_size=1, max_size=12))
 def test_places_text_keeps_every_place_up_to_the_limit(places):
-    text = report.places_text([f"{f}:{n}" for f, n in places], limit=100)
+    text = impact.places_text([f"{f}:{n}" for f, n in places], limit=100)
     for f, n in places:
         part = next(p for p in text.split(" ") if p.startswith(f + ":"))
         assert str(n) in part[len(f) + 1:].split(",")
 
 
 def test_split_params_keeps_function_pointers_whole():
-    assert report.split_params("void f(int a, void (*cb)(int, float), char *s)") == \
+    assert apidiff.split_params("void f(int a, void (*cb)(int, float), char *s)") == \
         ["int a", "void (*cb)(int, float)", "char *s"]
-    assert report.split_params("int f(void)") == []
+    assert apidiff.split_params("int f(void)") == []

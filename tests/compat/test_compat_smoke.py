@@ -11,8 +11,6 @@ load both. The tests of `plan` need no build.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
