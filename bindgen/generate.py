@@ -1,18 +1,21 @@
 """Generate one build's cffi ABI-mode bindings from its own llama.h.
 
-    python -m bindgen                     # every build under builds/
-    python -m bindgen builds/mainline     # one build
-    python -m bindgen builds/x --against builds/mainline/bindings/manifest.json
+    python -m bindgen                         # every build under builds/
+    python -m bindgen builds/mainline         # one build
+    python -m bindgen builds/mainline --against builds/compat-0.3.16   # report OLD -> NEW
 
 Writes <build>/bindings/: _llama_cffi.py (out-of-line ABI module, imports in ~0.06 s,
-stamped with the commit, build number and header/library sha256), manifest.json and
-changes.txt (the change report against the previous manifest of the same flavor, kept
-in $CLICKPACA_CACHE/manifests/, or against --against).
+stamped with the commit, build number and header/library sha256), manifest.json,
+changes.txt and changes.json (the change report, see bindgen/report.py). The report runs
+from the older version to the newer one (by build number): against --against (a manifest
+or a build directory), else against the previous version in the manifest history
+(bindgen/history.py: one manifest per flavor and commit).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -22,14 +25,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import cffi
 
-from . import layout
-from .cparse import BindgenError, parse, preprocess
-from .manifest import build_manifest, diff_manifests, format_report
+from . import history, layout
+from .cparse import BindgenError, deprecations, parse, preprocess
+from .exports import ExportCheckError, unexported
+from .manifest import build_manifest
+from .report import build_report, render_text
 
-BINDGEN_VERSION = "1"
+BINDGEN_VERSION = "2"
 MODULE = "_llama_cffi"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,53 +52,64 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
 
 
-def unexported(ffi: cffi.FFI, libpath: Path, names) -> list[str]:
-    """The declared functions dlsym cannot find in the library or its dependencies.
+def make_manifest(include: Path, stamp: dict[str, Any], libpath: Path | None,
+                  keep: dict | None = None) -> tuple[dict[str, Any], int]:
+    """Parse include/llama.h, check exports (when a library is given), build the manifest
+    and prove its layouts against the compiler: (manifest, fields proved). `keep` receives
+    the declarations (for writing the module)."""
+    header = include / "llama.h"
+    decls = parse(preprocess(header, [include]), str(header))
+    ffi = cffi.FFI()
+    ffi.cdef(decls.cdef)
+    if libpath is not None:
+        for name in unexported(libpath, decls.functions):
+            # Declared in a header, defined in no library (ggml.h has had such declarations):
+            # the cdef keeps it (accessing it raises), the manifest says it is not callable.
+            del decls.functions[name]
+            decls.signatures.pop(name, None)
+            decls.skipped[name] = "declared in the header but exported by no library"
+    manifest = build_manifest(ffi, decls, stamp)
+    hints = deprecations(header.read_text(errors="replace"))
+    manifest["deprecated"] = {k: v for k, v in sorted(hints.items()) if k in manifest["functions"]}
+    n_fields = layout.prove(manifest["records"], ["llama.h"], [include])
+    if keep is not None:
+        keep["decls"] = decls
+    return manifest, n_fields
 
-    Empty when the library cannot be loaded here (e.g. a GPU build on a machine without
-    the driver): the check is then left to load time.
-    """
-    try:
-        lib = ffi.dlopen(str(libpath))
-    except OSError:
-        return []
-    errors = (AttributeError, getattr(ffi, "error", AttributeError))
-    missing = []
-    for name in names:
-        try:
-            getattr(lib, name)
-        except errors:
-            missing.append(name)
-    ffi.dlclose(lib)
-    return missing
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A manifest given as a file or as a build directory (its bindings/manifest.json)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "bindings" / "manifest.json"
+    return json.loads(path.read_text())
 
 
-def generate(build: Path, against: Path | None = None, quiet: bool = False) -> dict:
+def generate(build: Path, against: Path | None = None, quiet: bool = False,
+             export_check: bool = True, full: bool = False, as_json: bool = False) -> dict:
     """Generate, prove and write the bindings of one build; return its manifest."""
+    label = Path(build).name  # builds/compat-0.3.16, not the cache directory it links to
     build = build.resolve()
     info = json.loads((build / "build-info.json").read_text())
     include = build / "include"
     header = include / "llama.h"
     t0 = time.monotonic()
-    decls = parse(preprocess(header, [include]), str(header))
-    ffi = cffi.FFI()
-    ffi.cdef(decls.cdef)
     stamp = {
         "flavor": info["flavor"],
         "commit": info["commit"],
         "build_number": info["build_number"],
         "llama_h_sha256": sha256_file(header),
-        "libllama_sha256": sha256_file(build / "lib" / "libllama.so"),
+        # (a missing library is reported by the export check, after the header is read)
+        "libllama_sha256": sha256_file(lib) if (lib := build / "lib" / "libllama.so").exists() else None,
         "bindgen_version": BINDGEN_VERSION,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "export_check": "every declared function looked up in the library (own process)"
+                        if export_check else "skipped (--no-export-check)",
     }
-    for name in unexported(ffi, build / "lib" / "libllama.so", decls.functions):
-        # Declared in a header, defined in no library (ggml.h has had such declarations):
-        # the cdef keeps it (accessing it raises), the manifest says it is not callable.
-        del decls.functions[name]
-        decls.skipped[name] = "declared in the header but exported by no library"
-    manifest = build_manifest(ffi, decls, stamp)
-    n_fields = layout.prove(manifest["records"], ["llama.h"], [include])
+    keep: dict = {}
+    manifest, n_fields = make_manifest(include, stamp, build / "lib" / "libllama.so"
+                                       if export_check else None, keep)
+    decls = keep["decls"]
 
     out = build / "bindings"
     tmp = Path(tempfile.mkdtemp(prefix=".bindings-", dir=build))
@@ -100,18 +117,18 @@ def generate(build: Path, against: Path | None = None, quiet: bool = False) -> d
     builder = cffi.FFI()
     builder.cdef(decls.cdef)
     builder.set_source(MODULE, None)
-    builder.emit_python_code(str(tmp / f"{MODULE}.py"))
+    with contextlib.redirect_stdout(sys.stderr):  # cffi says "generating ..."; stdout is the report
+        builder.emit_python_code(str(tmp / f"{MODULE}.py"))
     with open(tmp / f"{MODULE}.py", "a") as f:
         f.write("\n# Written by bindgen/generate.py: the build these bindings belong to.\n")
         f.write(f"STAMP = {json.dumps(stamp, sort_keys=True)!r}\n")
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
-    history = cache_dir() / "manifests" / f"{info['flavor']}.json"
-    old_path = against or (history if history.exists() else None)
-    old = json.loads(old_path.read_text()) if old_path else None
-    report = format_report(old["stamp"] if old else None, stamp,
-                           diff_manifests(old or {}, manifest) if old else [])
-    (tmp / "changes.txt").write_text(report + "\n")
+    base_path = against or history.baseline(info["flavor"], info["commit"])
+    report = build_report(read_manifest(base_path) if base_path else None, manifest)
+    text = render_text(report, full=full)
+    (tmp / "changes.txt").write_text(render_text(report) + "\n")
+    (tmp / "changes.json").write_text(json.dumps(report, indent=1) + "\n")
     # Several checkouts share one build cache: swap the directory under a lock so two
     # concurrent `make setup` runs never remove each other's bindings mid-rename.
     with open(build / ".bindings.lock", "w") as lock:
@@ -119,32 +136,42 @@ def generate(build: Path, against: Path | None = None, quiet: bool = False) -> d
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
-    if against is None:
-        history.parent.mkdir(parents=True, exist_ok=True)
-        history.write_text(json.dumps(manifest) + "\n")
-    if not quiet:
-        print(f"bindgen: {build.name}: {len(decls.functions)} functions, "
+    history.save(manifest)
+    if as_json:
+        print(json.dumps(report, indent=1))
+    elif not quiet:
+        print(f"bindgen: {label}: {len(decls.functions)} functions, "
               f"{len(manifest['records'])} records ({n_fields} field offsets proved), "
               f"{len(decls.enums)} enums, {len(decls.callbacks)} callback types, "
               f"{len(decls.skipped)} skipped, in {time.monotonic() - t0:.1f} s")
-        print(report)
+        print(text)
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bindgen", description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="*", type=Path, help="build directories (default: builds/*)")
-    ap.add_argument("--against", type=Path, help="manifest.json to report changes against")
+    ap.add_argument("--against", type=Path,
+                    help="the other version: a manifest.json or a build directory")
+    ap.add_argument("--full", action="store_true",
+                    help="list ggml/gguf internals and offset-only moves one by one")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--no-export-check", action="store_true",
+                    help="do not load the library to check its exports (a build that cannot "
+                         "run here); recorded in the stamp")
     args = ap.parse_args(argv)
-    builds = args.builds or sorted(p for p in (ROOT / "builds").glob("*")
-                                   if (p / "build-info.json").exists())
+    # mainline first: the other builds' reports compare with it (bindgen/history.py)
+    builds = args.builds or sorted((p for p in (ROOT / "builds").glob("*")
+                                    if (p / "build-info.json").exists()),
+                                   key=lambda p: (p.name != "mainline", p.name))
     if not builds:
         print("bindgen: no builds found; run `make mainline` first", file=sys.stderr)
         return 1
     for b in builds:
         try:
-            generate(b, args.against)
-        except (BindgenError, layout.LayoutError) as e:
+            generate(b, args.against, export_check=not args.no_export_check,
+                     full=args.full, as_json=args.json)
+        except (BindgenError, layout.LayoutError, ExportCheckError) as e:
             print(f"bindgen: {b}: {e}", file=sys.stderr)
             return 1
     return 0

@@ -251,7 +251,13 @@ class Batch:
 
 # ------------------------------------------------------------------ context
 
-_KV_SIZE_RE = re.compile(r"llama_kv_cache: size = +([0-9.]+) MiB")
+# What Context needs beyond decoding: per-sequence memory (absent in b5308, there by b6170).
+MEMORY_API = ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp",
+              "llama_memory_seq_keep", "llama_memory_seq_pos_max", "llama_memory_seq_pos_min",
+              "llama_memory_clear")
+
+# (b6170 and before name the class llama_kv_cache_unified in this log line)
+_KV_SIZE_RE = re.compile(r"llama_kv_cache(?:_unified)?: size = +([0-9.]+) MiB")
 
 
 class Context:
@@ -269,10 +275,12 @@ class Context:
             if name not in types:
                 raise ContextError(f"{field}: unknown cache type {name!r} for build "
                                    f"{nat.name!r}; this build offers {sorted(types)}")
-        fa = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-              "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}
-        if flash_attn not in fa:
-            raise ContextError(f"flashAttn: must be one of {sorted(fa)}, got {flash_attn!r}")
+        if flash_attn not in ("auto", "on", "off"):
+            raise ContextError(f"flashAttn: must be one of ['auto', 'off', 'on'], got {flash_attn!r}")
+        missing = [f for f in MEMORY_API if not hasattr(lib, f)]
+        if missing:
+            raise ContextError(f"build {nat.name!r} lacks llama.cpp's sequence memory API "
+                               f"({', '.join(missing)}), which clickpaca needs")
         p = lib.llama_context_default_params()
         p.n_ctx = n_ctx
         p.n_batch = n_batch
@@ -283,9 +291,15 @@ class Context:
         p.n_threads_batch = threads
         p.type_k = types[type_k]
         p.type_v = types[type_v]
-        p.flash_attn_type = fa[flash_attn]
-        p.kv_unified = kv_unified
-        p.swa_full = swa_full
+        if hasattr(p, "flash_attn_type"):
+            p.flash_attn_type = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                 "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
+        else:  # older llama.cpp: a bool and no automatic choice; auto is its default, off
+            p.flash_attn = flash_attn == "on"
+        for field, value in (("kv_unified", kv_unified), ("swa_full", swa_full)):
+            if not hasattr(p, field):
+                raise ContextError(f"build {nat.name!r} has no llama_context_params.{field}")
+            setattr(p, field, value)
         p.no_perf = True
         sink = log_sink(nat)
         sink.captured.clear()
@@ -300,9 +314,12 @@ class Context:
         self.kv_bytes = sum(int(float(m.group(1)) * 1024 * 1024)
                             for line in sink.captured for m in [_KV_SIZE_RE.search(line)] if m)
         self.n_ctx = lib.llama_n_ctx(self.ptr)
-        self.n_ctx_seq = lib.llama_n_ctx_seq(self.ptr)
         self.n_batch = lib.llama_n_batch(self.ptr)
         self.n_seq_max = lib.llama_n_seq_max(self.ptr)
+        # llama_n_ctx_seq came after b6170; before it, a unified cache gave every sequence
+        # the whole context and separate streams an equal share.
+        self.n_ctx_seq = (lib.llama_n_ctx_seq(self.ptr) if hasattr(lib, "llama_n_ctx_seq")
+                          else self.n_ctx if kv_unified else self.n_ctx // self.n_seq_max)
         self.n_threads = threads
         self.type_k, self.type_v = type_k, type_v
         self.kv_unified = kv_unified

@@ -222,7 +222,7 @@ class GrammarEngine:
                 piece = b"\xff" + piece
             tokens.append(piece)
         vocab_ptr = int(ffi.cast("uintptr_t", vocab))
-        tokenize_fptr = int(ffi.cast("uintptr_t", ffi.addressof(lib, "llama_tokenize")))
+        tokenize_fptr = int(ffi.cast("uintptr_t", lib.llama_tokenize))
         tok = LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab_ptr,
                                         tokenize_fptr=tokenize_fptr,
                                         eos_token=[int(x) for x in eog])

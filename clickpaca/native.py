@@ -25,6 +25,32 @@ class NativeError(RuntimeError):
     """A build or its bindings are missing or do not match; the message says what to run."""
 
 
+class MissingFunction(NativeError, AttributeError):
+    """This build's llama.cpp lacks a function (or constant) clickpaca asked for.
+
+    An AttributeError too, so `hasattr(nat.lib, name)` probes a capability."""
+
+
+class Lib:
+    """A build's cffi library that names what an older llama.cpp lacks, instead of cffi's
+    bare AttributeError. Each name is looked up once, then read from the instance."""
+
+    def __init__(self, lib: Any, ffi: Any, build: str, version: str) -> None:
+        self.__dict__["_lib"] = lib
+        self.__dict__["_where"] = (ffi, build, version)
+
+    def __getattr__(self, name: str) -> Any:
+        ffi, build, version = self.__dict__["_where"]
+        try:
+            value = getattr(self.__dict__["_lib"], name)
+        except (AttributeError, ffi.error):
+            raise MissingFunction(
+                f"build {build!r} (llama.cpp {version}) has no {name}: this version cannot do "
+                "what was asked; use a newer build (see docs/UPGRADING.md)") from None
+        self.__dict__[name] = value
+        return value
+
+
 @dataclass(frozen=True)
 class Native:
     name: str
@@ -105,7 +131,8 @@ def _load(name: str) -> Native:
     # collapses throughput (groundwork notes). Must be set before the runtime loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     lib = module.ffi.dlopen(str(libpath))
-    return Native(name, d, module.ffi, lib, info, stamp)
+    version = f"b{info['build_number']}" if info.get("build_number") else f"commit {info.get('commit')}"
+    return Native(name, d, module.ffi, Lib(lib, module.ffi, name, version), info, stamp)
 
 
 # ------------------------------------------------------------------ logging

@@ -46,6 +46,8 @@ TOOLS = [
 # Names a tool is also reachable by in bin/: older trees and llama.cpp's docs say rpc-server.
 TOOL_ALIASES = {"ggml-rpc-server": "rpc-server"}
 HEADER_DIRS = ["include", "ggml/include"]
+# Bump when the compat recipe changes (compat keys only; mainline/turboquant keys ignore it).
+COMPAT_RECIPE = "2"
 
 
 class BuildError(RuntimeError):
@@ -154,14 +156,42 @@ def tree_digest(src: Path) -> str:
 
 
 def git_build_info(src: Path) -> tuple[str, int]:
+    """Commit and build number of a git checkout; (commit, 0) when the number is unknown."""
+    ident = git_identity(src)
+    return ident["commit"], ident["build_number"]
+
+
+def _git(src: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def git_identity(src: Path, pins: dict[str, str] | None = None) -> dict:
+    """Commit and upstream build number of a llama.cpp tree with git metadata.
+
+    The sdist keeps the vendored tree's git module (`.git/modules/vendor/llama.cpp`, a
+    shallow clone), so the commit is exact. The build number is upstream's commit count,
+    which a shallow clone cannot count: it comes from a `bNNNN` release tag at HEAD when
+    the clone has one, else from a pin in native/llama-cpp.lock (`build_number.<commit>`),
+    else from `git rev-list --count` of a full clone; otherwise 0 ("unknown").
+    """
     try:
-        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=9", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        count = subprocess.run(["git", "-C", str(src), "rev-list", "--count", "HEAD"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return commit, int(count)
-    except (subprocess.CalledProcessError, FileNotFoundError, ValueError):
-        return "unknown", 0
+        commit = _git(src, "rev-parse", "--short=9", "HEAD")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"commit": "unknown", "build_number": 0, "build_number_from": "unknown"}
+    tags = _git(src, "tag", "--points-at", "HEAD").split()
+    numbers = [int(t[1:]) for t in tags if t[:1] == "b" and t[1:].isdigit()]
+    if numbers:
+        return {"commit": commit, "build_number": max(numbers),
+                "build_number_from": f"git tag b{max(numbers)}"}
+    pin = (pins or {}).get(f"build_number.{commit}")
+    if pin:
+        return {"commit": commit, "build_number": int(pin),
+                "build_number_from": "native/llama-cpp.lock (upstream release tag)"}
+    if _git(src, "rev-parse", "--is-shallow-repository") == "false":
+        return {"commit": commit, "build_number": int(_git(src, "rev-list", "--count", "HEAD")),
+                "build_number_from": "git rev-list --count"}
+    return {"commit": commit, "build_number": 0, "build_number_from": "unknown (shallow clone)"}
 
 
 def resolve_source(flavor: str, sdist_version: str | None) -> dict:
@@ -178,11 +208,13 @@ def resolve_source(flavor: str, sdist_version: str | None) -> dict:
     if flavor == "compat":
         version = sdist_version or "0.3.16"
         sdist = f"llama_cpp_python-{version}.tar.gz"
-        archive = fetch_sdist(lock["package"], version, sdist, None)
+        archive = fetch_sdist(lock["package"], version, sdist, lock.get(f"sha256.{version}"))
         digest = sha256_file(archive)
         src = extract_sdist(archive, lock["subdir"])
+        ident = git_identity(src, lock)
         return {"src": src, "origin": f"{lock['package']}=={version} sdist sha256 {digest}",
-                "commit": f"sdist-{version}", "build_number": 0, "digest": "sdist:" + digest}
+                "commit": ident["commit"], "build_number": ident["build_number"],
+                "build_number_from": ident["build_number_from"], "digest": "sdist:" + digest}
     archive = fetch_sdist(lock["package"], lock["version"], lock["sdist"], lock["sha256"])
     src = extract_sdist(archive, lock["subdir"])
     return {"src": src, "origin": f"{lock['package']}=={lock['version']} sdist sha256 {lock['sha256']}",
@@ -268,12 +300,26 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def tools_in(src: Path) -> list[str]:
-    """The native tools this source tree defines (older trees lack some of them)."""
-    text = "\n".join(p.read_text(errors="replace")
-                     for d in ("tools", "examples") if (src / d).is_dir()
-                     for p in (src / d).rglob("CMakeLists.txt"))
-    return [t for t in TOOLS if f"set(TARGET {t})" in text]
+# Older trees name a tool's target differently (rpc-server before ggml-rpc-server).
+TARGET_NAMES = {"ggml-rpc-server": ["ggml-rpc-server", "rpc-server"]}
+
+
+def configured_targets(build_dir: Path) -> set[str]:
+    """Every target the configured build defines: what exists under the preset's options
+    (an older tree keeps its tools under examples/, which the presets turn off)."""
+    out = subprocess.run(["ninja", "-C", str(build_dir), "-t", "targets", "all"],
+                         capture_output=True, text=True, check=True).stdout
+    return {line.split(":", 1)[0].strip() for line in out.splitlines() if ":" in line}
+
+
+def tools_in(targets: set[str]) -> dict[str, str]:
+    """tool -> the target that builds it in this tree, for the tools the tree defines."""
+    found = {}
+    for tool in TOOLS:
+        name = next((n for n in TARGET_NAMES.get(tool, [tool]) if n in targets), None)
+        if name is not None:
+            found[tool] = name
+    return found
 
 
 @contextlib.contextmanager
@@ -291,16 +337,20 @@ def cache_lock(flavor: str):
         yield
 
 
-def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, tools: list[str],
-              extra: list[str]) -> str:
+def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra: list[str],
+              compat_stamp: list | None = None) -> str:
     """The cache key: everything that decides what a build produces."""
-    material = json.dumps({
+    fields = {
         "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
         "presets": preset_digest(preset), "source": source_digest,
-        "patches": pdigest, "targets": ["llama", *tools],
+        "patches": pdigest, "targets": ["llama", *TOOLS],
         **({"extra": extra} if extra else {}),
-    }, sort_keys=True)
-    return hashlib.sha256(material.encode()).hexdigest()[:16]
+    }
+    if compat_stamp is not None:
+        # Compat-only recipe, keyed apart from mainline/turboquant: targets found by
+        # configuring, libraries collected wherever the tree puts them, real stamp.
+        fields.update(targets="configured", compat_recipe=COMPAT_RECIPE, stamp=compat_stamp)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def finished_pinned_build(flavor: str, preset: str) -> Path | None:
@@ -310,7 +360,7 @@ def finished_pinned_build(flavor: str, preset: str) -> Path | None:
         return None
     pfiles = patch_files("turboquant") if flavor == "turboquant" else []
     key = build_key(flavor, preset, "sdist:" + read_lock()["sha256"],
-                    patches_digest(pfiles) if pfiles else "", TOOLS, [])
+                    patches_digest(pfiles) if pfiles else "", [])
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     return out if (out / ".complete").exists() else None
 
@@ -337,11 +387,10 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Pat
 def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
     source = resolve_source(flavor, sdist_version)
     src: Path = source["src"]
-    tools = TOOLS
     extra: list[str] = []
     if flavor == "compat":
-        # Older trees: some tools do not exist yet, and common/ wanted CURL by default.
-        tools = tools_in(src)
+        # Older trees: common/ wanted CURL by default. Which tools exist is found after
+        # configuring (configured_targets); none is required for the library smoke test.
         extra = ["-DLLAMA_CURL=OFF"]
     pfiles = patch_files("turboquant") if flavor == "turboquant" else []
     pdigest = patches_digest(pfiles) if pfiles else ""
@@ -349,7 +398,8 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         if not pfiles:
             raise BuildError("native/turboquant/ holds no patch set")
         src = apply_patch_set("turboquant", src, pdigest)
-    key = build_key(flavor, preset, source["digest"], pdigest, tools, extra)
+    compat = [source["commit"], source["build_number"]] if flavor == "compat" else None
+    key = build_key(flavor, preset, source["digest"], pdigest, extra, compat_stamp=compat)
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     done = out / ".complete"
     if done.exists():
@@ -364,14 +414,23 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         run_streamed(["cmake", "--preset", preset, f"-DLLAMA_CPP_SRC={src}",
                       f"-DLLAMA_BUILD_NUMBER={source['build_number']}",
                       f"-DLLAMA_BUILD_COMMIT={source['commit']}", *extra], env, logfile)
+        if flavor == "compat":
+            tools = tools_in(configured_targets(out / "cmake"))
+            log(f"{flavor}: tools this tree defines under preset {preset}: "
+                f"{', '.join(tools) or 'none (library only)'}")
+        else:
+            tools = {t: t for t in TOOLS}
         run_streamed(["cmake", "--build", str(out / "cmake"), "-j", str(jobs),
-                      "--target", "llama", *tools], env, logfile)
+                      "--target", "llama", *tools.values()], env, logfile)
         assemble(out, src, tools)
         header_sha = sha256_file(out / "include" / "llama.h")
         info = {
             "flavor": flavor, "preset": preset, "key": key,
             "commit": source["commit"], "build_number": source["build_number"],
+            **({"build_number_from": source["build_number_from"]}
+               if "build_number_from" in source else {}),
             "origin": source["origin"], "source_dir": str(src),
+            "tools": sorted(tools),
             "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
             "llama_h_sha256": header_sha,
             "libllama_sha256": sha256_file(out / "lib" / "libllama.so"),
@@ -385,28 +444,40 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
     return out
 
 
-def assemble(out: Path, src: Path, tools: list[str]) -> None:
+def shared_libraries(cmake_dir: Path) -> list[Path]:
+    """The shared libraries a build produced, wherever the tree puts them: bin/ in newer
+    trees, src/ and ggml/src/ (and backend subdirectories) in older ones. One per name,
+    bin/ first."""
+    found: dict[str, Path] = {}
+    for so in sorted((cmake_dir / "bin").glob("*.so*")) + sorted(cmake_dir.rglob("*.so*")):
+        if "CMakeFiles" not in so.parts and so.name not in found:
+            found[so.name] = so
+    return list(found.values())
+
+
+def assemble(out: Path, src: Path, tools: dict[str, str]) -> None:
     """lib/ (shared libraries), bin/ (native tools), include/ (the headers bindgen reads)."""
-    cbin = out / "cmake" / "bin"
+    cmake_dir = out / "cmake"
+    cbin = cmake_dir / "bin"
     (out / "lib").mkdir()
     (out / "bin").mkdir()
-    for so in sorted(cbin.glob("*.so*")):
+    for so in shared_libraries(cmake_dir):
         if so.is_symlink():
             os.symlink(os.readlink(so), out / "lib" / so.name)
         else:
             link_or_copy(so, out / "lib" / so.name)
-    for tool in tools:
+    for tool, target in tools.items():
         # The linker already gave each tool the run path $ORIGIN/../lib (CMakeLists.txt),
         # so a copy finds the libraries in lib/ with no post-build tool.
-        shutil.copy2(cbin / tool, out / "bin" / tool)
-        if tool in TOOL_ALIASES:
-            os.symlink(tool, out / "bin" / TOOL_ALIASES[tool])
+        shutil.copy2(cbin / target, out / "bin" / tool)
+        for alias in {TOOL_ALIASES.get(tool), target} - {None, tool}:
+            os.symlink(tool, out / "bin" / alias)
     for d in HEADER_DIRS:
         for h in (src / d).glob("*.h"):
             (out / "include").mkdir(exist_ok=True)
             shutil.copy2(h, out / "include" / h.name)
     if not (out / "lib" / "libllama.so").exists():
-        raise BuildError(f"the build produced no libllama.so in {cbin}")
+        raise BuildError(f"the build produced no libllama.so under {cmake_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:

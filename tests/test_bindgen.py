@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from bindgen import generate as gen
 from bindgen import layout
 from bindgen.cparse import BindgenError, ConstEval, parse, preprocess
-from bindgen.manifest import diff_manifests, format_report
+from bindgen.report import build_report, compare, render_text
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler (gcc)")
 
@@ -288,7 +288,8 @@ def synth(tmp_path_factory):
 def test_generate_writes_module_manifest_and_report(synth):
     build, manifest, ffi, lib, module = synth
     out = build / "bindings"
-    assert sorted(p.name for p in out.iterdir()) == ["_llama_cffi.py", "changes.txt", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["_llama_cffi.py", "changes.json", "changes.txt",
+                                                    "manifest.json"]
     assert out.stat().st_mode & 0o755 == 0o755  # readable by others (mkdtemp alone gives 0700)
     assert json.loads((out / "manifest.json").read_text()) == manifest
     assert "(no previous manifest)" in (out / "changes.txt").read_text()
@@ -528,10 +529,9 @@ def test_unknown_constant_is_an_error(tmp_path):
         parse(preprocess(tmp_path / "bad.h", [tmp_path]))
 
 
-def test_change_report_against_a_previous_manifest(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("CLICKPACA_CACHE", str(tmp_path / "cache"))
-    old = make_build(tmp_path / "v1")
-    assert gen.main([str(old)]) == 0
+def _v2(tmp_path: Path, commit: str = "def456", build_number: int = 8) -> Path:
+    """The synthetic build one version later: a field and an enum value added, a function
+    removed and one added."""
     header = (HEADER
               .replace("    syn_mode        mode;\n", "    syn_mode        mode;\n    void *          n_new;\n")
               .replace("    SYN_E,", "    SYN_E,\n    SYN_NEWVAL = 99,")
@@ -542,47 +542,80 @@ def test_change_report_against_a_previous_manifest(tmp_path, monkeypatch, capsys
     impl = (IMPL.replace("bool syn_is_even(int32_t v) { return v % 2 == 0; }\n", "")
             .replace('SYN_MODE_ON, NULL, NULL, "syn"', 'SYN_MODE_ON, NULL, NULL, NULL, "syn"')
             + "int32_t syn_added(void) { return 1; }\n")
-    new = make_build(tmp_path / "v2", header=header, impl=impl, commit="def456", build_number=8)
+    return make_build(tmp_path / f"v-{commit}", header=header, impl=impl, commit=commit,
+                      build_number=build_number)
+
+
+def test_change_report_against_a_previous_manifest(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CLICKPACA_CACHE", str(tmp_path / "cache"))
+    old = make_build(tmp_path / "v1")
+    assert gen.main([str(old)]) == 0
+    new = _v2(tmp_path)
     # second generation of the same flavor: reported against the first (kept in the cache)
-    assert gen.main([str(new)]) == 0
+    assert gen.main([str(new), "--full"]) == 0
     report = (new / "bindings" / "changes.txt").read_text()
-    assert "synthetic commit abc123 build 7  ->  synthetic commit def456 build 8" in report
-    assert "+ function syn_added" in report
-    assert "- function syn_is_even" in report
-    assert "+ field struct syn_params.n_new (void * at 16)" in report
-    assert "~ field struct syn_params.seed: uint64_t at 48 -> uint64_t at 56" in report
-    assert "~ struct syn_params: size 64 -> 72" in report
-    assert "+ enum value syn_flags.SYN_NEWVAL = 99" in report
-    assert "~ enum value syn_flags.SYN_F" not in report
-    assert report.splitlines()[1].strip().startswith("3 added, 1 removed")
-    assert report in capsys.readouterr().out
-    # --against an explicit manifest
+    assert report.startswith("Change report: b7 (synthetic abc123) -> b8 (synthetic def456)")
+    printed = capsys.readouterr().out
+    assert "synthetic commit" not in printed
+    full = printed[printed.index("Change report:"):]
+    # syn_* is not the llama API: summarised in one line, listed with --full
+    assert "ggml/gguf internals: 1 added, 1 removed, 0 renamed, 2 changed, 7 fields moved" in report
+    assert "nothing affected" in report.splitlines()[1]
+    assert "syn_added" not in report
+    assert "+ functions (1): syn_added" in full
+    assert "- functions (1): syn_is_even" in full
+    assert "+n_new (void *)" in full and "seed @48->56" in full and "size 64 -> 72" in full
+    data = json.loads((new / "bindings" / "changes.json").read_text())
+    assert data["from"]["commit"] == "abc123" and data["to"]["commit"] == "def456"
+    assert data["api"]["internals"]["enums"]["changed"][0]["added"] == {"SYN_NEWVAL": 99}
+    # regenerating either version never turns a report into "no previous manifest" or
+    # into a report against itself: history is per (flavor, commit), the report old -> new
+    assert gen.main([str(old)]) == 0
+    assert (old / "bindings" / "changes.txt").read_text() == report
+    assert gen.main([str(new)]) == 0
+    assert (new / "bindings" / "changes.txt").read_text() == report
+    # --against an explicit manifest, or a build directory
     assert gen.main([str(new), "--against", str(new / "bindings" / "manifest.json")]) == 0
-    assert "no changes" in (new / "bindings" / "changes.txt").read_text()
+    assert "0 added, 0 removed" in (new / "bindings" / "changes.txt").read_text()
+
+
+def test_report_runs_from_the_older_version_whichever_is_the_baseline(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLICKPACA_CACHE", str(tmp_path / "cache"))
+    old = make_build(tmp_path / "v1")
+    new = _v2(tmp_path)
+    assert gen.main([str(new)]) == 0
+    # the old build reported against the newer one: still old -> new
+    assert gen.main([str(old), "--against", str(new)]) == 0
+    report = (old / "bindings" / "changes.txt").read_text()
+    assert report.startswith("Change report: b7 (synthetic abc123) -> b8 (synthetic def456)")
+    assert json.loads((old / "bindings" / "changes.json").read_text())["from"]["build_number"] == 7
 
 
 def test_report_is_deterministic_across_processes():
     """Added/removed fields come out sorted, not in set order (which PYTHONHASHSEED changes)."""
     import sys
-    code = ("import json; from bindgen.manifest import diff_manifests\n"
+    code = ("import json; from bindgen.report import compare\n"
             "f = lambda names: {'size': 8, 'fields': [{'name': n, 'type': 'int', 'offset': 0} for n in names]}\n"
-            "a = {'records': {'struct s': f(['keep', 'gone1', 'gone2', 'gone3', 'gone4'])}}\n"
-            "b = {'records': {'struct s': f(['keep', 'new1', 'new2', 'new3', 'new4'])}}\n"
-            "print(json.dumps(diff_manifests(a, b)))")
+            "a = {'records': {'struct llama_s': f(['keep', 'gone1', 'gone2', 'gone3', 'gone4'])}}\n"
+            "b = {'records': {'struct llama_s': f(['keep', 'new1', 'new2', 'new3', 'new4'])}}\n"
+            "print(json.dumps(compare(a, b)))")
     root = Path(__file__).resolve().parent.parent
     outs = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin"}).stdout
             for seed in range(6)}
     assert len(outs) == 1
-    lines = json.loads(outs.pop())
-    assert lines[:4] == [f"+ field struct s.new{i} (int at 0)" for i in range(1, 5)]
-    assert lines[4:8] == [f"- field struct s.gone{i}" for i in range(1, 5)]
+    rec = json.loads(outs.pop())["llama"]["records"]["changed"][0]
+    assert [x["name"] for x in rec["fields_added"]] == [f"new{i}" for i in range(1, 5)]
+    assert [x["name"] for x in rec["fields_removed"]] == [f"gone{i}" for i in range(1, 5)]
 
 
 def test_report_of_identical_manifests():
-    m = {"functions": {"f": "int f(void)"}, "records": {}, "enums": {}}
-    assert diff_manifests(m, m) == []
-    assert format_report({"flavor": "a"}, {"flavor": "a"}, []).endswith("no changes")
+    m = {"stamp": {"flavor": "a", "commit": "x", "build_number": 1},
+         "functions": {"f": "int f(void)"}, "records": {}, "enums": {}}
+    rep = build_report(m, m)
+    assert rep["ours"] == []
+    assert all(v == [] for area in rep["api"].values() for kind in area.values() for v in kind.values())
+    assert "0 added, 0 removed, 0 renamed, 0 changed" in render_text(rep)
 
 
 # ---------------------------------------------------------------- constant expressions

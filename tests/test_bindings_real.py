@@ -157,3 +157,13 @@ def test_load_refuses_a_build_without_bindings(tmp_path, monkeypatch):
     monkeypatch.setenv("CLICKPACA_BUILDS", str(tmp_path))
     with pytest.raises(native.NativeError, match="make bindgen"):
         native.load("unbound")
+
+
+def test_a_function_this_build_lacks_is_named_not_an_attribute_error(nat):
+    """An older API name (removed from this version) is refused with the build and the
+    llama.cpp version in the message; hasattr() still probes capabilities."""
+    with pytest.raises(native.MissingFunction,
+                       match=r"build 'mainline' \(llama\.cpp b\d+\) has no llama_kv_self_seq_rm"):
+        nat.lib.llama_kv_self_seq_rm
+    assert not hasattr(nat.lib, "llama_kv_self_seq_rm")
+    assert hasattr(nat.lib, "llama_decode") and nat.lib.llama_decode is nat.lib.llama_decode

@@ -152,9 +152,9 @@ def test_prefill_messages_then_continue_with_more_messages(gemma):
 def test_a_models_own_template_from_its_gguf_metadata():
     """SmolLM2-135M-Instruct carries a ChatML template: no chatTemplate needed, and the
     prompt equals the ChatML turns written by hand."""
-    from clickpaca.models import smollm2_model
+    from clickpaca.models import smollm2_path
 
-    path = smollm2_model()
+    path = smollm2_path()
     c = spawn_server(modelPath=str(path), nSeqMax=2, nCtx=2048)
     try:
         msgs = [{"role": "user", "content": "What is the capital of France?"}]

@@ -11,54 +11,15 @@ load both. The tests of `plan` need no build.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bindgen.compat import CompatError, adapted, params_of, plan, takes_vocab
+from bindgen.smoke_model import knows_architecture
+from bindgen.compat import IF_PRESENT, CompatError, adapted, params_of, plan, takes_vocab
 
-ROOT = Path(__file__).resolve().parents[2]
-MAINLINE = ROOT / "builds" / "mainline"
-MAINLINE_MANIFEST = MAINLINE / "bindings" / "manifest.json"
-
-
-def compat_build() -> Path:
-    value = os.environ.get("COMPAT_BUILD")
-    if not value:
-        pytest.skip("set COMPAT_BUILD=builds/compat-X (make test-compat does)")
-    build = Path(value)
-    if not build.is_absolute():
-        build = ROOT / build
-    assert (build / "build-info.json").exists(), (
-        f"COMPAT_BUILD={value} is not a build: run `python3 native/build.py compat --sdist-version X`")
-    return build
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
-# ---------------------------------------------------------------- with a compat build
-
-
-@pytest.fixture(scope="module")
-def generated() -> tuple[Path, str]:
-    """Generate the compat build's bindings, as `python -m bindgen B --against mainline`."""
-    build = compat_build()
-    args = ["-m", "bindgen", str(build)]
-    if MAINLINE_MANIFEST.exists():
-        args += ["--against", str(MAINLINE_MANIFEST)]
-    proc = run(*args)
-    assert proc.returncode == 0, f"bindgen failed on {build} (no hand edits allowed):\n{proc.stderr}"
-    sys.stderr.write(proc.stdout)  # the change report, visible with -s
-    return build, proc.stdout
+from compat_common import MAINLINE, MAINLINE_MANIFEST, last_json, run
 
 
 @pytest.mark.model
@@ -67,28 +28,44 @@ def test_bindings_generated_with_zero_hand_edits(generated):
     info = json.loads((build / "build-info.json").read_text())
     manifest = json.loads((build / "bindings" / "manifest.json").read_text())
     assert manifest["stamp"]["commit"] == info["commit"]
+    # stamped with the vendored llama.cpp's own commit and upstream build number
+    assert info["commit"] != "unknown" and not info["commit"].startswith("sdist-")
+    assert info["build_number"] > 0, info.get("build_number_from")
     report = (build / "bindings" / "changes.txt").read_text()
-    assert report.startswith("API change report:")
+    assert report.startswith("Change report:")
     assert report.strip() in out
     if MAINLINE_MANIFEST.exists():
         mainline = json.loads(MAINLINE_MANIFEST.read_text())
-        assert f"mainline commit {mainline['stamp']['commit']}" in report.splitlines()[0]
-        assert f"commit {info['commit']}" in report.splitlines()[0]
+        # from the older version (this build) to the newer one (mainline)
+        head = report.splitlines()[0]
+        assert head.index(f"compat {info['commit']}") < head.index(f"mainline {mainline['stamp']['commit']}")
+        assert head.startswith(f"Change report: b{info['build_number']} ")
     for name in ("llama_decode", "llama_tokenize", "llama_batch_init", "llama_get_logits_ith"):
         assert name in manifest["functions"]
 
 
 @pytest.mark.model
 def test_plan_uses_only_functions_of_both_versions(generated):
+    """Every role runs a function both versions have, except a role one version does not
+    need (model_vocab: before the vocabulary API, tokenizing takes the model) and renamed
+    functions (each build its own name)."""
     build, _ = generated
     if not MAINLINE_MANIFEST.exists():
         pytest.skip("no mainline bindings to compare with")
     old = json.loads((build / "bindings" / "manifest.json").read_text())
     new = json.loads(MAINLINE_MANIFEST.read_text())
-    use = plan(old, new)
+    use, back = plan(old, new), plan(new, old)
+    renamed = adapted(use, new)
     for role, name in use.items():
-        assert name in old["functions"] and name in new["functions"], (role, name)
-    assert plan(new, old) == use  # the same calls work on both sides
+        assert name in old["functions"], (role, name)
+        if role in IF_PRESENT:
+            continue
+        assert role in back, role  # the other version fills the role too
+        if role not in renamed:
+            assert name in new["functions"] and back[role] == name, (role, name)
+    assert set(use) - IF_PRESENT == set(back) - IF_PRESENT
+    if "llama_model_get_vocab" not in old["functions"]:
+        assert "model_vocab" not in use and not takes_vocab(old["functions"][use["tokenize"]])
 
 
 @pytest.mark.model
@@ -99,6 +76,10 @@ def test_smoke_on_the_compat_build(generated):
     result = last_json(proc.stdout)
     sys.stderr.write(json.dumps(result) + "\n")
     assert result["ok"] and result["logits_finite"]
+    # the default model where this version knows its architecture, else SmolLM2
+    knows_gemma3 = knows_architecture(build / "lib" / "libllama.so", "gemma3")
+    assert Path(result["model"]).name == ("gemma-3-270m-q4_k_m.gguf" if knows_gemma3
+                                          else "SmolLM2-135M-Instruct.Q4_1.gguf"), result["model_why"]
     assert result["tokens"] and all(0 <= t < result["n_vocab"] for t in result["tokens"])
     assert 0 <= result["argmax"] < result["n_vocab"]
 
@@ -110,10 +91,12 @@ def test_same_smoke_on_mainline_tokenizes_alike(generated):
     if not MAINLINE_MANIFEST.exists():
         pytest.skip("no mainline bindings")
     old = run("-m", "bindgen.compat", str(build), "--skip-generate")
-    new = run("-m", "bindgen.compat", str(MAINLINE), "--skip-generate",
+    assert old.returncode == 0, old.stderr[-3000:]
+    a = last_json(old.stdout)
+    new = run("-m", "bindgen.compat", str(MAINLINE), "--skip-generate", "--model", a["model"],
               "--common-with", str(build / "bindings" / "manifest.json"))
     assert new.returncode == 0, new.stderr[-3000:]
-    a, b = last_json(old.stdout), last_json(new.stdout)
+    b = last_json(new.stdout)
     assert a["tokens"] == b["tokens"]
     assert a["n_vocab"] == b["n_vocab"]
     assert set(a["functions"]) - {"model_vocab"} == set(b["functions"]) - {"model_vocab"}
