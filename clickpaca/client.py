@@ -102,7 +102,7 @@ class Client:
         self.wfile.flush()
 
     def send_raw(self, line: bytes) -> None:
-        """Send bytes as they are (for robustness tests)."""
+        """Send bytes as they are (several request lines in one write, robustness tests)."""
         self.wfile.write(line)
         self.wfile.flush()
 
