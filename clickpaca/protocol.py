@@ -10,12 +10,21 @@ the user-facing description; tests/test_protocol_doc.py runs its examples.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import orjson
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
+# Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
+# a deeper line is refused before anything walks it recursively (repr of a 1,000-deep
+# value raised RecursionError and ended the reader thread).
+MAX_JSON_DEPTH = 32
+MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenizing runs on the engine thread
+MAX_SCORE_BYTES = 4 << 20  # score text
+MAX_GRAMMAR_BYTES = 128 << 10  # grammar text (see grammars.py: LIMITS)
+MAX_THREADS = 512  # GGML_MAX_N_THREADS in ggml.h: the CPU threadpool's fixed arrays
 
 
 @dataclass
@@ -69,14 +78,27 @@ def _num(lo: float | None = None, hi: float | None = None) -> Callable[[str, Any
     return check
 
 
-def _str(nonempty: bool = False) -> Callable[[str, Any], str]:
+def _str(nonempty: bool = False, max_bytes: int | None = None) -> Callable[[str, Any], str]:
     def check(name: str, v: Any) -> str:
         if not isinstance(v, str):
             raise ValueError(f"{name}: must be a string, got {_show(v)}")
         if nonempty and not v:
             raise ValueError(f"{name}: must not be empty")
+        if max_bytes is not None and len(v) * 4 > max_bytes:  # UTF-8: at most 4 bytes a char
+            n = len(v.encode("utf-8", "surrogatepass"))
+            if n > max_bytes:
+                raise ValueError(f"{name}: {n} bytes, the limit is {max_bytes}")
         return v
     return check
+
+
+def _name(name: str, v: Any) -> str:
+    """A build name: one path component under builds/, never a path to import code from."""
+    v = _str(True)(name, v)
+    if not _NAME_RE.fullmatch(v):
+        raise ValueError(f"{name}: must be a build name under builds/ (letters, digits, '.', '_', '-'; "
+                         f"no path), got {_show(v)}")
+    return v
 
 
 def _bool(name: str, v: Any) -> bool:
@@ -108,13 +130,32 @@ def _passthrough(name: str, v: Any) -> Any:
 
 
 def _show(v: Any) -> str:
+    """A short rendering of a value for an error message; never raises."""
     try:
         text = orjson.dumps(v).decode() if not isinstance(v, float) or math.isfinite(v) else str(v)
-    except TypeError:  # e.g. an int beyond 64 bits (validate() called in-process)
-        text = repr(v)
+    except TypeError:  # e.g. an int beyond 64 bits, or nesting orjson refuses
+        text = repr(v) if isinstance(v, int) and not isinstance(v, bool) else f"a {type(v).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def json_depth(obj: Any, limit: int) -> int:
+    """Nesting depth of arrays/objects, without recursion; stops counting past `limit`."""
+    deepest = 0
+    stack = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
 # Fields of each request: name -> (check, default). _MISSING = required.
 SAMPLER_FIELDS = ("temperature", "topK", "topP", "minP", "penaltyRepeat", "penaltyFreq",
@@ -128,16 +169,17 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
         "nSeqMax": (_int(1, 256), 64),
         "cacheTypeK": (_str(True), "f16"),
         "cacheTypeV": (_str(True), "f16"),
-        "nThreads": (_opt(_int(1, 1024)), None),
-        "build": (_opt(_str(True)), None),
+        "nThreads": (_opt(_int(1, MAX_THREADS)), None),
+        "build": (_opt(_name), None),
         "flashAttn": (_str(True), "auto"),
         "swaFull": (_bool, True),
         "kvUnified": (_bool, True),
+        "stateDir": (_opt(_str(True)), None),
     },
-    "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True), _MISSING)},
+    "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True, MAX_GRAMMAR_BYTES), _MISSING)},
     "infer": {
         "seq_id": (SEQ, _MISSING),
-        "prompt": (_str(), ""),
+        "prompt": (_str(max_bytes=MAX_PROMPT_BYTES), ""),
         "maxTokens": (_int(0, 1 << 24), 256),
         "grammar_id": (_opt(_grammar_id), None),
         "stop": (_opt(_str_list), None),
@@ -146,16 +188,18 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     },
     "score": {
         "seq_id": (SEQ, _MISSING),
-        "text": (_str(True), _MISSING),
+        "text": (_str(True, MAX_SCORE_BYTES), _MISSING),
         "window": (_opt(_int(3, 1 << 24)), None),  # 2 would score no token of a long text
         "perToken": (_bool, False),
     },
     "cancel": {"seq_id": (SEQ, _MISSING)},
     "free": {"seq_id": (SEQ, _MISSING)},
-    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True), _MISSING)},
+    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True, MAX_PROMPT_BYTES), _MISSING)},
     "fork": {"seq_id": (SEQ, _MISSING), "dst_seq_id": (SEQ, _MISSING)},
-    "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
-    "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
+    # path: a name in the state directory (statedir.py); shared: the shared namespace
+    "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING), "shared": (_bool, False),
+             "replace": (_bool, False)},
+    "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING), "shared": (_bool, False)},
     "quit": {"now": (_bool, False)},
 }
 
@@ -200,6 +244,13 @@ def parse_line(line: bytes) -> dict:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"not valid JSON: {e}") from None
+    # cheap first: a line with few brackets cannot be deep
+    if line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH and json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        seq_id = obj.get("seq_id", -1) if isinstance(obj, dict) else -1
+        seq_id = seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else -1
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        raise ProtocolError(f"request nested deeper than {MAX_JSON_DEPTH} levels of arrays/objects",
+                            seq_id, kind if isinstance(kind, str) and kind in REQUESTS else None)
     return validate(obj)
 
 

@@ -14,13 +14,14 @@ that were in it. Every `infer` ends in exactly one `done` or `error`.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from . import core, kvstate
+from . import core, kvstate, statedir
 from .grammars import GrammarEngine, GrammarError
 from .mask_ahead import MaskAhead, MaskJob
 from .models import resolve_model
@@ -31,6 +32,7 @@ from .scoring import score_rows, windows_for
 from .text import StopMatcher, Utf8Assembler
 
 N_TOP_MAX = 100
+MAX_GRAMMARS_PER_SESSION = 64  # grammar ids one client may hold (each costs memory)
 
 
 @dataclass(eq=False)
@@ -41,6 +43,8 @@ class Session:
     name: str = "stdio"
     seqs: dict[int, "Sequence"] = field(default_factory=dict)
     grammars: dict[str, Any] = field(default_factory=dict)
+    max_seqs: int | None = None  # slots this client may hold at once (socket: --max-seqs-per-client)
+    namespace: str | None = None  # its private state-file namespace (statedir.py); None = the root
 
 
 @dataclass(eq=False)
@@ -78,10 +82,19 @@ class Sequence:
         return len(self.tokens)
 
 
+def _path_message(e: Exception) -> str:
+    msg = str(e)
+    return msg if msg.startswith("path:") else f"path: {msg}"
+
+
 class Engine:
     """Owns the model, the context and every sequence of every session."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_dir: str | None = None, allow_any_path: bool = False) -> None:
+        self.state_dir_default = state_dir
+        self.allow_any_path = allow_any_path
+        self.states: statedir.StateDir | None = None
+        self._taken: list[Sequence] = []  # slots taken by the request being handled
         self.model: core.Model | None = None
         self.ctx: core.Context | None = None
         self.batch: core.Batch | None = None
@@ -98,6 +111,7 @@ class Engine:
     def handle(self, session: Session, req: dict) -> None:
         """Apply one validated request; errors become `error` events for that session."""
         kind = req["type"]
+        self._taken = []
         try:
             if kind == "init":
                 self._init(session, req)
@@ -107,9 +121,21 @@ class Engine:
                                     req.get("seq_id", -1), kind)
             getattr(self, f"_{kind}")(session, req)
         except ProtocolError as e:
+            self._give_back()
             if e.request is None:
                 e.request = kind
             session.send(e.event())
+        except BaseException:
+            self._give_back()
+            raise
+        finally:
+            self._taken = []
+
+    def _give_back(self) -> None:
+        """A request failed: release the slots it took that hold nothing yet (no leak)."""
+        for seq in self._taken:
+            if seq.session.seqs.get(seq.seq_id) is seq:
+                self._release(seq)
 
     def _init(self, session: Session, req: dict) -> None:
         if self.ctx is not None:
@@ -120,6 +146,17 @@ class Engine:
         if req["nBatch"] < req["nSeqMax"]:
             raise ProtocolError(f"nBatch: must be >= nSeqMax ({req['nSeqMax']}) so every "
                                 f"sequence gets a token each tick, got {req['nBatch']}", request="init")
+        if req["nCtx"] < req["nSeqMax"]:
+            # llama.cpp clamps n_batch to n_ctx, then reserves n_seq_max output rows:
+            # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) aborts the process.
+            raise ProtocolError(f"nCtx: must be >= nSeqMax ({req['nSeqMax']}), got {req['nCtx']}",
+                                request="init")
+        try:
+            states = statedir.StateDir(req["stateDir"] or self.state_dir_default
+                                       or statedir.default_root(), self.allow_any_path)
+        except (OSError, statedir.StatePathError) as e:
+            raise ProtocolError(f"stateDir: cannot be used ({getattr(e, 'strerror', None) or e})",
+                                request="init") from None
         try:
             path = resolve_model(req["modelPath"])
             model = core.Model(path, n_gpu_layers=req["nGpuLayers"], build=build)
@@ -136,6 +173,7 @@ class Engine:
             model.close()
             raise ProtocolError(str(e), request="init") from None
         self.model, self.ctx = model, ctx
+        self.states = states
         self.batch = core.Batch(model.nat, ctx.n_batch)
         self._warm_up()
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
@@ -160,6 +198,7 @@ class Engine:
             "kvUnified": bool(req["kvUnified"]),
             "swaFull": bool(req["swaFull"]),
             "flashAttn": req["flashAttn"],
+            "stateDir": str(states.root),
             "cacheTypes": sorted(core.cache_types(model.nat)),
             "model": {"path": str(model.path), "description": model.description,
                       "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
@@ -178,6 +217,9 @@ class Engine:
 
     def _grammar(self, session: Session, req: dict) -> None:
         assert self.grammar_engine is not None
+        if req["id"] not in session.grammars and len(session.grammars) >= MAX_GRAMMARS_PER_SESSION:
+            raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
+                                "limit (re-use an id to replace one)")
         try:
             compiled = self.grammar_engine.compile(req["grammar"])
         except GrammarError as e:
@@ -195,9 +237,13 @@ class Engine:
         if not self.free_slots:
             raise ProtocolError(f"seq_id: no free sequence slot (all {self.ctx.n_seq_max} in use)",
                                 seq_id, kind)
+        if session.max_seqs is not None and len(session.seqs) >= session.max_seqs:
+            raise ProtocolError(f"seq_id: this client holds {len(session.seqs)} sequences, its share "
+                                f"(--max-seqs-per-client {session.max_seqs})", seq_id, kind)
         seq = Sequence(session=session, seq_id=seq_id, slot=self.free_slots.pop(), kind=kind,
                        t_arrival=time.perf_counter())
         session.seqs[seq_id] = seq
+        self._taken.append(seq)
         return seq
 
     def _tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
@@ -384,11 +430,26 @@ class Engine:
         if seq is None or seq.state != "held":
             raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to save",
                                 req["seq_id"], "save")
-        assert self.ctx is not None and self.model is not None
+        assert self.ctx is not None and self.states is not None
+        shared, replace = req["shared"], req["replace"]
+
+        def may_replace(dir_fd: int, name: str) -> None:
+            kvstate.refuse_foreign(dir_fd, name)
+            if shared and not replace:
+                raise kvstate.StateFileError(f"{name!r} already exists in the shared namespace "
+                                             "(save with replace: true to overwrite it)")
         try:
-            n = kvstate.save(self.ctx, seq.slot, seq.tokens, req["path"])
-        except (OSError, kvstate.StateFileError) as e:
-            raise ProtocolError(f"path: {e}", req["seq_id"], "save") from None
+            dir_fd, name, label = self.states.locate(req["path"], session.namespace, shared)
+            try:
+                n = statedir.write_file(dir_fd, name, kvstate.encode(self.ctx, seq.slot, seq.tokens),
+                                        label, may_replace)
+            finally:
+                os.close(dir_fd)
+        except (statedir.StatePathError, kvstate.StateFileError) as e:
+            raise ProtocolError(_path_message(e), req["seq_id"], "save") from None
+        except OSError as e:
+            raise ProtocolError(f"path: {req['path'][:60]!r} cannot be written ({e.strerror})",
+                                req["seq_id"], "save") from None
         session.send({"type": "saved", "seq_id": seq.seq_id, "path": req["path"], "bytes": n,
                       "tokens": seq.n_past})
 
@@ -397,13 +458,24 @@ class Engine:
         self._check_seq(session, seq_id, "load")
         if seq_id in session.seqs:
             raise ProtocolError(f"seq_id: sequence {seq_id} is in use (free it first)", seq_id, "load")
-        assert self.ctx is not None
+        assert self.ctx is not None and self.states is not None
+        try:
+            dir_fd, name, label = self.states.locate(req["path"], session.namespace, req["shared"])
+            try:
+                data = statedir.read_file(dir_fd, name, label)
+            finally:
+                os.close(dir_fd)
+            header, tokens, payload = kvstate.decode(data, label)
+        except (statedir.StatePathError, kvstate.StateFileError) as e:
+            raise ProtocolError(_path_message(e), seq_id, "load") from None
+        except OSError as e:
+            raise ProtocolError(f"path: {req['path'][:60]!r} cannot be read ({e.strerror})",
+                                seq_id, "load") from None
         seq = self._new_sequence(session, seq_id, "prefill")
         try:
-            tokens = kvstate.load(self.ctx, seq.slot, req["path"])
-        except (OSError, kvstate.StateFileError) as e:
-            self._release(seq)
-            raise ProtocolError(f"path: {e}", seq_id, "load") from None
+            tokens = kvstate.restore(self.ctx, seq.slot, header, tokens, payload, label)
+        except kvstate.StateFileError as e:
+            raise ProtocolError(_path_message(e), seq_id, "load") from None
         seq.tokens = tokens
         seq.state = "held"
         session.send({"type": "loaded", "seq_id": seq_id, "tokens": seq.n_past})
@@ -414,13 +486,16 @@ class Engine:
                 self._finish(seq, "shutdown")
 
     def close_session(self, session: Session) -> None:
-        """A client went away: cancel its sequences, free their KV, forget its grammars."""
+        """A client went away: cancel its sequences, free their KV, forget its grammars
+        and its private state files."""
         for seq in list(session.seqs.values()):
             if seq.state == "held":
                 self._release(seq)
             else:
                 self._finish(seq, "cancelled", notify=False)
         session.grammars.clear()
+        if self.states is not None:
+            self.states.drop_namespace(session.namespace)
 
     # ============================================================ ending
 

@@ -66,16 +66,23 @@ class Writer:
             self.broken = True
 
 
+def parse_or_error(line: bytes | ProtocolError) -> dict | ProtocolError:
+    """A request or the error to answer; never raises, so no line can end a reader thread."""
+    if isinstance(line, ProtocolError):
+        return line
+    try:
+        return parse_line(line)
+    except ProtocolError as e:
+        return e
+    except Exception as e:  # noqa: BLE001 - a bug in parsing must cost one line, not the reader
+        traceback.print_exc(file=sys.stderr)
+        return ProtocolError(f"internal error: request not parsed ({type(e).__name__})")
+
+
 def reader(stream: BinaryIO, inbox: queue.Queue, session: Session) -> None:
     try:
         for line in read_lines(stream):
-            if isinstance(line, ProtocolError):
-                inbox.put((session, line))
-                continue
-            try:
-                inbox.put((session, parse_line(line)))
-            except ProtocolError as e:
-                inbox.put((session, e))
+            inbox.put((session, parse_or_error(line)))
     finally:
         inbox.put((session, EOF))
 
@@ -129,7 +136,8 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
             return
 
 
-def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
+def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
+                state_dir: str | None = None, allow_any_path: bool = False) -> int:
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     # Nothing but protocol lines may reach stdout: move stray prints to stderr.
@@ -137,7 +145,7 @@ def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -
     writer = Writer(stdout)
     session = Session(send=writer.send)
     inbox: queue.Queue = queue.Queue()
-    engine = Engine()
+    engine = Engine(state_dir=state_dir, allow_any_path=allow_any_path)
     t = threading.Thread(target=reader, args=(stdin, inbox, session), daemon=True, name="reader")
     t.start()
     try:
