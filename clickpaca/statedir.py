@@ -81,8 +81,8 @@ def _regular_or_none(dir_fd: int, name: str, label: str) -> os.stat_result | Non
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(st.st_mode):
-        raise StatePathError(f"{label} is not a regular file (symlinks, FIFOs, devices and "
-                             "directories are refused)")
+        raise StatePathError(f"{label} is not a regular file (a directory, symlink, FIFO or "
+                             "device is never opened)")
     return st
 
 

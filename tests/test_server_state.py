@@ -401,7 +401,7 @@ def test_mismatched_or_damaged_files_are_refused_and_change_nothing(doc_file, se
     bad["notes.txt"] = "not a clickpaca state file"
     (tmp_path / "empty.kv").write_bytes(b"")
     bad["empty.kv"] = "not a clickpaca state file"
-    bad["missing.kv"] = "No such file"
+    bad["missing.kv"] = "no state file named"
     bad["."] = ""  # a directory
 
     req(second, "prefill", 0, prompt=DOC)  # state that must survive all of this
