@@ -15,6 +15,7 @@ that were in it. Every `infer` ends in exactly one `done` or `error`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -82,6 +83,19 @@ class Sequence:
         return len(self.tokens)
 
 
+def prompt_order(order: list["Sequence"]) -> list["Sequence"]:
+    """Waiting prompts, fewest tokens left first (ties: arrival order).
+
+    Arrival order let one long prompt or score take the whole batch, tick after tick,
+    while a one-token request behind it waited for all of it (114.6 s behind a
+    40,000-character score); fewest-left-first lets short prompts through within a tick
+    and gives the long one the rest of the batch. Generating sequences are not affected:
+    they always get their token first.
+    """
+    waiting = [s for s in order if s.state == "prompt"]
+    return sorted(waiting, key=lambda s: len(s.pending) - s.fed)
+
+
 def _path_message(e: Exception) -> str:
     msg = str(e)
     return msg if msg.startswith("path:") else f"path: {msg}"
@@ -95,6 +109,7 @@ class Engine:
         self.allow_any_path = allow_any_path
         self.states: statedir.StateDir | None = None
         self._taken: list[Sequence] = []  # slots taken by the request being handled
+        self.model_lock = threading.Lock()  # reader threads tokenize (prepare.py); close waits
         self.model: core.Model | None = None
         self.ctx: core.Context | None = None
         self.batch: core.Batch | None = None
@@ -221,7 +236,9 @@ class Engine:
             raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
                                 "limit (re-use an id to replace one)")
         try:
-            compiled = self.grammar_engine.compile(req["grammar"])
+            compiled = req.get("_compiled") or self.grammar_engine.compile(req["grammar"])
+            if isinstance(compiled, GrammarError):  # compiled by the reader (prepare.py)
+                raise compiled
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
         session.grammars[req["id"]] = compiled
@@ -246,7 +263,12 @@ class Engine:
         self._taken.append(seq)
         return seq
 
-    def _tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
+    def _prompt_tokens(self, req: dict, continuing: bool) -> np.ndarray:
+        """The request's prompt tokens: from its reader thread (prepare.py) if it did them."""
+        pre = req.get("_tokens")
+        return pre[continuing] if pre is not None else self.tokenize_prompt(req["prompt"], continuing)
+
+    def tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
         """Special tokens in the text are parsed; BOS is added once at the start only."""
         assert self.model is not None
         toks = self.model.tokenize(text, add_special=not continuing, parse_special=True)
@@ -276,7 +298,7 @@ class Engine:
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {req['grammar_id']!r} "
                                     "(send a grammar request first)", seq_id, "infer")
-        prompt = self._tokenize_prompt(req["prompt"], continuing=held is not None)
+        prompt = self._prompt_tokens(req, continuing=held is not None)
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
@@ -355,7 +377,9 @@ class Engine:
         if window > ctx.n_ctx_seq:
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
-        tokens = model.tokenize(req["text"], add_special=True, parse_special=False)
+        tokens = req.get("_tokens")
+        if tokens is None:
+            tokens = model.tokenize(req["text"], add_special=True, parse_special=False)
         windows = windows_for(tokens, window, model.bos if model.add_bos else None)
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
@@ -376,7 +400,7 @@ class Engine:
         held = session.seqs.get(seq_id)
         if held is not None and held.state != "held":
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "prefill")
-        prompt = self._tokenize_prompt(req["prompt"], continuing=held is not None)
+        prompt = self._prompt_tokens(req, continuing=held is not None)
         self._check_fits(held, prompt, seq_id, "prefill")
         seq = held if held is not None else self._new_sequence(session, seq_id, "prefill")
         seq.kind = "prefill"
@@ -593,7 +617,7 @@ class Engine:
                 plan.append((seq, "gen", row, 1))
                 row += 1
         now = time.perf_counter()
-        for seq in self.order:
+        for seq in prompt_order(self.order):
             if seq.state != "prompt" or batch.free == 0 or defer_prompts or seq.kv_wait:
                 continue
             take = min(batch.free, len(seq.pending) - seq.fed)
@@ -767,8 +791,9 @@ class Engine:
                 self.grammar_engine.wait(None)
             except Exception:  # noqa: BLE001 - a failed build is irrelevant at exit
                 pass
-        if self.ctx is not None:
-            self.ctx.close()
-        if self.model is not None:
-            self.model.close()
-        self.ctx = self.model = None
+        with self.model_lock:
+            if self.ctx is not None:
+                self.ctx.close()
+            if self.model is not None:
+                self.model.close()
+            self.ctx = self.model = None

@@ -16,6 +16,7 @@ import traceback
 from typing import BinaryIO, Iterator
 
 from .protocol import MAX_LINE_BYTES, ProtocolError, encode, error_event, parse_line
+from .prepare import prepare
 from .scheduler import Engine, Session
 
 EOF = object()
@@ -79,10 +80,13 @@ def parse_or_error(line: bytes | ProtocolError) -> dict | ProtocolError:
         return ProtocolError(f"internal error: request not parsed ({type(e).__name__})")
 
 
-def reader(stream: BinaryIO, inbox: queue.Queue, session: Session) -> None:
+def reader(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engine | None = None) -> None:
     try:
         for line in read_lines(stream):
-            inbox.put((session, parse_or_error(line)))
+            req = parse_or_error(line)
+            if engine is not None and isinstance(req, dict):
+                prepare(engine, req)  # slow pure work here, not on the engine thread
+            inbox.put((session, req))
     finally:
         inbox.put((session, EOF))
 
@@ -146,7 +150,7 @@ def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
     session = Session(send=writer.send)
     inbox: queue.Queue = queue.Queue()
     engine = Engine(state_dir=state_dir, allow_any_path=allow_any_path)
-    t = threading.Thread(target=reader, args=(stdin, inbox, session), daemon=True, name="reader")
+    t = threading.Thread(target=reader, args=(stdin, inbox, session, engine), daemon=True, name="reader")
     t.start()
     try:
         run_loop(engine, inbox, writer.flush)

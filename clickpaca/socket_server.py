@@ -33,6 +33,7 @@ from pathlib import Path
 import orjson
 
 from .protocol import ProtocolError, encode, error_event, validate
+from .prepare import prepare
 from .scheduler import Engine, Session
 from .server import EOF, parse_or_error, read_lines, run_loop
 
@@ -106,7 +107,7 @@ class ClientConn:
                     elif req["type"] == "quit":
                         break  # a client's quit ends its own connection, not the shared server
                     else:
-                        inbox.put((self.session, req))
+                        inbox.put((self.session, prepare(self.server.engine, req)))
         except OSError:
             pass
         except Exception:  # noqa: BLE001 - a bug ends this connection only, and is logged

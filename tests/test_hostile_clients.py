@@ -311,3 +311,43 @@ def test_queue_counts_events_and_drops_a_client_that_does_not_read(tmp_path):
         hog.close()
     finally:
         stop_server(proc, path)
+
+
+# ------------------------------------------------------------------ head-of-line blocking
+
+LONG_TEXT = ("From fairest creatures we desire increase, that thereby beauty's rose might never die. "
+             * 460)[:40000]
+
+
+def test_a_one_token_infer_behind_a_40000_character_score_ends_first(srv):
+    """Ordering, not timing: the score needs a tick per window (about ten here); the infer
+    behind it must not wait for them all."""
+    srv.send({"type": "score", "seq_id": 5, "text": LONG_TEXT})
+    srv.infer(6, "Hello", maxTokens=1, temperature=0)
+    toks, done = srv.collect(6)
+    assert done["type"] == "done" and len(toks) == 1, done
+    assert srv._queues[5].empty(), "the score ended before the infer sent behind it"
+    scored = srv.collect(5)[1]
+    assert scored["type"] == "scored" and scored["windows"] >= 8, scored
+
+
+def test_a_score_from_one_socket_client_does_not_hold_up_another(sock):
+    with Client.connect(sock) as a, Client.connect(sock) as b:
+        a.send({"type": "score", "seq_id": 0, "text": LONG_TEXT})
+        time.sleep(0.2)  # let the score start (not a threshold: the order below holds either way)
+        b.infer(0, "Hello", maxTokens=1, temperature=0)
+        assert b.collect(0)[1]["type"] == "done"
+        assert a._queues[0].empty(), "the score ended before the other client's infer"
+        assert a.collect(0)[1]["type"] == "scored"
+
+
+def test_a_1_mb_prompt_beyond_the_context_is_refused_while_others_generate(srv):
+    """The prompt (tokenized on the reader thread, prepare.py) is refused: it cannot fit
+    the context; the running generation ends normally."""
+    srv.infer(0, "Write a long story about a lighthouse.", maxTokens=60, temperature=0)
+    assert next(srv.stream(0))["type"] == "token"
+    srv.send({"type": "infer", "seq_id": 1, "prompt": "word " * 200_000, "maxTokens": 1})
+    ev = error_for(srv, 1)
+    assert "do not fit the context" in ev["message"], ev
+    toks, done = srv.collect(0)
+    assert done["type"] == "done", done
