@@ -28,10 +28,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.socket:
         from .socket_server import serve_socket
 
+        if args.allow_any_path:
+            print("clickpaca serve: --allow-any-path is for stdio only (socket clients get names "
+                  "in the state directory)", file=sys.stderr)
+            return 2
         return serve_socket(args)
     from .server import serve_stdio
 
-    return serve_stdio()
+    if args.max_seqs_per_client is not None:
+        print("clickpaca serve: --max-seqs-per-client applies to --socket only", file=sys.stderr)
+        return 2
+    return serve_stdio(state_dir=args.state_dir, allow_any_path=args.allow_any_path)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -62,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", help="socket mode: init parameters as a JSON object")
     p.add_argument("--queue", type=int, default=4096,
                    help="socket mode: events buffered per client before it is disconnected")
+    p.add_argument("--state-dir", help="directory of save/load state files (default: "
+                   "$CLICKPACA_STATE_DIR or ~/.cache/clickpaca/state; init.stateDir overrides)")
+    p.add_argument("--allow-any-path", action="store_true",
+                   help="stdio only: save/load also accept absolute paths")
+    p.add_argument("--max-seqs-per-client", type=int, default=None,
+                   help="socket mode: sequences one client may hold at once (default: nSeqMax)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="run the main job: several steered sequences in one batch")

@@ -7,7 +7,8 @@ of its first and last MiB), the build (flavor, commit, build number), the cache 
 the token count, the payload size and a sha256 over tokens + payload. Loading checks
 every one of these before touching the context, so a file made for another model,
 build or cache type, or a truncated or corrupted one, is refused and changes nothing.
-Writes go to a temporary file renamed into place, so a crash never leaves half a file.
+Writes go to a temporary file renamed into place, so a crash never leaves half a file;
+only regular files are read or replaced, and only a state file is replaced (statedir.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from . import statedir
 
 MAGIC = b"CLKPKV1\n"
 FORMAT_VERSION = 1
@@ -63,36 +65,51 @@ def _header(ctx, n_tokens: int, payload_len: int, digest: str) -> dict:
     }
 
 
-def save(ctx, slot: int, tokens: list[int], path: str | os.PathLike) -> int:
-    """Write the sequence's state atomically; return the file size in bytes."""
+def encode(ctx, slot: int, tokens: list[int]) -> list[bytes]:
+    """The file's bytes, in chunks: magic, header length, header, tokens, payload."""
     payload = ctx.seq_state_get(slot)
     toks = np.asarray(tokens, dtype="<i4").tobytes()
     digest = hashlib.sha256(toks + payload).hexdigest()
     header = json.dumps(_header(ctx, len(tokens), len(payload), digest)).encode()
+    return [MAGIC, struct.pack("<I", len(header)), header, toks, payload]
+
+
+def refuse_foreign(dir_fd: int, name: str) -> None:
+    """Only a clickpaca state file may be replaced by a save."""
+    if not statedir.starts_with(dir_fd, name, MAGIC):
+        raise StateFileError(f"{name!r} exists and is not a clickpaca state file (not replaced)")
+
+
+def save(ctx, slot: int, tokens: list[int], path: str | os.PathLike) -> int:
+    """Write the sequence's state atomically to a path; return the file size in bytes.
+
+    In-process use (tests, tools): creates missing directories. The server goes
+    through statedir.StateDir instead (names, no directories made).
+    """
     target = Path(path)
     if target.is_dir():
         raise StateFileError(f"{target} is a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    chunks = encode(ctx, slot, tokens)
+    dir_fd = statedir.open_dir(target.parent, create=True)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<I", len(header)))
-            f.write(header)
-            f.write(toks)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target.stat().st_size
+        return statedir.write_file(dir_fd, target.name, chunks, str(target), refuse_foreign)
+    finally:
+        os.close(dir_fd)
 
 
 def read(path: str | os.PathLike) -> tuple[dict, list[int], bytes]:
-    """Parse and verify a state file without touching any context."""
-    data = Path(path).read_bytes()
+    """Parse and verify a state file without touching any context (regular files only)."""
+    p = Path(path)
+    dir_fd = statedir.open_dir(p.parent)
+    try:
+        data = statedir.read_file(dir_fd, p.name, str(p))
+    finally:
+        os.close(dir_fd)
+    return decode(data, path)
+
+
+def decode(data: bytes, path) -> tuple[dict, list[int], bytes]:
+    """Parse and verify a state file's bytes; `path` only labels the messages."""
     if len(data) < 12 or data[:8] != MAGIC:
         raise StateFileError(f"{path} is not a clickpaca state file (bad magic)")
     (hlen,) = struct.unpack("<I", data[8:12])
@@ -151,7 +168,16 @@ def check_compatible(ctx, header: dict) -> None:
 def load(ctx, slot: int, path: str | os.PathLike) -> list[int]:
     """Restore a file into an empty sequence slot; return its tokens."""
     header, tokens, payload = read(path)
+    return restore(ctx, slot, header, tokens, payload, path)
+
+
+def restore(ctx, slot: int, header: dict, tokens: list[int], payload: bytes, path) -> list[int]:
+    """Check a decoded file against the context (tokens included), then restore it."""
     check_compatible(ctx, header)
+    n_vocab = ctx.model.n_vocab
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise StateFileError(f"{path} holds token {bad}, outside the vocabulary [0, {n_vocab})")
     n = ctx.seq_state_set(slot, payload)
     if n == 0:
         ctx.seq_rm(slot, -1, -1)

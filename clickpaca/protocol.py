@@ -14,6 +14,7 @@ examples.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +24,14 @@ from .chat import check_messages
 from .sampling import PROTOCOL_NAMES, SamplerParams
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
+# Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
+# a deeper line is refused before anything walks it recursively (repr of a 1,000-deep
+# value raised RecursionError and ended the reader thread).
+MAX_JSON_DEPTH = 32
+MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenizing runs on the engine thread
+MAX_SCORE_BYTES = 4 << 20  # score text
+MAX_GRAMMAR_BYTES = 128 << 10  # grammar text (see grammars.py: LIMITS)
+MAX_THREADS = 512  # GGML_MAX_N_THREADS in ggml.h: the CPU threadpool's fixed arrays
 
 
 @dataclass
@@ -76,14 +85,27 @@ def _num(lo: float | None = None, hi: float | None = None) -> Callable[[str, Any
     return check
 
 
-def _str(nonempty: bool = False) -> Callable[[str, Any], str]:
+def _str(nonempty: bool = False, max_bytes: int | None = None) -> Callable[[str, Any], str]:
     def check(name: str, v: Any) -> str:
         if not isinstance(v, str):
             raise ValueError(f"{name}: must be a string, got {_show(v)}")
         if nonempty and not v:
             raise ValueError(f"{name}: must not be empty")
+        if max_bytes is not None and len(v) * 4 > max_bytes:  # UTF-8: at most 4 bytes a char
+            n = len(v.encode("utf-8", "surrogatepass"))
+            if n > max_bytes:
+                raise ValueError(f"{name}: {n} bytes, the limit is {max_bytes}")
         return v
     return check
+
+
+def _name(name: str, v: Any) -> str:
+    """A build name: one path component under builds/, never a path to import code from."""
+    v = _str(True)(name, v)
+    if not _NAME_RE.fullmatch(v):
+        raise ValueError(f"{name}: must be a build name under builds/ (letters, digits, '.', '_', '-'; "
+                         f"no path), got {_show(v)}")
+    return v
 
 
 def _bool(name: str, v: Any) -> bool:
@@ -117,20 +139,50 @@ def _with_params(name: str, v: Any) -> Any:
 
 
 def _show(v: Any) -> str:
+    """A short rendering of a value for an error message; never raises."""
     try:
         text = orjson.dumps(v).decode() if not isinstance(v, float) or math.isfinite(v) else str(v)
-    except TypeError:  # e.g. an int beyond 64 bits (validate() called in-process)
-        text = repr(v)
+    except TypeError:  # e.g. an int beyond 64 bits, or nesting orjson refuses
+        text = repr(v) if isinstance(v, int) and not isinstance(v, bool) else f"a {type(v).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def json_depth(obj: Any, limit: int) -> int:
+    """Nesting depth of arrays/objects, without recursion; stops counting past `limit`."""
+    deepest = 0
+    stack = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
 # Fields of each request: name -> (check, default). _MISSING = required.
 SAMPLER_FIELDS = tuple(PROTOCOL_NAMES.values())
 N_TOP_MAX = 100  # nProbs: log-probabilities of at most this many tokens per event
 # `messages` instead of `prompt` (infer, prefill): formatted with a chat template.
+def _messages(name: str, v: Any) -> Any:
+    """check_messages, and the prompt's size limit over all the contents (they are
+    formatted and tokenized like a prompt)."""
+    messages = check_messages(name, v)
+    if sum(len(m.content) for m in messages) * 4 > MAX_PROMPT_BYTES:  # UTF-8: at most 4 bytes a char
+        n = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
+        if n > MAX_PROMPT_BYTES:
+            raise ValueError(f"{name}: {n} bytes of content, the limit is {MAX_PROMPT_BYTES}")
+    return messages
+
+
 CHAT_FIELDS = {
-    "messages": (_opt(check_messages), None),
+    "messages": (_opt(_messages), None),
     "chatTemplate": (_opt(_str(True)), None),
     "addGenerationPrompt": (_bool, True),
 }
@@ -143,16 +195,17 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
         "nSeqMax": (_int(1, 256), 64),
         "cacheTypeK": (_str(True), "f16"),
         "cacheTypeV": (_str(True), "f16"),
-        "nThreads": (_opt(_int(1, 1024)), None),
-        "build": (_opt(_str(True)), None),
+        "nThreads": (_opt(_int(1, MAX_THREADS)), None),
+        "build": (_opt(_name), None),
         "flashAttn": (_str(True), "auto"),
         "swaFull": (_bool, True),
         "kvUnified": (_bool, True),
+        "stateDir": (_opt(_str(True)), None),
     },
-    "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True), _MISSING)},
+    "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True, MAX_GRAMMAR_BYTES), _MISSING)},
     "infer": {
         "seq_id": (SEQ, _MISSING),
-        "prompt": (_str(), None),
+        "prompt": (_str(max_bytes=MAX_PROMPT_BYTES), None),
         **CHAT_FIELDS,
         "maxTokens": (_int(0, 1 << 24), 256),
         "grammar_id": (_opt(_grammar_id), None),
@@ -162,16 +215,19 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
     },
     "score": {
         "seq_id": (SEQ, _MISSING),
-        "text": (_str(True), _MISSING),
+        "text": (_str(True, MAX_SCORE_BYTES), _MISSING),
         "window": (_opt(_int(3, 1 << 24)), None),  # 2 would score no token of a long text
         "perToken": (_bool, False),
     },
     "cancel": {"seq_id": (SEQ, _MISSING)},
     "free": {"seq_id": (SEQ, _MISSING)},
-    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True), None), **CHAT_FIELDS},
+    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True, MAX_PROMPT_BYTES), None),
+                **CHAT_FIELDS},
     "fork": {"seq_id": (SEQ, _MISSING), "dst_seq_id": (SEQ, _MISSING)},
-    "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
-    "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING)},
+    # path: a name in the state directory (statedir.py); shared: the shared namespace
+    "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING), "shared": (_bool, False),
+             "replace": (_bool, False)},
+    "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING), "shared": (_bool, False)},
     "quit": {"now": (_bool, False)},
 }
 
@@ -180,6 +236,10 @@ def _batch_fits(obj: dict, out: dict) -> None:
     if out["nBatch"] < out["nSeqMax"]:
         raise ValueError(f"nBatch: must be >= nSeqMax ({out['nSeqMax']}) so every sequence gets "
                          f"a token each tick, got {out['nBatch']}")
+    if out["nCtx"] < out["nSeqMax"]:
+        # llama.cpp clamps n_batch to n_ctx, then reserves n_seq_max output rows:
+        # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) aborts the process.
+        raise ValueError(f"nCtx: must be >= nSeqMax ({out['nSeqMax']}), got {out['nCtx']}")
 
 
 def _sampler_params(obj: dict, out: dict) -> None:
@@ -258,6 +318,13 @@ def parse_line(line: bytes) -> dict:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"not valid JSON: {e}") from None
+    # cheap first: a line with few brackets cannot be deep
+    if line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH and json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        seq_id = obj.get("seq_id", -1) if isinstance(obj, dict) else -1
+        seq_id = seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else -1
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        raise ProtocolError(f"request nested deeper than {MAX_JSON_DEPTH} levels of arrays/objects",
+                            seq_id, kind if isinstance(kind, str) and kind in REQUESTS else None)
     return validate(obj)
 
 

@@ -17,6 +17,7 @@ from typing import BinaryIO, Iterator
 
 from .protocol import MAX_LINE_BYTES, ProtocolError, encode, error_event, parse_line
 from .engine import Engine, Session
+from .prepare import prepare
 
 EOF = object()
 
@@ -66,16 +67,26 @@ class Writer:
             self.broken = True
 
 
-def reader(stream: BinaryIO, inbox: queue.Queue, session: Session) -> None:
+def parse_or_error(line: bytes | ProtocolError) -> dict | ProtocolError:
+    """A request or the error to answer; never raises, so no line can end a reader thread."""
+    if isinstance(line, ProtocolError):
+        return line
+    try:
+        return parse_line(line)
+    except ProtocolError as e:
+        return e
+    except Exception as e:  # noqa: BLE001 - a bug in parsing must cost one line, not the reader
+        traceback.print_exc(file=sys.stderr)
+        return ProtocolError(f"internal error: request not parsed ({type(e).__name__})")
+
+
+def reader(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engine | None = None) -> None:
     try:
         for line in read_lines(stream):
-            if isinstance(line, ProtocolError):
-                inbox.put((session, line))
-                continue
-            try:
-                inbox.put((session, parse_line(line)))
-            except ProtocolError as e:
-                inbox.put((session, e))
+            req = parse_or_error(line)
+            if engine is not None and isinstance(req, dict):
+                prepare(engine, req)  # slow pure work here, not on the engine thread
+            inbox.put((session, req))
     finally:
         inbox.put((session, EOF))
 
@@ -128,7 +139,8 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
             return
 
 
-def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
+def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
+                state_dir: str | None = None, allow_any_path: bool = False) -> int:
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     # Nothing but protocol lines may reach stdout: move stray prints to stderr.
@@ -136,8 +148,8 @@ def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -
     writer = Writer(stdout)
     session = Session(send=writer.send)
     inbox: queue.Queue = queue.Queue()
-    engine = Engine()
-    t = threading.Thread(target=reader, args=(stdin, inbox, session), daemon=True, name="reader")
+    engine = Engine(state_dir=state_dir, allow_any_path=allow_any_path)
+    t = threading.Thread(target=reader, args=(stdin, inbox, session, engine), daemon=True, name="reader")
     t.start()
     try:
         run_loop(engine, inbox, writer.flush)

@@ -27,13 +27,15 @@ import socket
 import stat
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 import orjson
 
-from .protocol import ProtocolError, encode, error_event, parse_line, validate
 from .engine import Engine, Session
-from .server import EOF, read_lines, run_loop
+from .prepare import prepare
+from .protocol import ProtocolError, encode, error_event, validate
+from .server import EOF, parse_or_error, read_lines, run_loop
 
 
 class ClientConn:
@@ -44,7 +46,9 @@ class ClientConn:
         self.sock = sock
         self.name = f"client-{n}"
         self.events: queue.Queue = queue.Queue(maxsize=server.queue_size)
-        self.session = Session(send=self.send, name=self.name)
+        self.session = Session(send=self.send, name=self.name, max_seqs=server.max_seqs_per_client,
+                               namespace=server.engine.states.new_client_namespace(n)
+                               if server.engine.states is not None else None)
         self.gone = threading.Event()
         self.pending: list[bytes] = []
 
@@ -54,13 +58,14 @@ class ClientConn:
             self.pending.append(encode(event))
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        data, self.pending = b"".join(self.pending), []
-        try:
-            self.events.put_nowait(data)
-        except queue.Full:
-            self.drop("event queue full (the client reads too slowly)")
+        """Hand the turn's events to the writer, one queue entry per event (--queue counts events)."""
+        pending, self.pending = self.pending, []
+        for data in pending:
+            try:
+                self.events.put_nowait(data)
+            except queue.Full:
+                self.drop(f"event queue full ({self.events.maxsize} events; the client reads too slowly)")
+                return
 
     def drop(self, why: str) -> None:
         if not self.gone.is_set():
@@ -74,9 +79,15 @@ class ClientConn:
     def writer(self) -> None:
         while not self.gone.is_set():
             try:
-                data = self.events.get(timeout=0.5)
+                chunks = [self.events.get(timeout=0.5)]
             except queue.Empty:
                 continue
+            while len(chunks) < 256:  # write what is queued in one call
+                try:
+                    chunks.append(self.events.get_nowait())
+                except queue.Empty:
+                    break
+            data = b"".join(chunks)
             try:
                 self.sock.sendall(data)
             except OSError:
@@ -87,34 +98,34 @@ class ClientConn:
         try:
             with self.sock.makefile("rb") as f:
                 for line in read_lines(f):
-                    if isinstance(line, ProtocolError):
-                        inbox.put((self.session, line))
-                        continue
-                    try:
-                        req = parse_line(line)
-                    except ProtocolError as e:
-                        inbox.put((self.session, e))
+                    req = parse_or_error(line)
+                    if isinstance(req, ProtocolError):
+                        inbox.put((self.session, req))
                         continue
                     if req["type"] == "init":
                         inbox.put((self.session, lambda line=line: self.server.answer_init(self, line)))
                     elif req["type"] == "quit":
                         break  # a client's quit ends its own connection, not the shared server
                     else:
-                        inbox.put((self.session, req))
+                        inbox.put((self.session, prepare(self.server.engine, req)))
         except OSError:
             pass
+        except Exception:  # noqa: BLE001 - a bug ends this connection only, and is logged
+            traceback.print_exc(file=sys.stderr)
         finally:
             self.gone.set()
             inbox.put((self.session, lambda: self.server.client_gone(self)))
 
 
 class SocketServer:
-    def __init__(self, path: Path, init: dict, queue_size: int) -> None:
+    def __init__(self, path: Path, init: dict, queue_size: int, max_seqs_per_client: int | None = None,
+                 state_dir: str | None = None) -> None:
         self.path = path
         self.init_request = init
         self.queue_size = queue_size
+        self.max_seqs_per_client = max_seqs_per_client
         self.inbox: queue.Queue = queue.Queue()
-        self.engine = Engine()
+        self.engine = Engine(state_dir=state_dir)
         self.clients: list[ClientConn] = []
         self.lock = threading.Lock()
         self.admin = Session(send=self._admin_event, name="admin")
@@ -129,7 +140,7 @@ class SocketServer:
     def answer_init(self, conn: ClientConn, line: bytes) -> None:
         raw = orjson.loads(line)
         running = self.engine.ready_event or {}
-        names = {"nCtx": "nCtx", "nSeqMax": "nSeqMax", "nBatch": "nBatch",
+        names = {"nCtx": "nCtx", "nSeqMax": "nSeqMax", "nBatch": "nBatch", "stateDir": "stateDir",
                  "cacheTypeK": "cacheTypeK", "cacheTypeV": "cacheTypeV", "build": "build"}
         differ = [f"{k}={raw[k]!r} (running: {running.get(v)!r})" for k, v in names.items()
                   if k in raw and raw[k] != running.get(v)]
@@ -235,5 +246,9 @@ def serve_socket(args: argparse.Namespace) -> int:
     except ProtocolError as e:
         print(f"clickpaca: --init: {e}", file=sys.stderr)
         return 2
+    if args.queue < 1 or (args.max_seqs_per_client is not None and args.max_seqs_per_client < 1):
+        print("clickpaca: --queue and --max-seqs-per-client must be >= 1", file=sys.stderr)
+        return 2
     sys.stdout = sys.stderr
-    return SocketServer(Path(args.socket), req, args.queue).run()
+    return SocketServer(Path(args.socket), req, args.queue, args.max_seqs_per_client,
+                        args.state_dir).run()

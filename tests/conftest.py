@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -55,10 +56,11 @@ def model(model_path):
     yield m
 
 
-def spawn_server(**init) -> Client:
-    """A real `clickpaca serve` process, initialised with the test build and cache types."""
-    c = Client.spawn(python=sys.executable)
-    params = {"nCtx": 4096, "nSeqMax": 16, "build": TEST_BUILD,
+def spawn_server(*args: str, **init) -> Client:
+    """A real `clickpaca serve ARGS` process, initialised with the test build and cache
+    types, and a state directory of its own (never the user's)."""
+    c = Client.spawn(*args, python=sys.executable)
+    params = {"nCtx": 4096, "nSeqMax": 16, "build": TEST_BUILD, "stateDir": tempfile.mkdtemp(prefix="clkp-state-"),
               "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V}
     params.update(init)
     c.init(**params)

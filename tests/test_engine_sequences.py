@@ -94,3 +94,30 @@ def test_finish_all_and_close_session():
     seqs.close_session(session)  # the client went away: nobody to tell
     assert len(events) == 2 and session.seqs == {} and seqs.order == [theirs]
     assert len(seqs.free_slots) == 2
+
+
+def test_a_failed_request_gives_back_the_slots_it_took():
+    """Engine.handle clears `taken` before a request and gives it back when the request
+    fails: a slot it took is freed; one another ending already freed is left alone."""
+    ctx, seqs, session, events = setup(3)
+    kept = seqs.new(session, 0, "prefill")  # an earlier request's
+    seqs.taken = []
+    a, b = seqs.new(session, 1, "prefill"), seqs.new(session, 2, "infer")
+    assert seqs.taken == [a, b]
+    seqs.release(b)  # already ended (say, a failed decode)
+    seqs.give_back()
+    assert session.seqs == {0: kept} and sorted(seqs.free_slots) == sorted({a.slot, b.slot})
+    assert ctx.calls.count(("seq_rm", b.slot, -1, -1)) == 1 and seqs.taken == [] and events == []
+
+
+def test_a_client_holds_at_most_its_share():
+    _, seqs, session, _ = setup(4)
+    session.max_seqs = 2
+    other = Session(send=lambda ev: None, name="other", max_seqs=2)
+    seqs.new(session, 0, "infer"), seqs.new(session, 1, "prefill")
+    with pytest.raises(ProtocolError) as ei:
+        seqs.new(session, 2, "infer")
+    assert ei.value.message == ("seq_id: this client holds 2 sequences, its share "
+                                "(--max-seqs-per-client 2)") and ei.value.seq_id == 2
+    assert len(seqs.free_slots) == 2  # nothing taken by the refusal
+    seqs.new(other, 0, "infer")  # the others' share is theirs

@@ -270,7 +270,7 @@ def test_a_failed_write_leaves_no_temp_file_and_the_old_file_intact(saved, tmp_p
         monkeypatch.setattr(kvstate.os, "fsync", boom)
         exc = OSError
     elif fail_at == "replace":
-        def boom(a, b):
+        def boom(a, b, **dir_fds):
             raise PermissionError(13, "Permission denied")
         monkeypatch.setattr(kvstate.os, "replace", boom)
         exc = OSError

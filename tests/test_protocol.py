@@ -42,13 +42,13 @@ CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": 
 DEFAULTS = {
     "init": {"modelPath": None, "nGpuLayers": 99, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
-             "flashAttn": "auto", "swaFull": True, "kvUnified": True},
+             "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None},
     "grammar": {},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS},
     "score": {"window": None, "perToken": False},
-    "cancel": {}, "free": {}, "prefill": dict(CHAT_DEFAULTS), "fork": {}, "save": {}, "load": {},
-    "quit": {"now": False},
+    "cancel": {}, "free": {}, "prefill": dict(CHAT_DEFAULTS), "fork": {},
+    "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
 }
 
 
@@ -120,12 +120,33 @@ def test_init_batch_must_hold_a_token_per_sequence():
     assert validate(req("init", nBatch=8, nSeqMax=8))["nBatch"] == 8
 
 
+def test_init_context_must_hold_a_cell_per_sequence():
+    """nCtx < nSeqMax aborted the process inside llama.cpp (GGML_ASSERT): refused at the edge."""
+    with pytest.raises(ProtocolError) as ei:
+        validate(req("init", nCtx=31, nBatch=32, nSeqMax=32))
+    assert ei.value.message == "nCtx: must be >= nSeqMax (32), got 31"
+    assert ei.value.request == "init"
+    assert validate(req("init", nCtx=32, nBatch=32, nSeqMax=32))["nCtx"] == 32
+
+
+def test_messages_share_the_prompt_limit():
+    """Messages are formatted and tokenized like a prompt: their contents have its limit."""
+    half = "x" * (1 << 19)
+    ok = validate(req("infer", messages=[{"role": "user", "content": half},
+                                         {"role": "assistant", "content": half}]))
+    assert len(ok["messages"]) == 2
+    with pytest.raises(ProtocolError) as ei:
+        validate({"type": "prefill", "seq_id": 3, "messages": [{"role": "user", "content": half},
+                                                               {"role": "user", "content": half + "é"}]})
+    assert ei.value.message == f"messages: {(1 << 20) + 2} bytes of content, the limit is {1 << 20}"
+
+
 def test_valid_values_accepted():
     out = validate(req("init", modelPath="/m.gguf", nGpuLayers=0, nCtx=16, nBatch=1, nSeqMax=1,
                        cacheTypeK="q8_0", cacheTypeV="q4_0", nThreads=1, build="turboquant",
                        flashAttn="on", swaFull=False, kvUnified=False))
     assert out["nCtx"] == 16 and out["nSeqMax"] == 1 and out["swaFull"] is False
-    assert validate(req("init", nCtx=1 << 24, nBatch=1 << 16, nSeqMax=256, nThreads=1024))["nSeqMax"] == 256
+    assert validate(req("init", nCtx=1 << 24, nBatch=1 << 16, nSeqMax=256, nThreads=512))["nSeqMax"] == 256
     out = validate(req("infer", prompt="x", maxTokens=0, grammar_id=7, stop=["a", "bc"], reusePrefix=False))
     assert out["grammar_id"] == "7" and out["stop"] == ["a", "bc"] and out["maxTokens"] == 0
     assert validate(req("infer", grammar_id="g"))["grammar_id"] == "g"
@@ -158,8 +179,10 @@ BAD = [
     ("init", "nSeqMax", 0, ">= 1"), ("init", "nSeqMax", 257, "<= 256"), ("init", "nSeqMax", {}, "integer"),
     ("init", "cacheTypeK", "", "empty"), ("init", "cacheTypeK", 16, "string"), ("init", "cacheTypeK", None, "string"),
     ("init", "cacheTypeV", "", "empty"), ("init", "cacheTypeV", False, "string"),
-    ("init", "nThreads", 0, ">= 1"), ("init", "nThreads", 1025, "<= 1024"), ("init", "nThreads", "2", "integer"),
+    ("init", "nThreads", 0, ">= 1"), ("init", "nThreads", 513, "<= 512"), ("init", "nThreads", "2", "integer"),
     ("init", "build", "", "empty"), ("init", "build", 1, "string"),
+    ("init", "build", "../evil", "build name"), ("init", "build", "/tmp/evil", "build name"),
+    ("init", "stateDir", "", "empty"), ("init", "stateDir", 3, "string"),
     ("init", "flashAttn", "", "empty"), ("init", "flashAttn", True, "string"), ("init", "flashAttn", None, "string"),
     ("init", "swaFull", 1, "true or false"), ("init", "swaFull", "true", "true or false"),
     ("init", "swaFull", None, "true or false"),
@@ -199,6 +222,12 @@ BAD = [
     ("fork", "dst_seq_id", 1e20, "<="),
     ("save", "path", "", "empty"), ("save", "path", 1, "string"), ("save", "seq_id", None, "integer"),
     ("load", "path", "", "empty"), ("load", "path", ["p"], "string"), ("load", "seq_id", -1, ">= 0"),
+    ("save", "shared", 1, "true or false"), ("save", "replace", "yes", "true or false"),
+    ("load", "shared", None, "true or false"),
+    ("infer", "prompt", "x" * ((1 << 20) + 1), "limit"), ("prefill", "prompt", "é" * (1 << 19) + "x", "limit"),
+    ("score", "text", "x" * ((4 << 20) + 1), "limit"), ("grammar", "grammar", "x" * ((128 << 10) + 1), "limit"),
+    ("init", "nCtx", 63, ">= nSeqMax"),
+    ("infer", "messages", [{"role": "user", "content": "x" * ((1 << 20) + 1)}], "limit"),
     # quit
     ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
 ]

@@ -146,6 +146,17 @@ def alive(c: Client, seq_id: int = 15) -> None:
 
 # ------------------------------------------------------------------ fixtures
 
+# These tests are about the state itself, kept in pytest's tmp dirs: absolute paths,
+# which stdio allows only with this opt-in (the path rules: tests/test_state_dir.py).
+ANY = "--allow-any-path"
+
+
+@pytest.fixture(scope="module")
+def server():
+    c = spawn_server(ANY)
+    yield c
+    c.close()
+
 
 @pytest.fixture(scope="module")
 def n_doc(model) -> int:
@@ -160,7 +171,7 @@ def n_q(model) -> int:
 @pytest.fixture(scope="module")
 def aligned(n_doc):
     """nBatch = n_doc - 1: a cold run splits DOC + Q where infer-on-held does."""
-    c = spawn_server(nBatch=n_doc - 1, nSeqMax=17)
+    c = spawn_server(ANY, nBatch=n_doc - 1, nSeqMax=17)
     yield c
     c.close()
 
@@ -168,7 +179,7 @@ def aligned(n_doc):
 @pytest.fixture(scope="module")
 def second(n_doc):
     """Another server process with the same settings, to load files into."""
-    c = spawn_server(nBatch=n_doc - 1)
+    c = spawn_server(ANY, nBatch=n_doc - 1)
     yield c
     c.close()
 
@@ -261,7 +272,7 @@ def test_prefill_appends_to_a_held_sequence(server, n_doc, n_q):
 
 
 def test_prefix_reuse_reports_reused_tokens_and_equals_cold(n_doc, n_q):
-    c = spawn_server(nBatch=n_doc)  # cold splits DOC + Q at n_doc, where reuse resumes
+    c = spawn_server(ANY, nBatch=n_doc)  # cold splits DOC + Q at n_doc, where reuse resumes
     try:
         cold_run, done = greedy(c, 0, DOC + Q, reusePrefix=False)
         assert done["tokens_reused"] == 0
@@ -390,7 +401,7 @@ def test_mismatched_or_damaged_files_are_refused_and_change_nothing(doc_file, se
     bad["notes.txt"] = "not a clickpaca state file"
     (tmp_path / "empty.kv").write_bytes(b"")
     bad["empty.kv"] = "not a clickpaca state file"
-    bad["missing.kv"] = "No such file"
+    bad["missing.kv"] = "no state file named"
     bad["."] = ""  # a directory
 
     req(second, "prefill", 0, prompt=DOC)  # state that must survive all of this
@@ -411,7 +422,7 @@ def test_mismatched_or_damaged_files_are_refused_and_change_nothing(doc_file, se
 
 def test_a_file_with_another_cache_type_is_refused(doc_file, second, tmp_path, cold):
     other_k = "q4_0" if TEST_CACHE_K == "q8_0" else "q8_0"  # smaller than the test's K
-    q8 = spawn_server(cacheTypeK=other_k)
+    q8 = spawn_server(ANY, cacheTypeK=other_k)
     try:
         req(q8, "prefill", 0, prompt=DOC)
         path = tmp_path / "q8.kv"
@@ -474,7 +485,7 @@ def test_without_a_unified_cache(doc_file, n_doc):
     """kvUnified false: a file longer than a sequence's share is refused; fork works;
     prefix reuse is off (llama.cpp cannot share part of a sequence across streams: it
     used to abort the whole server with a GGML_ASSERT)."""
-    c = spawn_server(nCtx=n_doc * 4, nSeqMax=8, kvUnified=False)  # n_doc / 2 per sequence
+    c = spawn_server(ANY, nCtx=n_doc * 4, nSeqMax=8, kvUnified=False)  # n_doc / 2 per sequence
     try:
         ev = refused(c, "load", 0, path=str(doc_file))
         assert "more than the context per sequence" in ev["message"]
@@ -585,9 +596,12 @@ def test_load_save_and_prefill_errors(server, doc_file, tmp_path):
     assert "directory" in ev["message"]
     refused(server, "save", 12, path="/proc/clickpaca-cannot-write-here.kv")
     assert not list(tmp_path.iterdir())
-    ok = req(server, "save", 12, path=str(tmp_path / "sub" / "dir" / "x.kv"))  # creates dirs
-    assert ok["bytes"] == (tmp_path / "sub" / "dir" / "x.kv").stat().st_size
-    assert [p.name for p in (tmp_path / "sub" / "dir").iterdir()] == ["x.kv"]  # no temp left
+    ev = refused(server, "save", 12, path=str(tmp_path / "sub" / "dir" / "x.kv"))  # no dirs made
+    assert "directory" in ev["message"] and not list(tmp_path.iterdir())
+    refused(server, "save", 12, path=str(tmp_path / "sub" / ".." / "x.kv"))  # no '..'
+    ok = req(server, "save", 12, path=str(tmp_path / "x.kv"))
+    assert ok["bytes"] == (tmp_path / "x.kv").stat().st_size
+    assert [p.name for p in tmp_path.iterdir()] == ["x.kv"]  # no temp left
     free_quietly(server, 12)
 
 

@@ -21,10 +21,11 @@ pytestmark = pytest.mark.model
 PROMPTS = ["The capital of France is", "One, two, three,", "The opposite of hot is", "Water is made of"]
 
 
-def start_server(path, **init) -> subprocess.Popen:
+def start_server(path, *args: str, **init) -> subprocess.Popen:
     params = {"nCtx": 4096, "nSeqMax": 64, "nBatch": 512, "build": TEST_BUILD,
+              "stateDir": str(path.parent / "state"),
               "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V, **init}
-    proc = subprocess.Popen([sys.executable, "-m", "clickpaca", "serve", "--socket", str(path),
+    proc = subprocess.Popen([sys.executable, "-m", "clickpaca", "serve", "--socket", str(path), *args,
                              "--init", orjson.dumps(params).decode()],
                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300

@@ -59,10 +59,10 @@ def measure(args: Any) -> dict[str, Any]:
     n_doc = int(getattr(args, "doc_tokens", None) or DOC_TOKENS)
     doc = document(n_doc, getattr(args, "text", None))
     tmp = tempfile.mkdtemp(prefix="clickpaca-bench-state-")
-    state_file = os.path.join(tmp, "doc.state")
+    state_file = "doc.state"  # a name in the servers' state directory (stateDir)
     n_ctx = max(2048, 3 * n_doc + 1024)
     base_init = {"modelPath": model, "build": args.build, "nThreads": args.threads,
-                 "nCtx": n_ctx, "nSeqMax": 4}
+                 "nCtx": n_ctx, "nSeqMax": 4, "stateDir": tmp}
     progress("state: starting the server, prefilling the document")
     a = Server(base_init)
     problems = a.problems
@@ -135,7 +135,7 @@ def measure(args: Any) -> dict[str, Any]:
                          "flashAttn": "on", "nSeqMax": 1, "nCtx": n_doc + 512}) as s:
                 s.client.request({"type": "prefill", "seq_id": 0, "prompt": doc})
                 sv = s.client.request({"type": "save", "seq_id": 0,
-                                       "path": os.path.join(tmp, f"doc-{k}-{v}.state")})
+                                       "path": f"doc-{k}-{v}.state"})
             problems += s.problems
             sizes.append({"cache": pair_name(k, v), "bytes": sv["bytes"], "tokens": sv["tokens"],
                           "bytes_per_token": sv["bytes"] / sv["tokens"]})

@@ -19,6 +19,9 @@ only the request is made.
 
 from __future__ import annotations
 
+import threading
+
+from .. import statedir
 from ..protocol import ProtocolError
 from .handlers import Handlers
 from .runtime import Runtime
@@ -31,7 +34,11 @@ __all__ = ["Engine", "Session", "Sequence"]
 class Engine:
     """Owns the runtime and every sequence of every session, once `init` succeeded."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_dir: str | None = None, allow_any_path: bool = False) -> None:
+        self.state_dir_default = state_dir  # --state-dir; init.stateDir overrides it
+        self.allow_any_path = allow_any_path
+        # Reader threads tokenize with the model (prepare.py); shutdown closes it under this.
+        self.model_lock = threading.Lock()
         self.rt: Runtime | None = None
         self.seqs: Sequences | None = None
         self.handlers: Handlers | None = None
@@ -42,9 +49,16 @@ class Engine:
         """The `ready` event of the successful `init` (None before)."""
         return self.rt.ready_event if self.rt is not None else None
 
+    @property
+    def states(self) -> statedir.StateDir | None:
+        """The state directory of the successful `init` (None before)."""
+        return self.rt.states if self.rt is not None else None
+
     def handle(self, session: Session, req: dict) -> None:
         """Apply one validated request; errors become `error` events for that session."""
         kind = req["type"]
+        if self.seqs is not None:
+            self.seqs.taken = []
         try:
             if kind == "init":
                 self._init(session, req)
@@ -54,15 +68,24 @@ class Engine:
                                     req.get("seq_id", -1), kind)
             getattr(self.handlers, kind)(session, req)
         except ProtocolError as e:
+            self._give_back()
             if e.request is None:
                 e.request = kind
             session.send(e.event())
+        except BaseException:
+            self._give_back()
+            raise
+
+    def _give_back(self) -> None:
+        """The request failed: free the slots it took (sequences.py: give_back)."""
+        if self.seqs is not None:
+            self.seqs.give_back()
 
     def _init(self, session: Session, req: dict) -> None:
         if self.rt is not None:
             raise ProtocolError("init: the server is already initialised (one init per process)",
                                 request="init")
-        self.rt = rt = Runtime.open(req)
+        self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path)
         self.seqs = Sequences(rt.ctx)
         self.handlers = Handlers(rt, self.seqs)
         self.scheduler = Scheduler(rt, self.seqs)
@@ -81,14 +104,18 @@ class Engine:
             self.seqs.fail_all(message)
 
     def close_session(self, session: Session) -> None:
-        """A client went away: cancel its sequences, free their KV, forget its grammars."""
+        """A client went away: cancel its sequences, free their KV, forget its grammars
+        and its private state files."""
         if self.seqs is not None:
             self.seqs.close_session(session)
         session.grammars.clear()
+        if self.states is not None:
+            self.states.drop_namespace(session.namespace)
 
     def shutdown(self) -> None:
         if self.seqs is not None:
             self.seqs.finish_all("shutdown", notify=False)
-        if self.rt is not None:
-            self.rt.close()
-        self.rt = self.seqs = self.handlers = self.scheduler = None
+        with self.model_lock:  # not while a reader thread tokenizes (prepare.py)
+            if self.rt is not None:
+                self.rt.close()
+            self.rt = self.seqs = self.handlers = self.scheduler = None

@@ -10,11 +10,12 @@ sequence and appends it to the active order for the scheduler (infer, score, pre
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
-from .. import kvstate
+from .. import kvstate, statedir
 from ..grammars import GrammarError
 from ..protocol import ProtocolError
 from ..sampling import SamplerParamError, SequenceSampler
@@ -22,6 +23,8 @@ from ..scoring import windows_for
 from ..text import StopMatcher, Utf8Assembler
 from .runtime import Runtime
 from .sequences import Sequence, Sequences, Session
+
+MAX_GRAMMARS_PER_SESSION = 64  # grammar ids one client may hold (each costs memory)
 
 
 class Handlers:
@@ -31,8 +34,13 @@ class Handlers:
     # ------------------------------------------------------------ grammars
 
     def grammar(self, session: Session, req: dict) -> None:
+        if req["id"] not in session.grammars and len(session.grammars) >= MAX_GRAMMARS_PER_SESSION:
+            raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
+                                "limit (re-use an id to replace one)")
         try:
-            compiled = self.rt.grammars.compile(req["grammar"])
+            compiled = req.get("_compiled") or self.rt.grammars.compile(req["grammar"])
+            if isinstance(compiled, GrammarError):  # compiled by the reader (prepare.py)
+                raise compiled
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
         session.grammars[req["id"]] = compiled
@@ -55,7 +63,7 @@ class Handlers:
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {req['grammar_id']!r} "
                                     "(send a grammar request first)", seq_id, "infer")
-        prompt = rt.tokenize_prompt(rt.prompt_text(req), continuing=held is not None)
+        prompt = self._prompt_tokens(req, continuing=held is not None)
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
@@ -92,7 +100,9 @@ class Handlers:
         if window > ctx.n_ctx_seq:
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
-        tokens = model.tokenize(req["text"], add_special=True, parse_special=False)
+        tokens = req.get("_tokens")  # tokenized by the reader (prepare.py) when long
+        if tokens is None:
+            tokens = model.tokenize(req["text"], add_special=True, parse_special=False)
         windows = windows_for(tokens, window, model.bos if model.add_bos else None)
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
@@ -110,7 +120,7 @@ class Handlers:
         seq_id = req["seq_id"]
         seqs.check_id(seq_id, "prefill")
         held = self._held_or_free(session, seq_id, "prefill")
-        prompt = self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing=held is not None)
+        prompt = self._prompt_tokens(req, continuing=held is not None)
         self._check_fits(held, prompt, seq_id, "prefill")
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
         seq.kind = "prefill"
@@ -120,6 +130,14 @@ class Handlers:
         seq.t_arrival = time.perf_counter()
         seq.t_prompt = None
         seqs.order.append(seq)
+
+    def _prompt_tokens(self, req: dict, continuing: bool) -> np.ndarray:
+        """The prompt's (or messages') tokens: from the reader thread (prepare.py) if it
+        made them, both ways, since only here is it known whether a held sequence continues."""
+        pre = req.get("_tokens")
+        if pre is not None:
+            return pre[continuing]
+        return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing)
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""
@@ -212,10 +230,25 @@ class Handlers:
         if seq is None or seq.state != "held":
             raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to save",
                                 req["seq_id"], "save")
+        shared, replace = req["shared"], req["replace"]
+
+        def may_replace(dir_fd: int, name: str) -> None:
+            kvstate.refuse_foreign(dir_fd, name)
+            if shared and not replace:
+                raise kvstate.StateFileError(f"{name!r} already exists in the shared namespace "
+                                             "(save with replace: true to overwrite it)")
         try:
-            n = kvstate.save(self.rt.ctx, seq.slot, seq.tokens, req["path"])
-        except (OSError, kvstate.StateFileError) as e:
-            raise ProtocolError(f"path: {e}", req["seq_id"], "save") from None
+            dir_fd, name, label = self.rt.states.locate(req["path"], session.namespace, shared)
+            try:
+                n = statedir.write_file(dir_fd, name, kvstate.encode(self.rt.ctx, seq.slot, seq.tokens),
+                                        label, may_replace)
+            finally:
+                os.close(dir_fd)
+        except (statedir.StatePathError, kvstate.StateFileError) as e:
+            raise ProtocolError(_path_message(e), req["seq_id"], "save") from None
+        except OSError as e:
+            raise ProtocolError(f"path: {req['path'][:60]!r} cannot be written ({e.strerror})",
+                                req["seq_id"], "save") from None
         session.send({"type": "saved", "seq_id": seq.seq_id, "path": req["path"], "bytes": n,
                       "tokens": seq.n_past})
 
@@ -225,12 +258,23 @@ class Handlers:
         seqs.check_id(seq_id, "load")
         if seq_id in session.seqs:
             raise ProtocolError(f"seq_id: sequence {seq_id} is in use (free it first)", seq_id, "load")
+        try:  # read and check the file before taking a slot
+            dir_fd, name, label = self.rt.states.locate(req["path"], session.namespace, req["shared"])
+            try:
+                data = statedir.read_file(dir_fd, name, label)
+            finally:
+                os.close(dir_fd)
+            header, tokens, payload = kvstate.decode(data, label)
+        except (statedir.StatePathError, kvstate.StateFileError) as e:
+            raise ProtocolError(_path_message(e), seq_id, "load") from None
+        except OSError as e:
+            raise ProtocolError(f"path: {req['path'][:60]!r} cannot be read ({e.strerror})",
+                                seq_id, "load") from None
         seq = seqs.new(session, seq_id, "prefill")
-        try:
-            tokens = kvstate.load(self.rt.ctx, seq.slot, req["path"])
-        except (OSError, kvstate.StateFileError) as e:
-            seqs.release(seq)
-            raise ProtocolError(f"path: {e}", seq_id, "load") from None
+        try:  # a failure releases the slot: Engine.handle gives back what a request took
+            tokens = kvstate.restore(self.rt.ctx, seq.slot, header, tokens, payload, label)
+        except kvstate.StateFileError as e:
+            raise ProtocolError(_path_message(e), seq_id, "load") from None
         seq.tokens = tokens
         seq.state = "held"
         session.send({"type": "loaded", "seq_id": seq_id, "tokens": seq.n_past})
@@ -238,3 +282,9 @@ class Handlers:
     def quit(self, session: Session, req: dict) -> None:
         if req["now"]:
             self.seqs.finish_all("shutdown")
+
+
+def _path_message(e: Exception) -> str:
+    """A state-file error as an `error` message that names the field `path`."""
+    msg = str(e)
+    return msg if msg.startswith("path:") else f"path: {msg}"

@@ -1,6 +1,6 @@
 """What an `init` loads, once per process: the model, its context and batch, the grammar
-engine and the worker that fills grammar masks during a decode; and the `ready` event
-that describes them.
+engine and the worker that fills grammar masks during a decode, the state directory of
+save/load; and the `ready` event that describes them.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import chat, core
+from .. import chat, core, statedir
 from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
@@ -20,8 +20,9 @@ from ..protocol import ProtocolError
 class Runtime:
     """The loaded model and everything built on it (`open`); `close` releases them in order."""
 
-    def __init__(self, model: core.Model, ctx: core.Context) -> None:
+    def __init__(self, model: core.Model, ctx: core.Context, states: statedir.StateDir) -> None:
         self.model, self.ctx = model, ctx
+        self.states = states
 
     def _start(self, req: dict) -> None:
         model, ctx = self.model, self.ctx
@@ -47,6 +48,7 @@ class Runtime:
             "kvUnified": bool(req["kvUnified"]),
             "swaFull": bool(req["swaFull"]),
             "flashAttn": req["flashAttn"],
+            "stateDir": str(self.states.root),
             "cacheTypes": sorted(core.cache_types(model.nat)),
             "model": {"path": str(model.path), "description": model.description,
                       "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
@@ -54,10 +56,12 @@ class Runtime:
         }
 
     @classmethod
-    def open(cls, req: dict) -> "Runtime":
-        """Load what a validated `init` request asks for; ProtocolError naming the field."""
+    def open(cls, req: dict, state_dir: str | None = None, allow_any_path: bool = False) -> "Runtime":
+        """Load what a validated `init` request asks for; ProtocolError naming the field.
+        `state_dir` is the server's default (--state-dir) when the request has no stateDir."""
         types = (req["cacheTypeK"], req["cacheTypeV"])
         build = req["build"] or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
+        states = open_state_dir(req["stateDir"] or state_dir, allow_any_path)
         try:
             path = resolve_model(req["modelPath"])
             model = core.Model(path, n_gpu_layers=req["nGpuLayers"], build=build)
@@ -73,7 +77,7 @@ class Runtime:
         except core.ContextError as e:
             model.close()
             raise ProtocolError(str(e), request="init") from None
-        rt = cls(model, ctx)
+        rt = cls(model, ctx, states)
         try:
             rt._start(req)
         except BaseException:
@@ -124,3 +128,13 @@ class Runtime:
                 pass
         self.ctx.close()
         self.model.close()
+
+
+def open_state_dir(root: str | None, allow_any_path: bool) -> statedir.StateDir:
+    """The directory of save/load state files (default: statedir.default_root());
+    ProtocolError naming stateDir when it cannot be used."""
+    try:
+        return statedir.StateDir(root or statedir.default_root(), allow_any_path)
+    except (OSError, statedir.StatePathError) as e:
+        raise ProtocolError(f"stateDir: cannot be used ({getattr(e, 'strerror', None) or e})",
+                            request="init") from None

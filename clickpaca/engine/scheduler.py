@@ -1,7 +1,7 @@
 """The scheduler: every tick is one llama_decode for all active sequences.
 
 A tick packs, in this order, one token for each generating sequence, then prompt (and
-scoring) chunks of waiting sequences in arrival order, up to nBatch tokens; a long
+scoring) chunks of waiting sequences, fewest tokens left first, up to nBatch tokens; a long
 prompt is split across ticks so it never stalls the others. After the decode, each
 output row goes to its sequence: a generating sequence samples from it (generation.py),
 a scoring one adds its rows' NLL, and a prompt that is fully in the KV cache moves its
@@ -26,6 +26,19 @@ from .sequences import Sequence, Sequences
 
 #: One batch entry: (sequence, what ("gen", "prompt", "score"), first output row, outputs).
 Entry = tuple[Sequence, str, int, int]
+
+
+def prompt_order(order: list[Sequence]) -> list[Sequence]:
+    """Waiting prompts, fewest tokens left first (ties: arrival order).
+
+    Arrival order let one long prompt or score take the whole batch, tick after tick,
+    while a one-token request behind it waited for all of it (114.6 s behind a
+    40,000-character score); fewest-left-first lets short prompts through within a tick
+    and gives the long one the rest of the batch. Generating sequences are not affected:
+    they always get their token first.
+    """
+    waiting = [s for s in order if s.state == "prompt"]
+    return sorted(waiting, key=lambda s: len(s.pending) - s.fed)
 
 
 class Scheduler:
@@ -71,7 +84,7 @@ class Scheduler:
                 plan.append((seq, "gen", row, 1))
                 row += 1
         now = time.perf_counter()
-        for seq in self.seqs.order:
+        for seq in prompt_order(self.seqs.order):
             if seq.state != "prompt" or batch.free == 0 or defer_prompts or seq.kv_wait:
                 continue
             take = min(batch.free, len(seq.pending) - seq.fed)

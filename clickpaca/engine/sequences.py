@@ -31,6 +31,8 @@ class Session:
     name: str = "stdio"
     seqs: dict[int, "Sequence"] = field(default_factory=dict)
     grammars: dict[str, Any] = field(default_factory=dict)
+    max_seqs: int | None = None  # slots this client may hold at once (socket: --max-seqs-per-client)
+    namespace: str | None = None  # its private state-file namespace (statedir.py); None = the root
 
 
 @dataclass(eq=False)
@@ -94,6 +96,7 @@ class Sequences:
         self.ctx = ctx
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
         self.order: list[Sequence] = []  # active (not held) sequences in arrival order
+        self.taken: list[Sequence] = []  # slots taken by the request being handled (give_back)
 
     def check_id(self, seq_id: int, kind: str, field_: str = "seq_id") -> None:
         if not 0 <= seq_id < self.ctx.n_seq_max:
@@ -104,10 +107,24 @@ class Sequences:
         if not self.free_slots:
             raise ProtocolError(f"seq_id: no free sequence slot (all {self.ctx.n_seq_max} in use)",
                                 seq_id, kind)
+        if session.max_seqs is not None and len(session.seqs) >= session.max_seqs:
+            raise ProtocolError(f"seq_id: this client holds {len(session.seqs)} sequences, its share "
+                                f"(--max-seqs-per-client {session.max_seqs})", seq_id, kind)
         seq = Sequence(session=session, seq_id=seq_id, slot=self.free_slots.pop(), kind=kind,
                        t_arrival=time.perf_counter())
         session.seqs[seq_id] = seq
+        self.taken.append(seq)
         return seq
+
+    def give_back(self) -> None:
+        """A request failed: release the slots it took that are still its own (no leak).
+
+        Engine.handle clears `taken` before each request and calls this when one raises,
+        so a handler that fails after `new` never needs its own cleanup."""
+        taken, self.taken = self.taken, []
+        for seq in taken:
+            if seq.session.seqs.get(seq.seq_id) is seq:
+                self.release(seq)
 
     # ------------------------------------------------------------ endings
 

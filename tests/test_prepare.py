@@ -1,0 +1,84 @@
+"""clickpaca.prepare with the real engine in-process: what a reader thread prepares for
+a long prompt, chat conversation or score text equals what the engine thread would have
+made itself (same text, same tokens, both with and without BOS), a failure is left for
+the engine to report, and nothing is prepared once the engine has shut down.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clickpaca.engine import Engine, Session
+from clickpaca.prepare import TOKENIZE_MIN_CHARS, prepare
+from clickpaca.protocol import validate
+from conftest import TEST_BUILD
+
+LONG = "The quick brown fox jumps over the lazy dog. " * (TOKENIZE_MIN_CHARS // 40)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = Engine(state_dir=str(tmp_path_factory.mktemp("state")))
+    events: list[dict] = []
+    eng.handle(Session(send=events.append),
+               validate({"type": "init", "nCtx": 1024, "nSeqMax": 2, "nBatch": 64, "nThreads": 1,
+                         "build": TEST_BUILD}))
+    assert events and events[-1]["type"] == "ready", events
+    yield eng
+    eng.shutdown()
+
+
+def engine_tokens(eng: Engine, req: dict) -> dict[bool, np.ndarray]:
+    """What the engine thread makes when nothing was prepared (handlers._prompt_tokens)."""
+    return {c: eng.handlers._prompt_tokens({**req, "_tokens": None}, c) for c in (False, True)}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fields", [
+    {"prompt": LONG},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG}],
+     "chatTemplate": "gemma"},
+], ids=["prompt", "messages"])
+def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine, fields):
+    req = prepare(engine, validate({"type": "prefill", "seq_id": 0, **fields}))
+    pre = req["_tokens"]
+    want = engine_tokens(engine, req)
+    for continuing in (False, True):
+        assert np.array_equal(pre[continuing], want[continuing]), continuing
+    assert pre[False][0] == engine.rt.model.bos and len(pre[False]) == len(pre[True]) + 1
+    if "messages" in fields:  # formatted with the template, not the raw contents
+        assert engine.rt.model.detokenize(pre[True], special=True).startswith("<start_of_turn>user\n")
+
+
+@pytest.mark.model
+def test_short_prompts_and_bad_conversations_are_left_to_the_engine(engine):
+    short = prepare(engine, validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
+    assert "_tokens" not in short
+    # the base model has no template: the engine answers with the reason, naming messages
+    bad = prepare(engine, validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
+                                    "messages": [{"role": "user", "content": LONG}]}))
+    assert "_tokens" not in bad
+    events: list[dict] = []
+    engine.handle(Session(send=events.append), bad)
+    assert events[-1]["type"] == "error" and events[-1]["message"].startswith("messages:"), events
+    assert len(engine.seqs.free_slots) == 2  # no slot kept by the refused request
+
+
+@pytest.mark.model
+def test_long_score_texts_are_tokenized_as_the_engine_would(engine):
+    req = prepare(engine, validate({"type": "score", "seq_id": 0, "text": LONG}))
+    model = engine.rt.model
+    assert np.array_equal(req["_tokens"], model.tokenize(LONG, add_special=True, parse_special=False))
+
+
+@pytest.mark.model
+def test_nothing_is_prepared_after_shutdown(tmp_path):
+    eng = Engine(state_dir=str(tmp_path))
+    eng.handle(Session(send=lambda ev: None),
+               validate({"type": "init", "nCtx": 256, "nSeqMax": 1, "nBatch": 16, "nThreads": 1,
+                         "build": TEST_BUILD}))
+    assert eng.rt is not None
+    eng.shutdown()
+    req = prepare(eng, validate({"type": "prefill", "seq_id": 0, "prompt": LONG}))
+    assert "_tokens" not in req
