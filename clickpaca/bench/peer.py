@@ -23,7 +23,7 @@ from .peer_check import summarize
 from .peer_loads import BANS, GREEDY_SAMPLING, SCHEMA_SAMPLING, SCHEMAS, Load, loads
 from .peer_sides import (check_clickpaca_counts, check_llama_counts, plan, run_clickpaca,
                          run_llama, schema_grammar)
-from .report import emit, machine, plot_lines
+from .report import _pyplot, _save, emit, machine
 from .serve import Server
 from .stats import alternate, progress, ratio, summary
 from .table import fmt, markdown
@@ -227,13 +227,27 @@ def registration_lines(out: dict[str, Any]) -> list[str]:
 
 
 def plot(out: dict[str, Any], path) -> None:
-    xs = list(range(1, len(out["rows"]) + 1))
+    """Grouped bars: one group per load, one bar per side (median, min-max as error bar)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.4, 4.2), dpi=110)
     names = [LS_SPLIT, LS_UNIFIED, CP, CP_PER_REQ]
-    series = {n: (xs, [r["sides"][n]["tps"]["median"] if n in r["sides"] else None
-                       for r in out["rows"]]) for n in names}
-    plot_lines(path, series, "load (" + ", ".join(f"{i}={r['load']}" for i, r in zip(xs, out["rows"])) + ")",
-               "generated tokens/s (all requests)",
-               f"clickpaca vs llama-server, {out['params']['threads']} threads")
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs, ys, lo, hi = [], [], [], []
+        for i, r in enumerate(out["rows"]):
+            t = r["sides"].get(name, {}).get("tps")
+            if t and t["median"] is not None:
+                xs.append(i + (k - (len(names) - 1) / 2) * width)
+                ys.append(t["median"])
+                lo.append(t["median"] - t["min"])
+                hi.append(t["max"] - t["median"])
+        if xs:
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name)
+    ax.set_xticks(range(len(out["rows"])), [r["load"] for r in out["rows"]])
+    ax.legend(fontsize=8)
+    _save(plt, fig, ax, path, "load", "generated tokens/s (all requests)",
+          f"clickpaca vs llama-server, {out['params']['threads']} threads, "
+          f"{out['params']['repeats']} rounds")
 
 
 def run(args: Any) -> dict[str, Any]:
