@@ -178,6 +178,9 @@ def measure(args: Any) -> dict[str, Any]:
                 notes.append(f"{r['load']} / {name}: {bad}; e.g. {c['examples_bad'][:2]}")
             if not r["schemas"] and not s["same_text_every_round"]:
                 notes.append(f"{r['load']} / {name}: greedy texts differed between rounds")
+            if s["prompt_tokens"] != r["sides"][CP]["prompt_tokens"]:
+                notes.append(f"{r['load']} / {name}: prompt tokens {s['prompt_tokens']}, clickpaca "
+                             f"{r['sides'][CP]['prompt_tokens']}")
     return {"params": {"loads": [r["load"] for r in rows], "repeats": args.repeats,
                        "threads": t, "build": args.build, "model": model,
                        "ctx_per_seq": args.ctx_per_seq, "batch": BATCH,
