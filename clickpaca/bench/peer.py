@@ -121,7 +121,8 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
 
         names = [LS_SPLIT, LS_UNIFIED, CP] + ([CP_PER_REQ] if load.schemas else [])
         res = alternate({name: side(name) for name in names}, args.repeats, f"peer {load.name}")
-        problems = [p for s in (*servers.values(), cp) for p in s.problems]
+    # after the with: closing adds what each server's exit showed
+    problems = [p for s in (*servers.values(), cp) for p in s.problems]
     schemas = [SCHEMAS[r.schema][1] if r.schema else None for r in reqs]
     bans = [r.ban_id for r in reqs]
     sides = {}
