@@ -102,6 +102,7 @@ def test_bench_peer_short_real_run(tmp_path):
         if r["banned"]:
             assert len(r["banned_ids"]) == 8
         assert r["registration_ms"]["median"] > 0
+    assert data["server_problems"] == []  # every server stopped cleanly
     assert set(data["llama_server_commands"]) == {peer.LS_SPLIT, peer.LS_UNIFIED}
     cmd = data["llama_server_commands"][peer.LS_UNIFIED]["mixed"]
     assert "--kv-unified" in cmd and "-np 2" in cmd and "-c 1024" in cmd
