@@ -104,6 +104,13 @@ def make_peer(main: Path, out: Path, key: str, main_key: str, jobs: int) -> None
         build.run_streamed(["cmake", str(cmake_dir), *[f"-D{k}={v}" for k, v in before.items()]],
                            env, logfile)
     cbin = cmake_dir / "bin"
+    # The server must run on the very library clickpaca loads: turning the server on may
+    # not have rebuilt it.
+    want = json.loads((main / "build-info.json").read_text())["libllama_sha256"]
+    got = build.sha256_file(cbin / "libllama.so")
+    if got != want:
+        raise build.BuildError(f"building {TARGET} changed libllama.so in {cbin} "
+                               f"(sha256 {got}, mainline {want}); not using it")
     (out / "bin").mkdir()
     (out / "lib").mkdir()
     for so in sorted(cbin.glob("*.so*")):
@@ -114,6 +121,7 @@ def make_peer(main: Path, out: Path, key: str, main_key: str, jobs: int) -> None
     # The run path $ORIGIN/../lib (CMakeLists.txt) finds lib/ from bin/.
     shutil.copy2(cbin / TARGET, out / "bin" / TARGET)
     info = {"flavor": "peer", "target": TARGET, "key": key, "mainline_key": main_key,
+            "libllama_sha256": got,
             "mainline": str(main), "options": SERVER_OPTIONS,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_seconds": round(time.monotonic() - t0, 1)}
