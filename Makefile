@@ -7,7 +7,7 @@ COMPAT_VERSION ?= 0.3.16
 PYTEST_ARGS ?=
 export OMP_WAIT_POLICY ?= passive
 
-.PHONY: demo setup prereqs venv mainline turboquant bindgen api-report model test test-tq test-compat bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-tq test-compat bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -35,6 +35,10 @@ mainline: prereqs venv
 turboquant: prereqs venv
 	$(PY) native/build.py turboquant --preset $(PRESET)
 
+## peer: llama-server (the peer of `clickpaca bench peer`) from the mainline tree -> builds/peer/bin
+peer: prereqs venv
+	$(PY) native/peer.py --preset $(PRESET)
+
 ## bindgen: regenerate the cffi bindings (and API manifest, change report) of every build
 bindgen: venv
 	$(PY) -m bindgen
@@ -52,7 +56,7 @@ model: venv
 
 ## test: the whole test suite (README, second command). Tests of the turboquant library
 ## itself run in their own process: two builds cannot share one process (same sonames).
-test: setup turboquant
+test: setup turboquant peer
 	$(PY) -m bindgen
 	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
 	$(PY) -m pytest -m "not turboquant" $(PYTEST_ARGS)
@@ -71,7 +75,7 @@ test-compat: setup
 	COMPAT_BUILD=builds/compat-$(COMPAT_VERSION) $(PY) -m pytest tests/compat -q $(PYTEST_ARGS)
 
 ## bench: the standard benchmark set against the native tools (a few minutes)
-bench: setup
+bench: setup peer
 	$(PY) -m clickpaca bench all --plot
 
 ## kv-study: the KV cache quality study of docs/KV-RESEARCH.md (perplexity, KL, top-1, memory, speed);

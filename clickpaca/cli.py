@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tok)
 
     p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools")
-    p.add_argument("what", choices=["decode", "batch", "grammar", "sampler", "kv", "state", "all"])
+    p.add_argument("what", choices=["decode", "batch", "grammar", "sampler", "kv", "state", "peer", "all"])
     p.add_argument("--seqs", default=None,
                    help="comma list of sequence counts (default: batch 1,2,4,8,16,32,64; grammar 1,8,64)")
     p.add_argument("--tokens", type=int, default=None,
@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", action="store_true",
                    help="kv: also llama-bench pp/tg per cache type (--prompt-tokens 512, --tokens 64, --repeats)")
     p.add_argument("--text", help="state: document file (default: a public-domain play)")
+    p.add_argument("--loads", help="peer: comma list of greedy1,greedy8,schema8,schema8_ban,mixed (default all)")
+    p.add_argument("--tokens-greedy1", type=int, help="peer: tokens of the 1-request load (default 128)")
+    p.add_argument("--tokens-greedy8", type=int, help="peer: tokens of the 8-request greedy load (default 64)")
+    p.add_argument("--tokens-schema", type=int, help="peer: token limit of the schema loads (default 128)")
+    p.add_argument("--mixed", type=int, help="peer: requests of the mixed-schema load (default 64)")
+    p.add_argument("--ctx-per-seq", type=int, help="peer: KV cells per request (default 512)")
     p.add_argument("--model")
     p.add_argument("--build", default="mainline")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")

@@ -9,9 +9,10 @@ import time
 from ..results import recording
 from .stats import progress
 
-WHATS = ("decode", "batch", "grammar", "sampler", "kv", "state")
+WHATS = ("decode", "batch", "grammar", "sampler", "kv", "state", "peer")
 
-#: `bench all`: the standard set, a few minutes on a quiet 2-core machine.
+#: `bench all`: the standard set (make bench); the peer bench against llama-server is part of
+#: every run (issue 18: the headline claim re-measured whenever the scheduler changes).
 ALL_PLAN = {
     "sampler": {"repeats": 3},
     "decode": {"tokens": 64, "repeats": 3},
@@ -19,14 +20,15 @@ ALL_PLAN = {
     "grammar": {"seqs": "1,8,64", "tokens": 32, "repeats": 3},
     "kv": {},
     "state": {"repeats": 3, "cache": "f16,q8_0,q4_0"},
+    "peer": {"repeats": 3},
 }
 
 
 def _module(what: str):
-    from . import batch, decode, grammar, kv, sampler, state
+    from . import batch, decode, grammar, kv, peer, sampler, state
 
     return {"decode": decode, "batch": batch, "grammar": grammar, "sampler": sampler, "kv": kv,
-            "state": state}[what]
+            "state": state, "peer": peer}[what]
 
 
 def run_bench(args: argparse.Namespace) -> int:
