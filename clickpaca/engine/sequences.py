@@ -1,9 +1,10 @@
 """Sequences, their slots, and how each request ends.
 
 A `Session` is one client's namespace of seq_ids and grammar ids (stdio has exactly
-one). A `Sequence` is what one seq_id holds: a slot (llama.cpp's sequence id), the
-tokens in its KV cells, and what it is doing (kind infer, score or prefill; state
-prompt -> generate, or held). `Sequences` owns the slots and the active order, and every
+one). A `Sequence` is what one seq_id holds: a slot (llama.cpp's sequence id), its one
+token history (`tokens`: the prompt from the moment it arrives, each sampled token from
+the moment it is accepted; the first `n_past` of them are in its KV cells), and what it
+is doing (kind infer, score or prefill; state prompt -> generate, or held). `Sequences` owns the slots and the active order, and every
 ending goes through it: `finish` (a `done` event), `fail` (an `error` event) or
 `release` (silently), each of which frees the slot and its KV cells at once, so the
 seq_id is reusable by the next request.
@@ -14,8 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-import numpy as np
 
 from .. import core
 from ..protocol import ProtocolError, error_event
@@ -40,10 +39,8 @@ class Sequence:
     slot: int
     kind: str  # "infer" | "score" | "prefill"
     state: str = "prompt"  # "prompt" -> "generate" | "held"
-    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    fed: int = 0  # how many of `pending` are in the KV cache
-    tokens: list[int] = field(default_factory=list)  # every token in the KV, in order
-    next_token: int | None = None
+    tokens: list[int] = field(default_factory=list)  # its context, in order
+    n_past: int = 0  # how many of `tokens` are in its KV cells (fed by a decode)
     sampler: SequenceSampler | None = None
     matcher: Any = None
     stops: StopMatcher | None = None
@@ -62,9 +59,11 @@ class Sequence:
     nll: list = field(default_factory=list)
     per_token: bool = False
 
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
+    def append(self, token: int) -> None:
+        """A sampled token enters the context: the history and the sampler's penalty
+        window take it at the same moment (the next tick feeds it to the KV cells)."""
+        self.tokens.append(token)
+        self.sampler.accept(token)
 
 
 def done_event(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
