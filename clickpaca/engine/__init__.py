@@ -12,7 +12,8 @@ One room per concern:
                    hand each output row to its sequence
     generation.py  a generating sequence's row: sample, emit the token, decide the end
 
-`Engine` only routes: requests to their handler (between ticks), ticks to the scheduler.
+`Engine` only routes: requests to their handler through handlers.HANDLERS (between
+ticks), ticks to the scheduler.
 Requests arrive validated by clickpaca.protocol, the edge, where every check that needs
 only the request is made.
 """
@@ -20,7 +21,7 @@ only the request is made.
 from __future__ import annotations
 
 from ..protocol import ProtocolError
-from .handlers import Handlers
+from .handlers import HANDLERS, Handlers
 from .runtime import Runtime
 from .scheduler import Scheduler
 from .sequences import Sequence, Sequences, Session
@@ -52,7 +53,7 @@ class Engine:
             if self.handlers is None:
                 raise ProtocolError(f"{kind} before init: send an init request first",
                                     req.get("seq_id", -1), kind)
-            getattr(self.handlers, kind)(session, req)
+            HANDLERS[kind](self.handlers, session, req)
         except ProtocolError as e:
             if e.request is None:
                 e.request = kind

@@ -6,11 +6,10 @@ completed grammar, a stop string or maxTokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..mask_ahead import MaskJob
+from ..protocol import token_event
 from ..sampling import SampleResult
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
@@ -39,13 +38,11 @@ def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, token: int, res: Sample
         seqs.fail(seq, f"grammar rejected token {token} (matcher: {seq.matcher.error()})")
         return
     piece = seq.utf8.feed(rt.model.token_to_piece(token, special=True))
-    ev: dict[str, Any] = {"type": "token", "seq_id": seq.seq_id, "token": token, "piece": piece}
+    logprobs = None
     if seq.sampler.params.n_probs:
-        ev["logprob"] = res.logprob
-        ev["top"] = _top(rt, res.top)
-        ev["steered_logprob"] = res.steered_logprob
-        ev["steered_top"] = _top(rt, res.steered_top)
-    seq.session.send(ev)
+        logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
+                    "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
+    seq.session.send(token_event(seq.seq_id, token, piece, logprobs))
     seq.n_predicted += 1
     stop = seq.stops.feed(piece) if seq.stops else None
     if stop is not None:

@@ -11,12 +11,14 @@ sequence and appends it to the active order for the scheduler (infer, score, pre
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
 from .. import kvstate
 from ..grammars import GrammarError
-from ..protocol import ProtocolError
+from ..protocol import (REQUESTS, ProtocolError, forked_event, freed_event, grammar_ready_event, loaded_event,
+                        saved_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from ..text import StopMatcher, Utf8Assembler
@@ -36,7 +38,7 @@ class Handlers:
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
         session.grammars[req["id"]] = compiled
-        session.send({"type": "grammar_ready", "id": req["id"]})
+        session.send(grammar_ready_event(req["id"]))
 
     # ------------------------------------------------------------ sequences that run
 
@@ -179,7 +181,7 @@ class Handlers:
             self.seqs.finish(seq, "cancelled")
         else:
             self.seqs.release(seq)
-        session.send({"type": "freed", "seq_id": req["seq_id"]})
+        session.send(freed_event(req["seq_id"]))
 
     def fork(self, session: Session, req: dict) -> None:
         seqs = self.seqs
@@ -199,8 +201,7 @@ class Handlers:
         self.rt.ctx.seq_cp(src.slot, dst.slot, -1, -1)
         dst.tokens, dst.n_past = list(src.tokens), src.n_past
         dst.state = "held"
-        session.send({"type": "forked", "seq_id": src.seq_id, "dst_seq_id": dst_id,
-                      "tokens": dst.n_past})
+        session.send(forked_event(src.seq_id, dst_id, dst.n_past))
 
     def save(self, session: Session, req: dict) -> None:
         seq = session.seqs.get(req["seq_id"])
@@ -211,8 +212,7 @@ class Handlers:
             n = kvstate.save(self.rt.ctx, seq.slot, seq.tokens, req["path"])
         except (OSError, kvstate.StateFileError) as e:
             raise ProtocolError(f"path: {e}", req["seq_id"], "save") from None
-        session.send({"type": "saved", "seq_id": seq.seq_id, "path": req["path"], "bytes": n,
-                      "tokens": seq.n_past})
+        session.send(saved_event(seq.seq_id, req["path"], n, seq.n_past))
 
     def load(self, session: Session, req: dict) -> None:
         seqs = self.seqs
@@ -228,8 +228,27 @@ class Handlers:
             raise ProtocolError(f"path: {e}", seq_id, "load") from None
         seq.tokens, seq.n_past = tokens, len(tokens)
         seq.state = "held"
-        session.send({"type": "loaded", "seq_id": seq_id, "tokens": seq.n_past})
+        session.send(loaded_event(seq_id, seq.n_past))
 
     def quit(self, session: Session, req: dict) -> None:
         if req["now"]:
             self.seqs.finish_all("shutdown")
+
+
+#: Request type -> its handler: every request of the protocol's list (REQUESTS) but
+#: `init`, which the Engine applies itself (it creates what the handlers work on).
+HANDLERS: dict[str, Callable[[Handlers, Session, dict], None]] = {
+    "grammar": Handlers.grammar,
+    "infer": Handlers.infer,
+    "score": Handlers.score,
+    "prefill": Handlers.prefill,
+    "cancel": Handlers.cancel,
+    "free": Handlers.free,
+    "fork": Handlers.fork,
+    "save": Handlers.save,
+    "load": Handlers.load,
+    "quit": Handlers.quit,
+}
+if set(HANDLERS) != set(REQUESTS) - {"init"}:  # a request added to the protocol needs a handler
+    raise ImportError(f"engine handlers {sorted(HANDLERS)} do not match the protocol's requests "
+                      f"{sorted(set(REQUESTS) - {'init'})}")

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from ..mask_ahead import MaskJob
+from ..protocol import prefilled_event, scored_event
 from ..scoring import score_rows
 from . import generation
 from .plan import Feed, Want, plan_tick
@@ -122,8 +123,7 @@ class Scheduler:
                 seq.state = "held"
                 self.seqs.order.remove(seq)
                 ms = (now - seq.t_prompt) * 1000 if seq.t_prompt else 0.0
-                seq.session.send({"type": "prefilled", "seq_id": seq.seq_id,
-                                  "tokens": seq.n_past, "prompt_ms": round(ms, 3)})
+                seq.session.send(prefilled_event(seq.seq_id, seq.n_past, ms))
             elif f.ends:  # an infer with maxTokens 0
                 seq.t_first = now
                 self.seqs.finish(seq, "max_tokens")
@@ -144,12 +144,7 @@ class Scheduler:
                 self._scored(seq)
 
     def _scored(self, seq: Sequence) -> None:
-        nll = np.asarray(seq.nll, dtype=np.float64)
-        mean = float(nll.mean()) if len(nll) else float("nan")
-        ev = {"type": "scored", "seq_id": seq.seq_id, "tokens": len(nll), "nll": mean,
-              "ppl": float(np.exp(mean)), "windows": len(seq.windows)}
-        if seq.per_token:
-            ev["token_nll"] = [round(x, 6) for x in seq.nll]
+        ev = scored_event(seq.seq_id, seq.nll, len(seq.windows), seq.per_token)
         session = seq.session
         self.seqs.release(seq)
         session.send(ev)

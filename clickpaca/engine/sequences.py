@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import core
-from ..protocol import ProtocolError, error_event
+from ..protocol import ProtocolError, done_event, error_event
 from ..sampling import SequenceSampler
 from ..text import StopMatcher, Utf8Assembler
 
@@ -66,23 +66,20 @@ class Sequence:
         self.sampler.accept(token)
 
 
-def done_event(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
-    """The `done` event that ends a request."""
+def done(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
+    """The `done` event that ends a request, with the sequence's timings."""
     if seq.kind in ("score", "prefill") and reason in ("cancelled", "shutdown"):
-        return {"type": "done", "seq_id": seq.seq_id, "stop_reason": reason, "request": seq.kind}
+        return done_event(seq.seq_id, reason, request=seq.kind)
     t_prompt_end = seq.t_first or now
     prompt_s = (t_prompt_end - seq.t_prompt) if seq.t_prompt else 0.0
     eval_s = (now - seq.t_first) if seq.t_first else 0.0
-    ev = {"type": "done", "seq_id": seq.seq_id, "tokens_prompt": seq.n_prompt,
-          "tokens_reused": seq.n_reused, "tokens_predicted": seq.n_predicted,
-          "prompt_ms": round(prompt_s * 1000, 3), "eval_ms": round(eval_s * 1000, 3),
-          "prompt_tps": round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
-          # the first token comes from the prompt's logits: n tokens take n - 1 decodes
-          "eval_tps": round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None,
-          "stop_reason": reason}
-    if stop is not None:
-        ev["stop"] = stop
-    return ev
+    return done_event(
+        seq.seq_id, reason, stop, tokens_prompt=seq.n_prompt, tokens_reused=seq.n_reused,
+        tokens_predicted=seq.n_predicted, prompt_ms=round(prompt_s * 1000, 3),
+        eval_ms=round(eval_s * 1000, 3),
+        prompt_tps=round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
+        # the first token comes from the prompt's logits: n tokens take n - 1 decodes
+        eval_tps=round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None)
 
 
 class Sequences:
@@ -131,7 +128,7 @@ class Sequences:
         now = time.perf_counter()
         self.release(seq)
         if notify:
-            seq.session.send(done_event(seq, reason, stop, now))
+            seq.session.send(done(seq, reason, stop, now))
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an `error` event."""
