@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -25,6 +23,8 @@ from pathlib import Path
 
 import cffi
 
+from clickpaca.paths import cache_dir, sha256_file
+
 from . import layout
 from .cparse import BindgenError, parse, preprocess
 from .manifest import build_manifest, diff_manifests, format_report
@@ -32,18 +32,6 @@ from .manifest import build_manifest, diff_manifests, format_report
 BINDGEN_VERSION = "1"
 MODULE = "_llama_cffi"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
 
 
 def unexported(ffi: cffi.FFI, libpath: Path, names) -> list[str]:
