@@ -13,7 +13,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clickpaca.engine.plan import Feed, Want, plan_tick, want_rows
+from clickpaca.engine.plan import Feed, Want, plan_tick
+from clickpaca.scoring import chunk_rows
 
 
 def gen(key, n_past):
@@ -72,10 +73,10 @@ def test_scoring_rows_cover_the_scored_positions_of_the_chunk():
     assert (c.row_pos, list(c.rows), c.ends, c.samples) == (6, [0, 1, 2], True, False)
 
 
-def test_want_rows_clips_to_the_fed_positions():
-    assert want_rows(0, 10, 4, 8) == (4, 5)
-    assert want_rows(5, 2, 0, 3) == (5, 0)
-    assert want_rows(0, 0, 0, 9) == (0, 0)
+def test_chunk_rows_clips_to_the_fed_positions():
+    assert chunk_rows(0, 10, 4, 8) == (4, 5)
+    assert chunk_rows(5, 2, 0, 3) == (5, 0)
+    assert chunk_rows(0, 0, 0, 9) == (0, 0)
 
 
 @st.composite

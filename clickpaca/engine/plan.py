@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..scoring import chunk_rows
+
 
 @dataclass(slots=True)
 class Want:
@@ -47,12 +49,6 @@ class Feed:
     samples: bool  # it samples from its last row after the decode
 
 
-def want_rows(pos: int, count: int, out_from: int, out_to: int) -> tuple[int, int]:
-    """(first position, number) of the fed positions pos .. pos + count - 1 that have a row."""
-    lo, hi = max(out_from, pos), min(pos + count - 1, out_to)
-    return lo, max(0, hi - lo + 1)
-
-
 def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False) -> list[Feed]:
     """The tick's feeds, in batch order: generating sequences, then prompt chunks."""
     plan: list[Feed] = []
@@ -60,7 +56,7 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False) 
 
     def add(w: Want, count: int) -> None:
         nonlocal used, row
-        row_pos, n_rows = want_rows(w.n_past, count, w.out_from, w.out_to)
+        row_pos, n_rows = chunk_rows(w.n_past, count, w.out_from, w.out_to)
         ends = w.n_past + count == w.n_tokens
         plan.append(Feed(w.key, w.generating, w.n_past, count, used, row_pos,
                          range(row, row + n_rows), ends,
