@@ -8,8 +8,10 @@ One room per concern:
                    (`done`, `error`, or silently), each freeing the KV cells at once
     handlers.py    one handler per request type: the checks that need the server's state,
                    then a sequence set up for the scheduler, or an answer
-    scheduler.py   the tick: plan a batch, decode (recovering from a full KV cache),
-                   hand each output row to its sequence
+    plan.py        the tick's plan, a pure function: what each sequence feeds (tokens,
+                   positions, logits rows) and whether it samples, decided once
+    scheduler.py   the tick: fill the batch from the plan, decode (recovering from a full
+                   KV cache), advance each sequence by its plan entry, hand out the rows
     generation.py  a generating sequence's row: sample, emit the token, decide the end
 
 `Engine` only routes: requests to their handler through handlers.HANDLERS (between
