@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import cffi
+
+from clickpaca.paths import cache_dir, sha256_file
 
 from . import history, layout
 from .cparse import BindgenError, deprecations, parse, preprocess
@@ -38,18 +38,6 @@ from .report import build_report, render_text
 BINDGEN_VERSION = "2"
 MODULE = "_llama_cffi"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
 
 
 def make_manifest(include: Path, stamp: dict[str, Any], libpath: Path | None,

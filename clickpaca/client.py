@@ -26,7 +26,10 @@ from typing import Any, BinaryIO, Iterator
 
 import orjson
 
-END_TYPES = {"done", "error", "scored", "prefilled", "forked", "saved", "loaded", "freed"}
+from .protocol import END_EVENTS
+
+#: The events that answer a request on its seq_id (the protocol's END_EVENTS).
+END_TYPES = frozenset(END_EVENTS)
 
 
 class ServerError(RuntimeError):

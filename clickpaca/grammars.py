@@ -701,10 +701,6 @@ class Matcher:
             self.n_consumed += len(toks)
         return ok
 
-    def allows(self, token: int) -> bool:
-        """Whether `token` may come next (without consuming it)."""
-        return self._m.validate_tokens([int(token)]) == 1
-
     def is_accepting(self) -> bool:
         """The grammar may end here (an EOG token is allowed)."""
         return self._m.is_accepting()
@@ -712,9 +708,6 @@ class Matcher:
     def is_stopped(self) -> bool:
         """No further token is possible except EOG (also true in an error state)."""
         return self._m.is_stopped()
-
-    def stop_reason(self) -> str:
-        return self._m.stop_reason()
 
     def error(self, verbose: bool = False) -> str | None:
         """llguidance's message if the matcher is in an error state, else None.
@@ -739,10 +732,6 @@ class Matcher:
         if ok:
             self.n_consumed = max(0, self.n_consumed - int(n))
         return ok
-
-    def reset(self) -> bool:
-        self.n_consumed = 0
-        return self._m.reset()
 
     def fork(self) -> "Matcher":
         """An independent copy of this matcher in its current state."""

@@ -17,12 +17,9 @@ import zipfile
 from pathlib import Path
 
 from .core import ModelError, check_gguf
+from .paths import cache_dir
 
 DEFAULT_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
 
 
 def packaged_model() -> Path:

@@ -8,7 +8,6 @@ struct members, so a mismatch is an error that says to regenerate.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .paths import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,12 +79,6 @@ def available_builds() -> list[str]:
     return sorted(p.name for p in root.glob("*") if (p / "build-info.json").exists()) if root.exists() else []
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load(name: str = "mainline") -> Native:
@@ -116,7 +111,7 @@ def _load(name: str) -> Native:
     for key in ("commit", "build_number"):
         if stamp.get(key) != info.get(key):
             mismatch.append(f"{key} {stamp.get(key)!r} in the bindings, {info.get(key)!r} in the build")
-    if stamp.get("libllama_sha256") != _sha256(libpath):
+    if stamp.get("libllama_sha256") != sha256_file(libpath):
         mismatch.append(f"{libpath.name} differs from the one the bindings were generated against")
     if mismatch:
         raise NativeError(f"the bindings of build {name!r} do not match its library ("

@@ -28,10 +28,32 @@ def windows_for(tokens: np.ndarray, window: int, bos: int | None) -> list[tuple[
     return out
 
 
-def score_rows(rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Negative log-likelihood (nats) of each target under its logits row."""
+def chunk_rows(pos: int, count: int, first: int, last: int) -> tuple[int, int]:
+    """Of the positions pos .. pos + count - 1 a decode feeds, those within first .. last:
+    (the first of them, how many). Their logits rows are the ones asked for (a window's
+    scored positions; for the engine's planner also a prompt's last position)."""
+    lo, hi = max(first, pos), min(pos + count - 1, last)
+    return lo, max(0, hi - lo + 1)
+
+
+def _log_sum(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rows as float32, row max m, rows - m, log of the sum of exp(rows - m) in float64),
+    the last three with a kept row axis: the stable log-sum-exp both functions below use."""
     rows = np.asarray(rows, dtype=np.float32)
-    m = rows.max(axis=1)
-    lse = np.log(np.exp(rows - m[:, None]).sum(axis=1, dtype=np.float64)) + m
+    m = rows.max(axis=1, keepdims=True)
+    z = rows - m
+    return rows, m, z, np.log(np.exp(z).sum(axis=1, keepdims=True, dtype=np.float64))
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """Log-probabilities of each logits row (float32; the sums in float64)."""
+    _, _, z, log_sum = _log_sum(rows)
+    return z - log_sum.astype(np.float32)
+
+
+def score_rows(rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood (nats, float64) of each target under its logits row."""
+    rows, m, _, log_sum = _log_sum(rows)
+    lse = (log_sum + m)[:, 0]
     picked = rows[np.arange(len(rows)), np.asarray(targets, dtype=np.int64)]
     return lse - picked.astype(np.float64)

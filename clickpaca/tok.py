@@ -34,11 +34,7 @@ def run_tok(args: argparse.Namespace) -> int:
             piece = model.token_to_piece(t, special=True).decode("utf-8", "replace")
             if needle in piece:
                 hits.append({"id": t, "piece": piece})
-        if args.json:
-            out.write(orjson.dumps(hits).decode() + "\n")
-        else:
-            for h in hits:
-                out.write(f"{h['id']}\t{h['piece']!r}\n")
+        _write_pieces(out, hits, args.json)
         return 0
     if args.id:
         try:
@@ -52,11 +48,7 @@ def run_tok(args: argparse.Namespace) -> int:
                 print(f"clickpaca tok: id {t} outside the vocabulary [0, {model.n_vocab})", file=sys.stderr)
                 return 1
             rows.append({"id": t, "piece": model.token_to_piece(t, special=True).decode("utf-8", "replace")})
-        if args.json:
-            out.write(orjson.dumps(rows).decode() + "\n")
-        else:
-            for r in rows:
-                out.write(f"{r['id']}\t{r['piece']!r}\n")
+        _write_pieces(out, rows, args.json)
         return 0
     result = []
     for s in items:
@@ -68,3 +60,12 @@ def run_tok(args: argparse.Namespace) -> int:
         for r in result:
             out.write(" ".join(map(str, r["ids"])) + "\n")
     return 0
+
+
+def _write_pieces(out, rows: list[dict], as_json: bool) -> None:
+    """{"id", "piece"} rows as one JSON line, or one `id<TAB>repr(piece)` line each."""
+    if as_json:
+        out.write(orjson.dumps(rows).decode() + "\n")
+    else:
+        for r in rows:
+            out.write(f"{r['id']}\t{r['piece']!r}\n")

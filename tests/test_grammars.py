@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from clickpaca.grammars import (
-    JSON_OVERRIDES, PARALLEL_MIN_BATCH, GrammarEngine, GrammarError, allowed_ids, detect_format,
+    JSON_OVERRIDES, GrammarEngine, GrammarError, allowed_ids, detect_format,
     fill_masks, is_allowed,
 )
 
@@ -537,47 +537,6 @@ def test_gbnf_list_generation_matches(engine, model, pieces, eog):
 
 
 # ----------------------------------------------------------------------------- measurements
-
-
-MASK_BENCH = {
-    "json_schema": "%json_schema " + json.dumps(PERSON),
-    "gbnf": "json.gbnf",
-    "lark": LARK_CASES["kv_lines"][0],
-}
-
-
-@pytest.mark.slow
-def test_report_mask_timings(engine, model, pieces, eog, capsys):
-    """Mask time per token per sequence, serial vs parallel, batch 1 / 8 / 64 (printed).
-
-    Both modes run on the same states (interleaved, alternating order); medians.
-    """
-    is_eog = token_flags(model, pieces, eog)[0]
-    lines = ["mask time per token per sequence, median us (serial / parallel), "
-             f"PARALLEL_MIN_BATCH={PARALLEL_MIN_BATCH}"]
-    for name, text in MASK_BENCH.items():
-        if text.endswith(".gbnf"):
-            text = (GRAMMARS_DIR / text).read_text()
-        g = engine.compile(text)
-        for batch in (1, 8, 64):
-            rng = np.random.default_rng(7)
-            ms = [g.new_matcher() for _ in range(batch)]
-            bm = engine.allocate_bitmask(batch)
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for step in range(9 if batch < 64 else 5):
-                for parallel in ((False, True) if step % 2 else (True, False)):
-                    t0 = time.perf_counter()
-                    engine.fill_masks(ms, bm, parallel=parallel)
-                    times[parallel].append((time.perf_counter() - t0) / batch * 1e6)
-                for i, m in enumerate(ms):
-                    ids = allowed_ids(bm[i])
-                    ids = ids[~is_eog[ids]]
-                    if not ids.size or not m.consume(int(rng.choice(ids))):
-                        ms[i] = g.new_matcher()
-            lines.append(f"  {name:12s} batch {batch:3d}: {np.median(times[False]):7.1f} / "
-                         f"{np.median(times[True]):7.1f}")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
 
 
 # The same language written twice: words as separate lexemes joined by a parser rule,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..native import available_builds
 
 #: Nominal bits per value of llama.cpp's cache types (block size and scale included).
@@ -56,7 +54,3 @@ def pair_bpv(k: str, v: str, table: dict[str, float]) -> float | None:
     if k in table and v in table:
         return (table[k] + table[v]) / 2
     return None
-
-
-def describe(build: str) -> dict[str, Any]:
-    return {"build": build, "bits_per_value": bits_per_value(build)}

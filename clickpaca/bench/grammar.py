@@ -6,12 +6,21 @@ repetition of lines), against the same sampler chain without a grammar. Every si
 bans end-of-generation tokens and uses the same per-sequence seeds. Reported: aggregate
 generated tokens/s (generation phase, as in `bench batch`) and the ratio
 constrained / unconstrained (goal >= 0.9). A grammar that ends early is reported.
+
+Then, in-process, the cost of the masks alone: time per mask per sequence with every
+matcher filled one after another (serial) and with llguidance's thread pool (parallel),
+on the same matcher states, alternating which goes first; each step then advances every
+matcher by a random allowed token. This is what PARALLEL_MIN_BATCH in grammars.py is
+tuned from.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
+
+import numpy as np
 
 from .batch import server_init
 from .common import model_path, out_dir, png, threads, with_defaults
@@ -91,17 +100,67 @@ def measure(args: Any) -> dict[str, Any]:
                          f"stop reasons {r['stop_reasons']}")
         if r["errors"]:
             notes.append(f"{r['grammar']} at N={r['seqs']}: errors {r['errors']}")
+    progress("grammar: mask times in-process")
+    masks = mask_timings(model, args.build, seqs)
+    notes.append("mask us = time to fill one sequence's mask (median over steps), all matchers "
+                 "serially vs llguidance's parallel fill, on the same states")
     return {"params": {"seqs": seqs, "tokens": g, "threads": t, "repeats": args.repeats,
                        "build": args.build, "model": model, "prompt": PROMPT},
-            "grammars": GRAMMARS, "machine_start": m0, "rows": rows, "notes": notes,
-            "server_problems": server.problems}
+            "grammars": GRAMMARS, "machine_start": m0, "rows": rows, "mask_rows": masks,
+            "notes": notes, "server_problems": server.problems}
+
+
+def mask_timings(model_path: str, build: str, seqs: list[int]) -> list[dict[str, Any]]:
+    """Per grammar and batch size: median microseconds per mask, serial vs parallel."""
+    from ..core import Model
+    from ..grammars import PARALLEL_MIN_BATCH, GrammarEngine, allowed_ids
+
+    model = Model(model_path, build=build)
+    engine = None
+    try:
+        engine = GrammarEngine.start(model)
+        engine.wait()
+        is_eog = np.zeros(model.n_vocab, bool)
+        is_eog[np.asarray(model.eog_tokens, np.int64)] = True
+        out = []
+        for name, text in GRAMMARS.items():
+            grammar = engine.compile(text)
+            for batch in seqs:
+                rng = np.random.default_rng(7)
+                matchers = [grammar.new_matcher() for _ in range(batch)]
+                bitmask = engine.allocate_bitmask(batch)
+                times: dict[bool, list[float]] = {False: [], True: []}
+                for step in range(9 if batch < 64 else 5):
+                    for parallel in ((False, True) if step % 2 else (True, False)):
+                        t0 = time.perf_counter()
+                        engine.fill_masks(matchers, bitmask, parallel=parallel)
+                        times[parallel].append((time.perf_counter() - t0) / batch * 1e6)
+                    for i, m in enumerate(matchers):
+                        ids = allowed_ids(bitmask[i])
+                        ids = ids[~is_eog[ids]]
+                        if not ids.size or not m.consume(int(rng.choice(ids))):
+                            matchers[i] = grammar.new_matcher()
+                out.append({"grammar": name, "seqs": batch, "serial_us": summary(times[False]),
+                            "parallel_us": summary(times[True]),
+                            "parallel_min_batch": PARALLEL_MIN_BATCH})
+                progress(f"grammar masks {name} N={batch}: {out[-1]['serial_us']['median']:.1f} / "
+                         f"{out[-1]['parallel_us']['median']:.1f} us")
+    finally:
+        if engine is not None:
+            engine.wait(None)
+        model.close()
+    return out
 
 
 def table(out: dict[str, Any]) -> str:
     rows = [(r["seqs"], r["grammar"], r["tps"]["median"], r["ratio"], r["latency_ms"]["median"],
              "yes" if r["ended_early"] else "no") for r in out["rows"]]
-    return markdown(["seqs", "grammar", "tok/s", "ratio vs unconstrained", "ms/token/seq",
-                     "ended early"], rows, align="rlrrrl")
+    decoding = markdown(["seqs", "grammar", "tok/s", "ratio vs unconstrained", "ms/token/seq",
+                         "ended early"], rows, align="rlrrrl")
+    masks = [(r["seqs"], r["grammar"], r["serial_us"]["median"], r["parallel_us"]["median"])
+             for r in out.get("mask_rows", [])]
+    return decoding + "\n\n" + markdown(["seqs", "grammar", "mask us serial", "mask us parallel"],
+                                          masks, align="rlrr")
 
 
 def plot(out: dict[str, Any], path) -> None:

@@ -17,18 +17,10 @@ from typing import Any
 import numpy as np
 
 from .. import core
-from ..scoring import windows_for
+from ..scoring import chunk_rows, log_softmax, windows_for
 from .stats import progress
 
 STEP = 64
-
-
-def log_softmax(rows: np.ndarray) -> np.ndarray:
-    rows = np.asarray(rows, dtype=np.float32)
-    m = rows.max(axis=1, keepdims=True)
-    z = rows - m
-    lse = np.log(np.exp(z).sum(axis=1, keepdims=True, dtype=np.float64)).astype(np.float32)
-    return z - lse
 
 
 def kl_rows(logp_ref: np.ndarray, logp: np.ndarray) -> np.ndarray:
@@ -60,12 +52,11 @@ def compare(model_path: str, pairs: list[tuple[str, str]], tokens: np.ndarray, w
             last_scored = len(toks) - 2
             for start in range(0, len(toks), STEP):
                 chunk = toks[start:start + STEP]
-                lo, hi = max(first, start), min(start + len(chunk) - 1, last_scored)
+                lo, n_out = chunk_rows(start, len(chunk), first, last_scored)
                 batch.clear()
                 batch.add(chunk, start, 0, output_last=False)
-                n_out = max(0, hi - lo + 1)
                 if n_out:
-                    batch.logits[lo - start: hi - start + 1] = 1
+                    batch.logits[lo - start: lo - start + n_out] = 1
                 targets = toks[lo + 1: lo + 1 + n_out]
                 ref = None
                 for i, c in enumerate(ctxs):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..sampling import SequenceSampler
-from ..sampling.bench import SCENARIOS, _mask, microbench
+from ..sampling.bench import SCENARIOS, microbench, random_mask
 from ..sampling.table import CONSTRAINT, ELEMENTWISE, SCALE, STEPS, TRUNCATION
 from .common import out_dir, png, with_defaults
 from .report import emit, machine, plot_points
@@ -60,7 +60,7 @@ def on_rows(rows: np.ndarray, hist: np.ndarray, rounds: int) -> dict[str, dict[s
     rng = np.random.default_rng(0)
     out = {}
     for name, (params, density) in SCENARIOS.items():
-        mask = _mask(rng, N_VOCAB, density) if density is not None else None
+        mask = random_mask(rng, N_VOCAB, density) if density is not None else None
         s = SequenceSampler(params.replace(seed=0), N_VOCAB, hist[:64].tolist())
         for r in rows[:2]:
             s.sample(r, mask)

@@ -8,11 +8,14 @@ One room per concern:
                    (`done`, `error`, or silently), each freeing the KV cells at once
     handlers.py    one handler per request type: the checks that need the server's state,
                    then a sequence set up for the scheduler, or an answer
-    scheduler.py   the tick: plan a batch, decode (recovering from a full KV cache),
-                   hand each output row to its sequence
+    plan.py        the tick's plan, a pure function: what each sequence feeds (tokens,
+                   positions, logits rows) and whether it samples, decided once
+    scheduler.py   the tick: fill the batch from the plan, decode (recovering from a full
+                   KV cache), advance each sequence by its plan entry, hand out the rows
     generation.py  a generating sequence's row: sample, emit the token, decide the end
 
-`Engine` only routes: requests to their handler (between ticks), ticks to the scheduler.
+`Engine` only routes: requests to their handler through handlers.HANDLERS (between
+ticks), ticks to the scheduler.
 Requests arrive validated by clickpaca.protocol, the edge, where every check that needs
 only the request is made.
 """
@@ -23,7 +26,7 @@ import threading
 
 from .. import statedir
 from ..protocol import ProtocolError
-from .handlers import Handlers
+from .handlers import HANDLERS, Handlers
 from .runtime import Runtime
 from .scheduler import Scheduler
 from .sequences import Sequence, Sequences, Session
@@ -66,7 +69,7 @@ class Engine:
             if self.handlers is None:
                 raise ProtocolError(f"{kind} before init: send an init request first",
                                     req.get("seq_id", -1), kind)
-            getattr(self.handlers, kind)(session, req)
+            HANDLERS[kind](self.handlers, session, req)
         except ProtocolError as e:
             self._give_back()
             if e.request is None:

@@ -6,11 +6,10 @@ completed grammar, a stop string or maxTokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..mask_ahead import MaskJob
+from ..protocol import token_event
 from ..sampling import SampleResult
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
@@ -20,11 +19,8 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
            job: MaskJob) -> None:
     """Sample each (sequence, row) of this tick and accept the token."""
     for seq, row in sampling:
-        mask = None
-        if seq.matcher is not None:
-            mask = job.row(seq.slot)
-            # the scheduler's _start_masks plans a superset of the sequences that sample
-            assert mask is not None, f"no grammar mask planned for seq_id {seq.seq_id}"
+        # the mask job was started for exactly the plan's sampling entries
+        mask = job.row(seq.slot) if seq.matcher is not None else None
         res = seq.sampler.sample(logits[row], mask)
         if res.empty:
             seqs.fail(seq, f"no token can be sampled: {res.reason}")
@@ -33,7 +29,7 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
 
 
 def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, token: int, res: SampleResult) -> None:
-    seq.sampler.accept(token)
+    seq.append(token)  # the history, the sampler's window; the matcher just below
     if rt.model.is_eog(token):
         grammar_done = seq.matcher is not None and seq.matcher.is_accepting()
         seqs.finish(seq, "grammar" if grammar_done else "eos")
@@ -42,15 +38,12 @@ def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, token: int, res: Sample
         seqs.fail(seq, f"grammar rejected token {token} (matcher: {seq.matcher.error()})")
         return
     piece = seq.utf8.feed(rt.model.token_to_piece(token, special=True))
-    ev: dict[str, Any] = {"type": "token", "seq_id": seq.seq_id, "token": token, "piece": piece}
+    logprobs = None
     if seq.sampler.params.n_probs:
-        ev["logprob"] = res.logprob
-        ev["top"] = _top(rt, res.top)
-        ev["steered_logprob"] = res.steered_logprob
-        ev["steered_top"] = _top(rt, res.steered_top)
-    seq.session.send(ev)
+        logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
+                    "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
+    seq.session.send(token_event(seq.seq_id, token, piece, logprobs))
     seq.n_predicted += 1
-    seq.next_token = token
     stop = seq.stops.feed(piece) if seq.stops else None
     if stop is not None:
         seqs.finish(seq, "stop", stop=stop)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import numpy as np
 
 from .. import kvstate, statedir
 from ..grammars import GrammarError
-from ..protocol import ProtocolError
+from ..protocol import (REQUESTS, ProtocolError, forked_event, freed_event, grammar_ready_event, loaded_event,
+                        saved_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from ..text import StopMatcher, Utf8Assembler
@@ -44,7 +46,7 @@ class Handlers:
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
         session.grammars[req["id"]] = compiled
-        session.send({"type": "grammar_ready", "id": req["id"]})
+        session.send(grammar_ready_event(req["id"]))
 
     # ------------------------------------------------------------ sequences that run
 
@@ -73,15 +75,13 @@ class Handlers:
         if held is not None:
             self._reopen_held(seq, prompt)
         else:
-            seq.pending = prompt
-            seq.fed = 0
+            seq.tokens, seq.n_past = prompt.tolist(), 0
             if req["reusePrefix"]:
                 self._reuse_prefix(seq)
-        seq.n_prompt = len(seq.pending) - seq.fed
+        seq.n_prompt = len(seq.tokens) - seq.n_past
         seq.state = "prompt"
         seq.sampler = sampler
-        sampler.extend(seq.tokens)
-        sampler.extend(seq.pending[seq.fed:])
+        sampler.extend(seq.tokens)  # the whole context, at the moment it enters the history
         seq.matcher = compiled.new_matcher() if compiled is not None else None
         seq.stops = StopMatcher(req["stop"])
         seq.utf8 = Utf8Assembler()
@@ -109,8 +109,7 @@ class Handlers:
         seq = seqs.new(session, seq_id, "score")
         seq.windows = windows
         seq.window = 0
-        seq.pending = windows[0][0]
-        seq.fed = 0
+        seq.tokens, seq.n_past = windows[0][0].tolist(), 0
         seq.per_token = req["perToken"]
         seq.n_prompt = sum(len(w[0]) for w in windows)
         seqs.order.append(seq)
@@ -125,7 +124,7 @@ class Handlers:
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
         seq.kind = "prefill"
         seq.state = "prompt"
-        seq.pending, seq.fed = prompt, 0
+        seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         seq.n_prompt = len(prompt)
         seq.t_arrival = time.perf_counter()
         seq.t_prompt = None
@@ -155,11 +154,10 @@ class Handlers:
 
     def _reopen_held(self, seq: Sequence, prompt: np.ndarray) -> None:
         """Continue a held sequence: re-feed its last token so there is a logits row."""
-        last = seq.tokens.pop()
-        self.rt.ctx.seq_rm(seq.slot, len(seq.tokens), -1)
-        seq.pending = np.concatenate([np.array([last], np.int32), prompt])
-        seq.fed = 0
-        seq.n_reused = len(seq.tokens)
+        seq.n_past -= 1
+        self.rt.ctx.seq_rm(seq.slot, seq.n_past, -1)
+        seq.tokens.extend(prompt.tolist())
+        seq.n_reused = seq.n_past
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Share the cells of the held sequence with the longest common prompt prefix."""
@@ -170,9 +168,9 @@ class Handlers:
         for other in seq.session.seqs.values():
             if other is seq or other.state != "held" or not other.tokens:
                 continue
-            m = min(len(other.tokens), len(seq.pending) - 1)
+            m = min(len(other.tokens), len(seq.tokens) - 1)
             a = np.asarray(other.tokens[:m], np.int32)
-            diff = np.flatnonzero(a != seq.pending[:m])
+            diff = np.flatnonzero(a != np.asarray(seq.tokens[:m], np.int32))
             n = int(diff[0]) if len(diff) else m
             if n < len(other.tokens) and ctx.seq_pos_min(other.slot) > max(
                     0, n - model.nat.lib.llama_model_n_swa(model.ptr)):
@@ -181,8 +179,7 @@ class Handlers:
                 best, best_n = other, n
         if best is not None and best_n > 0:
             ctx.seq_cp(best.slot, seq.slot, 0, best_n)
-            seq.tokens = [int(t) for t in seq.pending[:best_n]]
-            seq.fed = best_n
+            seq.n_past = best_n
             seq.n_reused = best_n
 
     # ------------------------------------------------------------ running and held sequences
@@ -202,7 +199,7 @@ class Handlers:
             self.seqs.finish(seq, "cancelled")
         else:
             self.seqs.release(seq)
-        session.send({"type": "freed", "seq_id": req["seq_id"]})
+        session.send(freed_event(req["seq_id"]))
 
     def fork(self, session: Session, req: dict) -> None:
         seqs = self.seqs
@@ -220,10 +217,9 @@ class Handlers:
             raise ProtocolError(f"dst_seq_id: sequence {dst_id} is in use", req["seq_id"], "fork")
         dst = seqs.new(session, dst_id, "prefill")
         self.rt.ctx.seq_cp(src.slot, dst.slot, -1, -1)
-        dst.tokens = list(src.tokens)
+        dst.tokens, dst.n_past = list(src.tokens), src.n_past
         dst.state = "held"
-        session.send({"type": "forked", "seq_id": src.seq_id, "dst_seq_id": dst_id,
-                      "tokens": dst.n_past})
+        session.send(forked_event(src.seq_id, dst_id, dst.n_past))
 
     def save(self, session: Session, req: dict) -> None:
         seq = session.seqs.get(req["seq_id"])
@@ -249,8 +245,7 @@ class Handlers:
         except OSError as e:
             raise ProtocolError(f"path: {req['path'][:60]!r} cannot be written ({e.strerror})",
                                 req["seq_id"], "save") from None
-        session.send({"type": "saved", "seq_id": seq.seq_id, "path": req["path"], "bytes": n,
-                      "tokens": seq.n_past})
+        session.send(saved_event(seq.seq_id, req["path"], n, seq.n_past))
 
     def load(self, session: Session, req: dict) -> None:
         seqs = self.seqs
@@ -275,9 +270,9 @@ class Handlers:
             tokens = kvstate.restore(self.rt.ctx, seq.slot, header, tokens, payload, label)
         except kvstate.StateFileError as e:
             raise ProtocolError(_path_message(e), seq_id, "load") from None
-        seq.tokens = tokens
+        seq.tokens, seq.n_past = tokens, len(tokens)
         seq.state = "held"
-        session.send({"type": "loaded", "seq_id": seq_id, "tokens": seq.n_past})
+        session.send(loaded_event(seq_id, seq.n_past))
 
     def quit(self, session: Session, req: dict) -> None:
         if req["now"]:
@@ -288,3 +283,22 @@ def _path_message(e: Exception) -> str:
     """A state-file error as an `error` message that names the field `path`."""
     msg = str(e)
     return msg if msg.startswith("path:") else f"path: {msg}"
+
+
+#: Request type -> its handler: every request of the protocol's list (REQUESTS) but
+#: `init`, which the Engine applies itself (it creates what the handlers work on).
+HANDLERS: dict[str, Callable[[Handlers, Session, dict], None]] = {
+    "grammar": Handlers.grammar,
+    "infer": Handlers.infer,
+    "score": Handlers.score,
+    "prefill": Handlers.prefill,
+    "cancel": Handlers.cancel,
+    "free": Handlers.free,
+    "fork": Handlers.fork,
+    "save": Handlers.save,
+    "load": Handlers.load,
+    "quit": Handlers.quit,
+}
+if set(HANDLERS) != set(REQUESTS) - {"init"}:  # a request added to the protocol needs a handler
+    raise ImportError(f"engine handlers {sorted(HANDLERS)} do not match the protocol's requests "
+                      f"{sorted(set(REQUESTS) - {'init'})}")

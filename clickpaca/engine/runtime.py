@@ -14,7 +14,7 @@ from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
 from ..native import NativeError
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, ready_event
 
 
 class Runtime:
@@ -30,30 +30,29 @@ class Runtime:
         self._warm_up()
         self.grammars = GrammarEngine.start(model)
         self.masks = MaskAhead(np.zeros((ctx.n_seq_max, (model.n_vocab + 31) // 32), dtype=np.int32))
-        self.ready_event: dict[str, Any] = {
-            "type": "ready",
-            "nVocab": model.n_vocab,
-            "build": model.nat.name,
-            "buildCommit": model.nat.info.get("commit"),
-            "buildNumber": model.nat.info.get("build_number"),
-            "nCtx": ctx.n_ctx,
-            "nCtxPerSeq": ctx.n_ctx_seq,
-            "nCtxShared": bool(req["kvUnified"]),
-            "nBatch": ctx.n_batch,
-            "nSeqMax": ctx.n_seq_max,
-            "nThreads": ctx.n_threads,
-            "cacheTypeK": ctx.type_k,
-            "cacheTypeV": ctx.type_v,
-            "kvBytes": ctx.kv_bytes,
-            "kvUnified": bool(req["kvUnified"]),
-            "swaFull": bool(req["swaFull"]),
-            "flashAttn": req["flashAttn"],
-            "stateDir": str(self.states.root),
-            "cacheTypes": sorted(core.cache_types(model.nat)),
-            "model": {"path": str(model.path), "description": model.description,
-                      "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
-                      "nCtxTrain": model.n_ctx_train, "addBos": model.add_bos},
-        }
+        self.ready_event: dict[str, Any] = ready_event(
+            nVocab=model.n_vocab,
+            build=model.nat.name,
+            buildCommit=model.nat.info.get("commit"),
+            buildNumber=model.nat.info.get("build_number"),
+            nCtx=ctx.n_ctx,
+            nCtxPerSeq=ctx.n_ctx_seq,
+            nCtxShared=bool(req["kvUnified"]),
+            nBatch=ctx.n_batch,
+            nSeqMax=ctx.n_seq_max,
+            nThreads=ctx.n_threads,
+            cacheTypeK=ctx.type_k,
+            cacheTypeV=ctx.type_v,
+            kvBytes=ctx.kv_bytes,
+            kvUnified=bool(req["kvUnified"]),
+            swaFull=bool(req["swaFull"]),
+            flashAttn=req["flashAttn"],
+            stateDir=str(self.states.root),
+            cacheTypes=sorted(core.cache_types(model.nat)),
+            model={"path": str(model.path), "description": model.description,
+                   "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
+                   "nCtxTrain": model.n_ctx_train, "addBos": model.add_bos},
+        )
 
     @classmethod
     def open(cls, req: dict, state_dir: str | None = None, allow_any_path: bool = False) -> "Runtime":

@@ -1,9 +1,9 @@
 """The scheduler: every tick is one llama_decode for all active sequences.
 
-A tick packs, in this order, one token for each generating sequence, then prompt (and
-scoring) chunks of waiting sequences, fewest tokens left first, up to nBatch tokens; a long
-prompt is split across ticks so it never stalls the others. After the decode, each
-output row goes to its sequence: a generating sequence samples from it (generation.py),
+A tick is planned once (plan.py: one token for each generating sequence, then prompt
+and scoring chunks, fewest tokens left first, up to nBatch tokens) and the batch is
+filled from the plan. After the decode, each sequence advances by the tokens its plan
+entry fed and its output rows go to it: a generating sequence samples from it (generation.py),
 a scoring one adds its rows' NLL, and a prompt that is fully in the KV cache moves its
 sequence on (to generating, to held after a prefill, or to its end with maxTokens 0).
 
@@ -19,26 +19,23 @@ import time
 import numpy as np
 
 from ..mask_ahead import MaskJob
+from ..protocol import prefilled_event, scored_event
 from ..scoring import score_rows
 from . import generation
+from .plan import Feed, Want, plan_tick
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
 
-#: One batch entry: (sequence, what ("gen", "prompt", "score"), first output row, outputs).
-Entry = tuple[Sequence, str, int, int]
 
-
-def prompt_order(order: list[Sequence]) -> list[Sequence]:
-    """Waiting prompts, fewest tokens left first (ties: arrival order).
-
-    Arrival order let one long prompt or score take the whole batch, tick after tick,
-    while a one-token request behind it waited for all of it (114.6 s behind a
-    40,000-character score); fewest-left-first lets short prompts through within a tick
-    and gives the long one the rest of the batch. Generating sequences are not affected:
-    they always get their token first.
-    """
-    waiting = [s for s in order if s.state == "prompt"]
-    return sorted(waiting, key=lambda s: len(s.pending) - s.fed)
+def want(seq: Sequence) -> Want:
+    """What the sequence asks of the tick, for the planner."""
+    n = len(seq.tokens)
+    if seq.state == "generate":  # its last sampled token, then a row to sample the next
+        return Want(seq, True, seq.n_past, n, seq.n_past, seq.n_past, True)
+    if seq.kind == "score":  # rows from the window's first scored position to the last but one
+        return Want(seq, False, seq.n_past, n, seq.windows[seq.window][1], n - 2, False, seq.kv_wait)
+    samples = seq.kind == "infer" and seq.max_tokens > 0  # a prefill only fills cells
+    return Want(seq, False, seq.n_past, n, n - 1 if samples else n, n - 1, samples, seq.kv_wait)
 
 
 class Scheduler:
@@ -46,7 +43,7 @@ class Scheduler:
         self.rt, self.seqs = rt, seqs
 
     def tick(self) -> None:
-        """Build one batch, decode it, then sample / score / finish what it produced."""
+        """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
         ctx = self.rt.ctx
         for seq in list(self.seqs.order):
             if seq.state == "generate" and seq.n_past >= ctx.n_ctx_seq:
@@ -61,64 +58,42 @@ class Scheduler:
                     break
                 job.wait()  # the matchers must be idle before any sequence ends
                 plan = self._recover(plan, rc)
+                job = self._start_masks(plan)
         finally:
             job.wait()
         if plan:
             self._consume(plan, job)
 
-    def _start_masks(self, plan: list[Entry]) -> MaskJob:
+    def _start_masks(self, plan: list[Feed]) -> MaskJob:
         """Start filling the masks of the constrained sequences that sample this tick."""
-        return self.rt.masks.start([(seq.slot, seq.matcher) for seq, what, _, n_out in plan
-                                    if seq.matcher is not None and (what == "gen" or (
-                                        what == "prompt" and n_out and seq.kind == "infer"))])
+        return self.rt.masks.start([(f.key.slot, f.key.matcher) for f in plan
+                                    if f.samples and f.key.matcher is not None])
 
-    def _plan(self, defer_prompts: bool) -> list[Entry]:
-        """Fill the batch. Entries: (seq, what, first output row, number of outputs)."""
+    def _plan(self, defer_prompts: bool) -> list[Feed]:
+        """Plan the tick (plan.py) and fill the batch from it."""
         batch = self.rt.batch
+        plan = plan_tick([want(seq) for seq in self.seqs.order], batch.capacity, defer_prompts)
         batch.clear()
-        plan = []
-        row = 0
-        for seq in self.seqs.order:
-            if seq.state == "generate":
-                batch.add([seq.next_token], seq.n_past, seq.slot, output_last=True)
-                plan.append((seq, "gen", row, 1))
-                row += 1
         now = time.perf_counter()
-        for seq in prompt_order(self.seqs.order):
-            if seq.state != "prompt" or batch.free == 0 or defer_prompts or seq.kv_wait:
-                continue
-            take = min(batch.free, len(seq.pending) - seq.fed)
-            chunk = seq.pending[seq.fed:seq.fed + take]
-            pos0 = seq.n_past
-            if seq.t_prompt is None:
+        for f in plan:
+            seq = f.key
+            batch.add(seq.tokens[f.pos:f.pos + f.count], f.pos, seq.slot, output_last=False)
+            if f.rows:
+                first = f.at + f.row_pos - f.pos
+                batch.logits[first:first + len(f.rows)] = 1
+            if not f.generating and seq.t_prompt is None:
                 seq.t_prompt = now
-            if seq.kind == "score":
-                first = seq.windows[seq.window][1]
-                last_scored = len(seq.pending) - 2  # the row at p predicts token p + 1
-                lo, hi = max(first, pos0), min(pos0 + take - 1, last_scored)
-                batch.add(chunk, pos0, seq.slot, output_last=False)
-                n_out = max(0, hi - lo + 1)
-                if n_out:
-                    batch.logits[batch.n - take + (lo - pos0): batch.n - take + (hi - pos0) + 1] = 1
-                plan.append((seq, "score", row, n_out))
-                row += n_out
-            else:
-                ends = seq.fed + take == len(seq.pending)
-                needs_row = ends and seq.kind == "infer"
-                batch.add(chunk, pos0, seq.slot, output_last=needs_row)
-                plan.append((seq, "prompt", row, 1 if needs_row else 0))
-                row += 1 if needs_row else 0
         return plan
 
-    def _recover(self, plan: list[Entry], rc: int) -> list[Entry]:
+    def _recover(self, plan: list[Feed], rc: int) -> list[Feed]:
         """The decode failed: end only the sequences concerned, rebuild, and retry."""
         seqs = self.seqs
         if rc != 1:  # aborted or an internal error: the sequences in the batch end
-            for seq in {entry[0] for entry in plan}:
+            for seq in {f.key for f in plan}:
                 seqs.fail(seq, f"decode failed (llama_decode returned {rc})")
             return self._plan(defer_prompts=False) if seqs.order else []
-        prompt_seqs = [e[0] for e in plan if e[1] in ("prompt", "score")]
-        gen_seqs = [e[0] for e in plan if e[1] == "gen"]
+        prompt_seqs = [f.key for f in plan if not f.generating]
+        gen_seqs = [f.key for f in plan if f.generating]
         if prompt_seqs and gen_seqs:
             for seq in prompt_seqs:  # let generation go on; retry prompts when cells free up
                 seq.kv_wait = True
@@ -129,66 +104,47 @@ class Scheduler:
                           f"(nCtx {self.rt.ctx.n_ctx} cells shared by all sequences)")
         return self._plan(defer_prompts=False)
 
-    def _consume(self, plan: list[Entry], job: MaskJob) -> None:
+    def _consume(self, plan: list[Feed], job: MaskJob) -> None:
+        """The decode succeeded: each sequence's fed tokens are in its KV cells now."""
         logits = self.rt.ctx.logits()
         now = time.perf_counter()
         sampling: list[tuple[Sequence, int]] = []
-        for seq, what, row, n_out in plan:
-            if what == "gen":
-                seq.tokens.append(seq.next_token)
-                sampling.append((seq, row))
-            elif what == "prompt":
-                self._advance_prompt(seq)
-                if seq.fed == len(seq.pending):
-                    if seq.kind == "prefill":
-                        seq.state = "held"
-                        self.seqs.order.remove(seq)
-                        ms = (now - seq.t_prompt) * 1000 if seq.t_prompt else 0.0
-                        seq.session.send({"type": "prefilled", "seq_id": seq.seq_id,
-                                          "tokens": seq.n_past, "prompt_ms": round(ms, 3)})
-                    elif seq.max_tokens == 0:
-                        seq.t_first = now
-                        self.seqs.finish(seq, "max_tokens")
-                    else:
-                        seq.state = "generate"
-                        seq.t_first = now
-                        sampling.append((seq, row))
-            else:
-                self._advance_score(seq, logits[row:row + n_out])
+        for f in plan:
+            seq = f.key
+            seq.n_past += f.count
+            if seq.kind == "score":
+                self._advance_score(seq, f, logits[f.rows.start:f.rows.stop])
+            elif f.samples:
+                if not f.generating:
+                    seq.state = "generate"
+                    seq.t_first = now
+                sampling.append((seq, f.rows[-1]))
+            elif f.ends and seq.kind == "prefill":
+                seq.state = "held"
+                self.seqs.order.remove(seq)
+                ms = (now - seq.t_prompt) * 1000 if seq.t_prompt else 0.0
+                seq.session.send(prefilled_event(seq.seq_id, seq.n_past, ms))
+            elif f.ends:  # an infer with maxTokens 0
+                seq.t_first = now
+                self.seqs.finish(seq, "max_tokens")
         if sampling:
             generation.sample(self.rt, self.seqs, sampling, logits, job)
 
-    def _advance_prompt(self, seq: Sequence) -> None:
-        """Move the prompt tokens this tick's batch held for the sequence into its context."""
-        batch = self.rt.batch
-        # how many tokens of this sequence went into the batch: count them in the batch
-        take = int(np.count_nonzero(batch.seq[:batch.n] == seq.slot))
-        seq.tokens.extend(int(t) for t in seq.pending[seq.fed:seq.fed + take])
-        seq.fed += take
-
-    def _advance_score(self, seq: Sequence, rows: np.ndarray) -> None:
-        pos0 = seq.n_past
-        self._advance_prompt(seq)
-        toks, first = seq.windows[seq.window]
+    def _advance_score(self, seq: Sequence, f: Feed, rows: np.ndarray) -> None:
+        toks, _ = seq.windows[seq.window]
         if len(rows):
-            lo = max(first, pos0)
+            lo = f.row_pos  # the row at position p predicts the token at p + 1
             seq.nll.extend(score_rows(rows, toks[lo + 1: lo + 1 + len(rows)]).tolist())
-        if seq.fed == len(seq.pending):
+        if f.ends:
             seq.window += 1
             self.rt.ctx.seq_rm(seq.slot, -1, -1)
-            seq.tokens = []
             if seq.window < len(seq.windows):
-                seq.pending, seq.fed = seq.windows[seq.window][0], 0
+                seq.tokens, seq.n_past = seq.windows[seq.window][0].tolist(), 0
             else:
                 self._scored(seq)
 
     def _scored(self, seq: Sequence) -> None:
-        nll = np.asarray(seq.nll, dtype=np.float64)
-        mean = float(nll.mean()) if len(nll) else float("nan")
-        ev = {"type": "scored", "seq_id": seq.seq_id, "tokens": len(nll), "nll": mean,
-              "ppl": float(np.exp(mean)), "windows": len(seq.windows)}
-        if seq.per_token:
-            ev["token_nll"] = [round(x, 6) for x in seq.nll]
+        ev = scored_event(seq.seq_id, seq.nll, len(seq.windows), seq.per_token)
         session = seq.session
         self.seqs.release(seq)
         session.send(ev)

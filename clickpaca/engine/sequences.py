@@ -1,9 +1,10 @@
 """Sequences, their slots, and how each request ends.
 
 A `Session` is one client's namespace of seq_ids and grammar ids (stdio has exactly
-one). A `Sequence` is what one seq_id holds: a slot (llama.cpp's sequence id), the
-tokens in its KV cells, and what it is doing (kind infer, score or prefill; state
-prompt -> generate, or held). `Sequences` owns the slots and the active order, and every
+one). A `Sequence` is what one seq_id holds: a slot (llama.cpp's sequence id), its one
+token history (`tokens`: the prompt from the moment it arrives, each sampled token from
+the moment it is accepted; the first `n_past` of them are in its KV cells), and what it
+is doing (kind infer, score or prefill; state prompt -> generate, or held). `Sequences` owns the slots and the active order, and every
 ending goes through it: `finish` (a `done` event), `fail` (an `error` event) or
 `release` (silently), each of which frees the slot and its KV cells at once, so the
 seq_id is reusable by the next request.
@@ -15,10 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from .. import core
-from ..protocol import ProtocolError, error_event
+from ..protocol import ProtocolError, done_event, error_event
 from ..sampling import SequenceSampler
 from ..text import StopMatcher, Utf8Assembler
 
@@ -42,10 +41,8 @@ class Sequence:
     slot: int
     kind: str  # "infer" | "score" | "prefill"
     state: str = "prompt"  # "prompt" -> "generate" | "held"
-    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    fed: int = 0  # how many of `pending` are in the KV cache
-    tokens: list[int] = field(default_factory=list)  # every token in the KV, in order
-    next_token: int | None = None
+    tokens: list[int] = field(default_factory=list)  # its context, in order
+    n_past: int = 0  # how many of `tokens` are in its KV cells (fed by a decode)
     sampler: SequenceSampler | None = None
     matcher: Any = None
     stops: StopMatcher | None = None
@@ -64,28 +61,27 @@ class Sequence:
     nll: list = field(default_factory=list)
     per_token: bool = False
 
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
+    def append(self, token: int) -> None:
+        """A sampled token enters the context: the history and the sampler's penalty
+        window take it at the same moment (the next tick feeds it to the KV cells)."""
+        self.tokens.append(token)
+        self.sampler.accept(token)
 
 
-def done_event(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
-    """The `done` event that ends a request."""
+def done(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
+    """The `done` event that ends a request, with the sequence's timings."""
     if seq.kind in ("score", "prefill") and reason in ("cancelled", "shutdown"):
-        return {"type": "done", "seq_id": seq.seq_id, "stop_reason": reason, "request": seq.kind}
+        return done_event(seq.seq_id, reason, request=seq.kind)
     t_prompt_end = seq.t_first or now
     prompt_s = (t_prompt_end - seq.t_prompt) if seq.t_prompt else 0.0
     eval_s = (now - seq.t_first) if seq.t_first else 0.0
-    ev = {"type": "done", "seq_id": seq.seq_id, "tokens_prompt": seq.n_prompt,
-          "tokens_reused": seq.n_reused, "tokens_predicted": seq.n_predicted,
-          "prompt_ms": round(prompt_s * 1000, 3), "eval_ms": round(eval_s * 1000, 3),
-          "prompt_tps": round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
-          # the first token comes from the prompt's logits: n tokens take n - 1 decodes
-          "eval_tps": round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None,
-          "stop_reason": reason}
-    if stop is not None:
-        ev["stop"] = stop
-    return ev
+    return done_event(
+        seq.seq_id, reason, stop, tokens_prompt=seq.n_prompt, tokens_reused=seq.n_reused,
+        tokens_predicted=seq.n_predicted, prompt_ms=round(prompt_s * 1000, 3),
+        eval_ms=round(eval_s * 1000, 3),
+        prompt_tps=round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
+        # the first token comes from the prompt's logits: n tokens take n - 1 decodes
+        eval_tps=round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None)
 
 
 class Sequences:
@@ -149,7 +145,7 @@ class Sequences:
         now = time.perf_counter()
         self.release(seq)
         if notify:
-            seq.session.send(done_event(seq, reason, stop, now))
+            seq.session.send(done(seq, reason, stop, now))
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an `error` event."""

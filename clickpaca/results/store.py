@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ..paths import cache_dir
+
 #: Forward migrations: MIGRATIONS[i] takes the schema from version i to version i + 1.
 MIGRATIONS: tuple[str, ...] = (
     # 1: runs and their raw samples
@@ -88,8 +90,7 @@ def default_path() -> Path:
     env = os.environ.get("CLICKPACA_RESULTS")
     if env:
         return Path(env).expanduser()
-    cache = Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
-    return cache / "results.sqlite3"
+    return cache_dir() / "results.sqlite3"
 
 
 def utc_now() -> str:

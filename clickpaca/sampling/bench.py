@@ -27,7 +27,8 @@ def synthetic_row(rng: np.random.Generator, n_vocab: int) -> np.ndarray:
     return row
 
 
-def _mask(rng: np.random.Generator, n_vocab: int, density: float) -> np.ndarray:
+def random_mask(rng: np.random.Generator, n_vocab: int, density: float) -> np.ndarray:
+    """A grammar bitmask (int32 words) allowing each token with probability ``density``."""
     allowed = np.zeros((n_vocab + 31) // 32 * 32, np.uint8)
     allowed[:n_vocab] = rng.random(n_vocab) < density
     return np.packbits(allowed, bitorder="little").view(np.int32)
@@ -70,7 +71,7 @@ def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed
             best = min(best, (time.thread_time_ns() - t0) / repeats / 1e3)
         out["calibration"][key] = round(best, 1)
     for name, (params, density) in (scenarios or SCENARIOS).items():
-        mask = _mask(rng, n_vocab, density) if density is not None else None
+        mask = random_mask(rng, n_vocab, density) if density is not None else None
         s = SequenceSampler(params.replace(seed=seed), n_vocab, history)
         for r in rows[:2]:
             s.sample(r, mask)

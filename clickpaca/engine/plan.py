@@ -1,0 +1,78 @@
+"""The tick's plan, decided once: what each sequence feeds and whether it samples.
+
+A pure function over descriptions of the active sequences (no model, no batch), so the
+rules are testable on their own (tests/test_engine_plan.py). The scheduler fills the
+batch from the plan, and after the decode reads everything it needs from the same
+entries: how far each sequence advanced, which logits rows are whose, who samples.
+
+The rules: one token for each generating sequence first (nBatch >= nSeqMax, so they
+always fit), then prompt (and scoring) chunks of the other sequences, fewest tokens left
+first (ties: arrival order), as many tokens as the batch still holds; a long prompt is
+split across ticks. Arrival order let one long prompt or score take the whole batch tick
+after tick while a one-token request behind it waited for all of it (114.6 s behind a
+40,000-character score); fewest-left-first lets short prompts through within a tick and
+gives the long one the rest of the batch. A sequence waiting for KV room, or every prompt when the
+scheduler defers them, is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..scoring import chunk_rows
+
+
+@dataclass(slots=True)
+class Want:
+    """What one active sequence asks of a tick."""
+
+    key: Any  # the sequence (the planner only hands it back)
+    generating: bool  # one sampled token to feed; else a prompt or scoring chunk
+    n_past: int  # tokens in its KV cells: the position of the first token it feeds
+    n_tokens: int  # tokens known (fed or not): it feeds positions n_past .. n_tokens - 1
+    out_from: int  # positions out_from .. out_to get a logits row when fed
+    out_to: int
+    samples_at_end: bool  # it samples from the row of its last known token
+    waiting: bool = False  # waits for KV room (a decode found none)
+
+
+@dataclass(slots=True)
+class Feed:
+    """One sequence's share of a tick's batch."""
+
+    key: Any
+    generating: bool
+    pos: int  # position of the first token fed (the sequence's n_past)
+    count: int  # tokens fed: positions pos .. pos + count - 1
+    at: int  # index of its first token in the batch
+    row_pos: int  # position of the token behind its first logits row
+    rows: range  # its logits rows in the tick's output, in position order
+    ends: bool  # after this decode, every known token is in the KV cells
+    samples: bool  # it samples from its last row after the decode
+
+
+def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False) -> list[Feed]:
+    """The tick's feeds, in batch order: generating sequences, then prompt chunks."""
+    plan: list[Feed] = []
+    used = row = 0
+
+    def add(w: Want, count: int) -> None:
+        nonlocal used, row
+        row_pos, n_rows = chunk_rows(w.n_past, count, w.out_from, w.out_to)
+        ends = w.n_past + count == w.n_tokens
+        plan.append(Feed(w.key, w.generating, w.n_past, count, used, row_pos,
+                         range(row, row + n_rows), ends,
+                         samples=ends and w.samples_at_end and n_rows > 0))
+        used += count
+        row += n_rows
+
+    for w in wants:
+        if w.generating:
+            add(w, 1)
+    prompts = sorted((w for w in wants if not w.generating), key=lambda w: w.n_tokens - w.n_past)
+    for w in prompts:
+        if used == n_batch or defer_prompts or w.waiting:
+            continue
+        add(w, min(n_batch - used, w.n_tokens - w.n_past))
+    return plan

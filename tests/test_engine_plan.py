@@ -1,0 +1,159 @@
+"""clickpaca.engine.plan without a model: the tick's plan from descriptions of sequences.
+
+The rules (generating sequences first, then prompt chunks, fewest tokens left first, up to nBatch;
+waiting and deferred prompts left out) on hand-made cases, and the invariants the
+scheduler relies on checked over generated ones: every planned token fits the batch,
+the batch positions and logits rows are numbered once and in order, each entry's rows
+are exactly its fed positions inside its output span, and a sequence samples iff its
+entry says so, from the row of its last known token.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clickpaca.engine.plan import Feed, Want, plan_tick
+from clickpaca.scoring import chunk_rows
+
+
+def gen(key, n_past):
+    return Want(key, True, n_past, n_past + 1, n_past, n_past, True)
+
+
+def prompt(key, n_past, n_tokens, samples=True, waiting=False):
+    """An infer (samples) or a prefill (no rows)."""
+    out_from = n_tokens - 1 if samples else n_tokens
+    return Want(key, False, n_past, n_tokens, out_from, n_tokens - 1, samples, waiting)
+
+
+def score(key, n_past, n_tokens, first):
+    return Want(key, False, n_past, n_tokens, first, n_tokens - 2, False)
+
+
+def test_generating_sequences_go_first_then_prompts_fewest_tokens_left_first():
+    plan = plan_tick([prompt("p", 0, 5), gen("g1", 7), prompt("q", 0, 3), gen("g2", 2)], 16)
+    assert [f.key for f in plan] == ["g1", "g2", "q", "p"]
+    assert [(f.pos, f.count, f.at) for f in plan] == [(7, 1, 0), (2, 1, 1), (0, 3, 2), (0, 5, 5)]
+    assert [list(f.rows) for f in plan] == [[0], [1], [2], [3]]
+    assert all(f.samples and f.ends for f in plan)
+
+
+def test_a_long_prompt_is_split_and_only_its_last_chunk_samples():
+    first = plan_tick([gen("g", 10), prompt("p", 0, 20)], 8)
+    assert [(f.key, f.count, f.ends, f.samples, len(f.rows)) for f in first] == [
+        ("g", 1, True, True, 1), ("p", 7, False, False, 0)]
+    later = plan_tick([gen("g", 11), prompt("p", 14, 20)], 8)
+    p = later[1]
+    assert (p.pos, p.count, p.ends, p.samples, p.row_pos, list(p.rows)) == (14, 6, True, True, 19, [1])
+
+
+def test_a_short_prompt_is_not_held_up_behind_a_long_one():
+    """Regression (issue 19): a 1-token infer behind a 40,000-character score waited for
+    the whole score; fewest-left-first gives it a place in the next tick."""
+    plan = plan_tick([score("long", 0, 9000, 256), prompt("short", 0, 1)], 512)
+    assert [(f.key, f.count) for f in plan] == [("short", 1), ("long", 511)]
+
+
+def test_a_full_batch_leaves_the_longest_prompts_for_the_next_tick():
+    plan = plan_tick([prompt("a", 0, 4), prompt("b", 0, 9), prompt("c", 0, 2)], 8)
+    assert [(f.key, f.count) for f in plan] == [("c", 2), ("a", 4), ("b", 2)]
+    same = plan_tick([prompt("x", 0, 3), prompt("y", 0, 3)], 8)  # ties keep arrival order
+    assert [f.key for f in same] == ["x", "y"]
+
+
+def test_waiting_and_deferred_prompts_are_left_out():
+    wants = [gen("g", 3), prompt("w", 0, 4, waiting=True), prompt("p", 0, 4)]
+    assert [f.key for f in plan_tick(wants, 8)] == ["g", "p"]
+    assert [f.key for f in plan_tick(wants, 8, defer_prompts=True)] == ["g"]
+
+
+def test_a_prefill_feeds_without_rows_and_never_samples():
+    (f,) = plan_tick([prompt("p", 3, 9, samples=False)], 16)
+    assert (f.pos, f.count, f.ends, f.samples, len(f.rows)) == (3, 6, True, False, 0)
+
+
+def test_scoring_rows_cover_the_scored_positions_of_the_chunk():
+    # a window of 10 tokens whose first 4 positions were scored by the previous window
+    a, b = plan_tick([score("s", 0, 10, first=4), gen("g", 5)], 7)
+    assert b.key == "s" and (b.pos, b.count, b.row_pos, list(b.rows), b.samples) == (0, 6, 4, [1, 2], False)
+    (c,) = plan_tick([score("s", 6, 10, first=4)], 7)
+    # positions 6..9 fed; rows for 6..8 (the last token predicts nothing)
+    assert (c.row_pos, list(c.rows), c.ends, c.samples) == (6, [0, 1, 2], True, False)
+
+
+def test_chunk_rows_clips_to_the_fed_positions():
+    assert chunk_rows(0, 10, 4, 8) == (4, 5)
+    assert chunk_rows(5, 2, 0, 3) == (5, 0)
+    assert chunk_rows(0, 0, 0, 9) == (0, 0)
+
+
+@st.composite
+def tick_cases(draw):
+    n_batch = draw(st.integers(1, 64))
+    wants = []
+    n_gen = draw(st.integers(0, n_batch))  # nBatch >= nSeqMax: every generating one fits
+    for i in range(n_gen):
+        wants.append(gen(i, draw(st.integers(0, 1000))))
+    for i in range(n_gen, n_gen + draw(st.integers(0, 8))):
+        n_tokens = draw(st.integers(1, 200))
+        n_past = draw(st.integers(0, n_tokens - 1))
+        kind = draw(st.sampled_from(["infer", "prefill", "score"]))
+        waiting = draw(st.booleans())
+        if kind == "score" and n_tokens >= 2:
+            w = Want(i, False, n_past, n_tokens, draw(st.integers(0, n_tokens - 2)), n_tokens - 2,
+                     False, waiting)
+        else:
+            w = prompt(i, n_past, n_tokens, samples=kind == "infer", waiting=waiting)
+        wants.append(w)
+    order = draw(st.permutations(wants))
+    return list(order), n_batch, draw(st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(tick_cases())
+def test_plan_invariants(case):
+    wants, n_batch, defer = case
+    plan = plan_tick(wants, n_batch, defer)
+    by_key = {w.key: w for w in wants}
+    # every planned token fits the batch; batch indices and rows are numbered once, in order
+    assert sum(f.count for f in plan) <= n_batch
+    at = row = 0
+    for f in plan:
+        assert f.at == at and f.rows.start == row
+        at += f.count
+        row += len(f.rows)
+    # each sequence at most once; generating ones all there, and before any prompt
+    keys = [f.key for f in plan]
+    assert len(set(keys)) == len(keys)
+    n_gen = sum(w.generating for w in wants)
+    assert [f.key for f in plan[:n_gen]] == [w.key for w in wants if w.generating]
+    assert not any(f.generating for f in plan[n_gen:])
+    # prompts go fewest tokens left first (ties: arrival order); waiting ones (or all, when
+    # deferred) are left out
+    prompt_keys = sorted((w.key for w in wants if not w.generating),
+                         key=lambda k: (by_key[k].n_tokens - by_key[k].n_past,
+                                        [w.key for w in wants].index(k)))
+    assert [f.key for f in plan[n_gen:]] == [k for k in prompt_keys if k in keys]
+    for f in plan[n_gen:]:
+        assert not defer and not by_key[f.key].waiting
+    # a prompt is left out only when the batch is full, or it waits, or prompts are deferred
+    for k in prompt_keys:
+        if k not in keys:
+            w = by_key[k]
+            ahead = [f for f in plan if f.generating or prompt_keys.index(f.key) < prompt_keys.index(k)]
+            assert defer or w.waiting or sum(f.count for f in ahead) == n_batch
+    for f in plan:
+        w = by_key[f.key]
+        assert f.pos == w.n_past and 0 <= f.count <= w.n_tokens - w.n_past
+        assert f.ends == (f.pos + f.count == w.n_tokens)
+        # its rows are exactly the fed positions inside its output span
+        fed = range(f.pos, f.pos + f.count)
+        with_rows = [p for p in fed if w.out_from <= p <= w.out_to]
+        assert len(f.rows) == len(with_rows)
+        if with_rows:
+            assert f.row_pos == with_rows[0]
+        # it samples iff its entry says so: from the row of its last known token
+        assert f.samples == (w.samples_at_end and f.ends and w.n_tokens - 1 in with_rows)
+        if f.samples:
+            assert isinstance(f, Feed) and f.row_pos + len(f.rows) - 1 == w.n_tokens - 1
