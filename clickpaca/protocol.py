@@ -13,6 +13,7 @@ examples.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import orjson
 
 from .chat import check_messages
 from .sampling import PROTOCOL_NAMES, SamplerParams
+from .sampling.params import MISSPELLINGS
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 # Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
@@ -257,6 +259,17 @@ def _sampler_params(obj: dict, out: dict) -> None:
 ACROSS: dict[str, Callable[[dict, dict], None]] = {"init": _batch_fits, "infer": _sampler_params}
 
 
+def _did_you_mean(name: str, spec: dict) -> str:
+    """A hint for a misspelt field: another server's name for it (llama-server's top_k),
+    else the closest field of this request, ignoring case."""
+    guess = MISSPELLINGS.get(name)
+    if guess is None:
+        lowered = {f.lower(): f for f in spec}
+        close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.8)
+        guess = lowered[close[0]] if close else None
+    return f" (did you mean {guess}?)" if guess in spec else ""
+
+
 def validate(obj: Any) -> dict:
     """A validated request (defaults filled in) or ProtocolError naming the field."""
     if not isinstance(obj, dict):
@@ -273,7 +286,8 @@ def validate(obj: Any) -> dict:
     out: dict[str, Any] = {"type": kind}
     for name in obj:
         if name != "type" and name not in spec:
-            raise ProtocolError(f"{name}: unknown field for {kind}", seq_id, kind)
+            raise ProtocolError(f"{name}: unknown field for {kind}{_did_you_mean(name, spec)}",
+                                seq_id, kind)
     for name, (check, default) in spec.items():
         if check is _with_params:
             continue

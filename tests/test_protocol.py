@@ -301,9 +301,27 @@ def test_missing_grammar_fields():
 def test_unknown_fields_refused(kind, name):
     with pytest.raises(ProtocolError) as ei:
         validate(req(kind, **{name: 1}))
-    assert ei.value.message == f"{name}: unknown field for {kind}"
+    assert ei.value.message.startswith(f"{name}: unknown field for {kind}")
     assert ei.value.request == kind
     assert ei.value.seq_id == MINIMAL[kind].get("seq_id", -1)
+
+
+@pytest.mark.parametrize("kind,name,hint", [
+    ("infer", "top_k", "topK"), ("infer", "repeat_penalty", "penaltyRepeat"),
+    ("infer", "tmperature", "temperature"), ("infer", "seqId", "seq_id"),
+    ("infer", "maxtokens", "maxTokens"), ("init", "nctx", "nCtx"), ("score", "pertoken", "perToken"),
+])
+def test_a_misspelt_field_gets_a_hint_the_client_sees(kind, name, hint):
+    with pytest.raises(ProtocolError) as ei:
+        validate(req(kind, **{name: 1}))
+    assert ei.value.message == f"{name}: unknown field for {kind} (did you mean {hint}?)"
+
+
+@pytest.mark.parametrize("kind,name", [("score", "top_k"), ("infer", "extra"), ("free", "temperature")])
+def test_no_hint_names_a_field_the_request_does_not_have(kind, name):
+    with pytest.raises(ProtocolError) as ei:
+        validate(req(kind, **{name: 1}))
+    assert ei.value.message == f"{name}: unknown field for {kind}"
 
 
 def test_sampler_field_on_other_request_is_unknown():

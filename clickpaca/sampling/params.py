@@ -50,7 +50,7 @@ PROTOCOL_NAMES = {
 }
 _FIELD_BY_PROTOCOL = {v: k for k, v in PROTOCOL_NAMES.items()}
 # Spellings a client may plausibly send by mistake (e.g. llama-server's names).
-_MISSPELLINGS = {
+MISSPELLINGS = {
     "top_k": "topK", "top_p": "topP", "min_p": "minP", "repeat_penalty": "penaltyRepeat",
     "penalty_repeat": "penaltyRepeat", "frequency_penalty": "penaltyFreq",
     "penalty_freq": "penaltyFreq", "presence_penalty": "penaltyPresent",
@@ -258,8 +258,8 @@ class SamplerParams:
         if not isinstance(request, Mapping):
             raise SamplerParamError("request", f"must be an object, got {type(request).__name__}")
         for k in request:
-            if k in _MISSPELLINGS and k not in _FIELD_BY_PROTOCOL:
-                raise SamplerParamError(k, f"unknown field; did you mean {_MISSPELLINGS[k]!r}?")
+            if k in MISSPELLINGS and k not in _FIELD_BY_PROTOCOL:
+                raise SamplerParamError(k, f"unknown field; did you mean {MISSPELLINGS[k]!r}?")
         kwargs = {}
         for proto, attr in _FIELD_BY_PROTOCOL.items():
             if proto in request and request[proto] is not None:
