@@ -65,7 +65,8 @@ def check_source_dir(cmake_dir: Path) -> None:
 
 
 def build_peer(preset: str, jobs: int) -> Path:
-    with build.cache_lock():
+    # The mainline lock: llama-server is built inside the mainline tree.
+    with build.cache_lock("mainline"):
         main = build.build_locked("mainline", preset, None, jobs)
         main_key = (main / ".complete").read_text().strip()
         key = hashlib.sha256(json.dumps({"mainline": main_key, "target": TARGET,
@@ -76,11 +77,7 @@ def build_peer(preset: str, jobs: int) -> Path:
             build.log(f"peer: cached build {out} (key {key})")
         else:
             make_peer(main, out, key, main_key, jobs)
-    link = build.ROOT / "builds" / "peer"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(out)
-    build.log(f"builds/peer -> {out}")
+    build.link_build("peer", out)
     return out
 
 
