@@ -149,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                          "run here); recorded in the stamp")
     args = ap.parse_args(argv)
     # mainline first: the other builds' reports compare with it (bindgen/history.py)
+    # Every build with headers: builds/peer holds only llama-server and its libraries.
     builds = args.builds or sorted((p for p in (ROOT / "builds").glob("*")
-                                    if (p / "build-info.json").exists()),
+                                    if (p / "build-info.json").exists()
+                                    and (p / "include" / "llama.h").exists()),
                                    key=lambda p: (p.name != "mainline", p.name))
     if not builds:
         print("bindgen: no builds found; run `make mainline` first", file=sys.stderr)
