@@ -15,7 +15,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from conftest import LOSSLESS_CACHES, TEST_CACHE_K, TEST_CACHE_V
 
 pytestmark = pytest.mark.model
 
@@ -203,21 +202,22 @@ def test_schema_outputs_validate(schema_runs, name):
 
 
 def test_schema_runs_are_seeded(server):
-    """Same seed, same grammar, same batch: the same output (the grammar state is per seq)."""
+    """Same seed, same grammar, same computation: the same output. Each run is alone on the
+    idle server (the cells restart from the first one), so the logits are bit-identical;
+    two copies in one batch sit in different cells, which the CPU kernels round differently
+    (a sampled draw near a boundary can then part), so in a batch both must only be valid:
+    the grammar state is per sequence."""
     gid = register(server, "schema-person", schema_text(SCHEMAS["person"][0]))
     job = dict(prompt=chat(SCHEMAS["person"][1]), grammar_id=gid, maxTokens=60,
                temperature=TEMP, seed=41)
-    a, b = run_jobs(server, [job, job])
+    (a,), (b,) = run_jobs(server, [job]), run_jobs(server, [job])
     assert_done(a[2])
     assert_done(b[2])
-    if {TEST_CACHE_K, TEST_CACHE_V} <= LOSSLESS_CACHES:
-        assert a[1] == b[1]
-    else:
-        # Lossy caches: the two rows sit in different cells, and the tiled attention path
-        # rounds them differently; the same seed then still gives the same first tokens.
-        assert a[1][:3] == b[1][:3]
+    assert a[1] == b[1]
     check_json(a[0], SCHEMAS["person"][0])
-    check_json(b[0], SCHEMAS["person"][0])
+    for text, _, final in run_jobs(server, [job, job]):
+        assert_done(final)
+        check_json(text, SCHEMAS["person"][0])
 
 
 # ============================================================================ Lark
