@@ -65,13 +65,29 @@ def _header(ctx, n_tokens: int, payload_len: int, digest: str) -> dict:
     }
 
 
+class Snapshot:
+    """One sequence's state taken from the context, not yet hashed or framed.
+
+    Taking it is the only part of a save that needs the context (a copy out of the KV
+    cache); `chunks()` hashes and frames it and may run on another thread."""
+
+    def __init__(self, ctx, slot: int, tokens: list[int]) -> None:
+        self.payload = ctx.seq_state_get(slot)
+        self.toks = np.asarray(tokens, dtype="<i4").tobytes()
+        self.n_tokens = len(tokens)
+        self._header = _header(ctx, len(tokens), len(self.payload), "")
+
+    def chunks(self) -> list[bytes]:
+        """The file's bytes, in chunks: magic, header length, header, tokens, payload."""
+        h = hashlib.sha256(self.toks)
+        h.update(self.payload)
+        header = json.dumps({**self._header, "sha256": h.hexdigest()}).encode()
+        return [MAGIC, struct.pack("<I", len(header)), header, self.toks, self.payload]
+
+
 def encode(ctx, slot: int, tokens: list[int]) -> list[bytes]:
-    """The file's bytes, in chunks: magic, header length, header, tokens, payload."""
-    payload = ctx.seq_state_get(slot)
-    toks = np.asarray(tokens, dtype="<i4").tobytes()
-    digest = hashlib.sha256(toks + payload).hexdigest()
-    header = json.dumps(_header(ctx, len(tokens), len(payload), digest)).encode()
-    return [MAGIC, struct.pack("<I", len(header)), header, toks, payload]
+    """The file's bytes, in chunks (Snapshot, then its chunks, on one thread)."""
+    return Snapshot(ctx, slot, tokens).chunks()
 
 
 def refuse_foreign(dir_fd: int, name: str) -> None:
@@ -138,7 +154,7 @@ def decode(data: bytes, path) -> tuple[dict, list[int], bytes]:
     if len(body) != 4 * n_tok + n_pay:
         raise StateFileError(f"{path} is truncated or has trailing bytes "
                              f"({len(body)} body bytes, header says {4 * n_tok + n_pay})")
-    if hashlib.sha256(body).hexdigest() != header["sha256"]:
+    if hashlib.sha256(body).hexdigest() != header["sha256"]:  # hashlib releases the GIL
         raise StateFileError(f"{path} is corrupted (checksum mismatch)")
     tokens = np.frombuffer(body[:4 * n_tok], dtype="<i4").astype(int).tolist()
     return header, tokens, body[4 * n_tok:]

@@ -95,6 +95,7 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
     """Apply requests between ticks until every input has ended and no work is left."""
     open_inputs = sessions_open
     quitting = False
+    engine.post = lambda fn: inbox.put((None, fn))  # state-file completions (engine/stateio.py)
 
     def apply(item) -> None:
         nonlocal open_inputs, quitting
@@ -121,7 +122,7 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
                                      req.get("seq_id", -1), req["type"]))
 
     while True:
-        if not engine.has_work() and open_inputs > 0 and not quitting:
+        if not engine.has_work() and ((open_inputs > 0 and not quitting) or engine.io_pending()):
             apply(inbox.get())
         while True:
             try:
@@ -135,7 +136,8 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
                 traceback.print_exc(file=sys.stderr)
                 engine.fail_all(f"internal error during a tick: {type(e).__name__}: {e}")
         flush()
-        if (open_inputs <= 0 or quitting) and not engine.has_work() and inbox.empty():
+        if ((open_inputs <= 0 or quitting) and not engine.has_work() and not engine.io_pending()
+                and inbox.empty()):
             return
 
 

@@ -13,6 +13,8 @@ One room per concern:
     scheduler.py   the tick: fill the batch from the plan, decode (recovering from a full
                    KV cache), advance each sequence by its plan entry, hand out the rows
     generation.py  a generating sequence's row: sample, emit the token, decide the end
+    stateio.py     state files (`save`, `load`) hashed, written and read on a worker
+                   thread; completions come back through the server's inbox
 
 `Engine` only routes: requests to their handler through handlers.HANDLERS (between
 ticks), ticks to the scheduler.
@@ -23,6 +25,7 @@ only the request is made.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from .. import statedir
 from ..protocol import ProtocolError
@@ -30,6 +33,7 @@ from .handlers import HANDLERS, Handlers
 from .runtime import Runtime
 from .scheduler import Scheduler
 from .sequences import Sequence, Sequences, Session
+from .stateio import StateIO
 
 __all__ = ["Engine", "Session", "Sequence"]
 
@@ -46,6 +50,10 @@ class Engine:
         self.seqs: Sequences | None = None
         self.handlers: Handlers | None = None
         self.scheduler: Scheduler | None = None
+        # How a worker thread hands work back to this (the engine) thread: the server
+        # loop sets it (run_loop); None = in-process use, state-file jobs run in place.
+        self.post: Callable[[Callable[[], None]], None] | None = None
+        self.io = StateIO(lambda: self.post)
 
     @property
     def ready_event(self) -> dict | None:
@@ -90,12 +98,17 @@ class Engine:
                                 request="init")
         self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path)
         self.seqs = Sequences(rt.ctx)
-        self.handlers = Handlers(rt, self.seqs)
+        self.handlers = Handlers(rt, self.seqs, self.io)
         self.scheduler = Scheduler(rt, self.seqs)
         session.send(rt.ready_event)
 
     def has_work(self) -> bool:
+        """Sequences to decode: the server loop ticks while this holds."""
         return self.seqs is not None and bool(self.seqs.order)
+
+    def io_pending(self) -> bool:
+        """State-file jobs whose answer has not been sent yet: the loop waits for them."""
+        return self.io.pending > 0
 
     def tick(self) -> None:
         assert self.scheduler is not None
@@ -118,6 +131,7 @@ class Engine:
     def shutdown(self) -> None:
         if self.seqs is not None:
             self.seqs.finish_all("shutdown", notify=False)
+        self.io.close()  # a save in progress completes its rename
         with self.model_lock:  # not while a reader thread tokenizes (prepare.py)
             if self.rt is not None:
                 self.rt.close()

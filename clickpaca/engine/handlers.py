@@ -18,13 +18,14 @@ import numpy as np
 
 from .. import kvstate, statedir
 from ..grammars import GrammarError
-from ..protocol import (REQUESTS, ProtocolError, forked_event, freed_event, grammar_ready_event, loaded_event,
-                        saved_event)
+from ..protocol import (REQUESTS, ProtocolError, error_event, forked_event, freed_event,
+                        grammar_ready_event, loaded_event, saved_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from ..text import StopMatcher, Utf8Assembler
 from .runtime import Runtime
 from .sequences import Sequence, Sequences, Session
+from .stateio import StateIO
 
 # Grammar ids one client may hold. Each costs memory (2,000 ids measured +60 MiB, ~30 KiB
 # each); 1,024 lets a client give every one of 256 sequences its own schema several times
@@ -33,8 +34,8 @@ MAX_GRAMMARS_PER_SESSION = 1024
 
 
 class Handlers:
-    def __init__(self, rt: Runtime, seqs: Sequences) -> None:
-        self.rt, self.seqs = rt, seqs
+    def __init__(self, rt: Runtime, seqs: Sequences, io: StateIO) -> None:
+        self.rt, self.seqs, self.io = rt, seqs, io
 
     # ------------------------------------------------------------ grammars
 
@@ -189,7 +190,7 @@ class Handlers:
 
     def cancel(self, session: Session, req: dict) -> None:
         seq = session.seqs.get(req["seq_id"])
-        if seq is None or seq.state == "held":
+        if seq is None or seq.state in ("held", "loading"):
             raise ProtocolError(f"seq_id: sequence {req['seq_id']} is not running "
                                 "(use free to release a held sequence)", req["seq_id"], "cancel")
         self.seqs.finish(seq, "cancelled")
@@ -198,10 +199,10 @@ class Handlers:
         seq = session.seqs.get(req["seq_id"])
         if seq is None:
             raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds nothing", req["seq_id"], "free")
-        if seq.state != "held":
-            self.seqs.finish(seq, "cancelled")
-        else:
+        if seq.state in ("held", "loading"):  # a load in progress then answers with an error
             self.seqs.release(seq)
+        else:
+            self.seqs.finish(seq, "cancelled")
         session.send(freed_event(req["seq_id"]))
 
     def fork(self, session: Session, req: dict) -> None:
@@ -225,11 +226,14 @@ class Handlers:
         session.send(forked_event(src.seq_id, dst_id, dst.n_past))
 
     def save(self, session: Session, req: dict) -> None:
-        seq = session.seqs.get(req["seq_id"])
+        """The cells are copied out now (the sequence may change right after); hashing
+        and writing run on the state-file worker, and `saved` follows when the file is
+        in place (stateio.py)."""
+        seq_id = req["seq_id"]
+        seq = session.seqs.get(seq_id)
         if seq is None or seq.state != "held":
-            raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to save",
-                                req["seq_id"], "save")
-        shared, replace = req["shared"], req["replace"]
+            raise ProtocolError(f"seq_id: sequence {seq_id} holds no state to save", seq_id, "save")
+        path, shared, replace = req["path"], req["shared"], req["replace"]
 
         def may_replace(dir_fd: int, name: str) -> None:
             kvstate.refuse_foreign(dir_fd, name)
@@ -237,49 +241,97 @@ class Handlers:
                 raise kvstate.StateFileError(f"{name!r} already exists in the shared namespace "
                                              "(save with replace: true to overwrite it)")
         try:
-            dir_fd, name, label = self.rt.states.locate(req["path"], session.namespace, shared)
+            dir_fd, name, label = self.rt.states.locate(path, session.namespace, shared)
+        except statedir.StatePathError as e:
+            raise ProtocolError(_path_message(e), seq_id, "save") from None
+        try:
+            snapshot, n_past = kvstate.Snapshot(self.rt.ctx, seq.slot, seq.tokens), seq.n_past
+        except BaseException:
+            os.close(dir_fd)
+            raise
+
+        def write() -> int:
             try:
-                n = statedir.write_file(dir_fd, name, kvstate.encode(self.rt.ctx, seq.slot, seq.tokens),
-                                        label, may_replace)
+                return statedir.write_file(dir_fd, name, snapshot.chunks(), label, may_replace)
             finally:
                 os.close(dir_fd)
-        except (statedir.StatePathError, kvstate.StateFileError) as e:
-            raise ProtocolError(_path_message(e), req["seq_id"], "save") from None
-        except OSError as e:
-            raise ProtocolError(f"path: {req['path'][:60]!r} cannot be written ({e.strerror})",
-                                req["seq_id"], "save") from None
-        session.send(saved_event(seq.seq_id, req["path"], n, seq.n_past))
+
+        def then(n_bytes: int | None, error: Exception | None) -> None:
+            if error is None:
+                session.send(saved_event(seq_id, path, n_bytes, n_past))
+            else:
+                session.send(_file_error(error, path, "written", seq_id, "save").event())
+
+        self.io.submit(write, then, lambda msg: session.send(ProtocolError(msg, seq_id, "save").event()))
 
     def load(self, session: Session, req: dict) -> None:
+        """The seq_id is taken now (state "loading": not scheduled, refused to others);
+        the file is read and verified on the state-file worker, then restored into the
+        cells here and answered with `loaded` (stateio.py)."""
         seqs = self.seqs
-        seq_id = req["seq_id"]
+        seq_id, path = req["seq_id"], req["path"]
         seqs.check_id(seq_id, "load")
         if seq_id in session.seqs:
             raise ProtocolError(f"seq_id: sequence {seq_id} is in use (free it first)", seq_id, "load")
-        try:  # read and check the file before taking a slot
-            dir_fd, name, label = self.rt.states.locate(req["path"], session.namespace, req["shared"])
+        try:
+            dir_fd, name, label = self.rt.states.locate(path, session.namespace, req["shared"])
+        except statedir.StatePathError as e:
+            raise ProtocolError(_path_message(e), seq_id, "load") from None
+        try:
+            seq = seqs.new(session, seq_id, "prefill")
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        seq.state = "loading"
+
+        def read() -> tuple[dict, list[int], bytes]:
             try:
-                data = statedir.read_file(dir_fd, name, label)
+                return kvstate.decode(statedir.read_file(dir_fd, name, label), label)
             finally:
                 os.close(dir_fd)
-            header, tokens, payload = kvstate.decode(data, label)
-        except (statedir.StatePathError, kvstate.StateFileError) as e:
-            raise ProtocolError(_path_message(e), seq_id, "load") from None
-        except OSError as e:
-            raise ProtocolError(f"path: {req['path'][:60]!r} cannot be read ({e.strerror})",
-                                seq_id, "load") from None
-        seq = seqs.new(session, seq_id, "prefill")
-        try:  # a failure releases the slot: Engine.handle gives back what a request took
-            tokens = kvstate.restore(self.rt.ctx, seq.slot, header, tokens, payload, label)
-        except kvstate.StateFileError as e:
-            raise ProtocolError(_path_message(e), seq_id, "load") from None
-        seq.tokens, seq.n_past = tokens, len(tokens)
-        seq.state = "held"
-        session.send(loaded_event(seq_id, seq.n_past))
+
+        def mine() -> bool:
+            return session.seqs.get(seq_id) is seq and seq.state == "loading"
+
+        def then(decoded, error: Exception | None) -> None:
+            if not mine():  # freed, or its client went away, while the file was read
+                session.send(error_event(f"seq_id: sequence {seq_id} was freed before its state "
+                                         "was loaded", seq_id, "load"))
+                return
+            try:
+                if error is not None:
+                    raise _file_error(error, path, "read", seq_id, "load")
+                try:
+                    tokens = kvstate.restore(self.rt.ctx, seq.slot, *decoded, label)
+                except kvstate.StateFileError as e:
+                    raise ProtocolError(_path_message(e), seq_id, "load") from None
+            except ProtocolError as e:
+                seqs.release(seq)
+                session.send(e.event())
+                return
+            seq.tokens, seq.n_past = tokens, len(tokens)
+            seq.state = "held"
+            session.send(loaded_event(seq_id, seq.n_past))
+
+        def on_bug(message: str) -> None:
+            if mine():
+                seqs.release(seq)
+            session.send(error_event(message, seq_id, "load"))
+
+        self.io.submit(read, then, on_bug)
 
     def quit(self, session: Session, req: dict) -> None:
         if req["now"]:
             self.seqs.finish_all("shutdown")
+
+
+def _file_error(e: Exception, path: str, done: str, seq_id: int, kind: str) -> ProtocolError:
+    """A failed state-file job as the request's error (names the field `path`)."""
+    if isinstance(e, (statedir.StatePathError, kvstate.StateFileError)):
+        return ProtocolError(_path_message(e), seq_id, kind)
+    if isinstance(e, OSError):
+        return ProtocolError(f"path: {path[:60]!r} cannot be {done} ({e.strerror})", seq_id, kind)
+    raise e
 
 
 def _path_message(e: Exception) -> str:

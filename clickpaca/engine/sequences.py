@@ -40,7 +40,7 @@ class Sequence:
     seq_id: int
     slot: int
     kind: str  # "infer" | "score" | "prefill"
-    state: str = "prompt"  # "prompt" -> "generate" | "held"
+    state: str = "prompt"  # "prompt" -> "generate" | "held"; "loading" -> "held" (load)
     tokens: list[int] = field(default_factory=list)  # its context, in order
     n_past: int = 0  # how many of `tokens` are in its KV cells (fed by a decode)
     sampler: SequenceSampler | None = None
@@ -163,7 +163,7 @@ class Sequences:
     def close_session(self, session: Session) -> None:
         """A client went away: end its sequences silently and free their KV cells."""
         for seq in list(session.seqs.values()):
-            if seq.state == "held":
+            if seq.state in ("held", "loading"):
                 self.release(seq)
             else:
                 self.finish(seq, "cancelled", notify=False)
