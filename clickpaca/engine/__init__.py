@@ -24,11 +24,13 @@ only the request is made.
 
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
 from typing import Callable
 
 from .. import statedir
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, error_event
 from .handlers import HANDLERS, Handlers
 from .runtime import Runtime
 from .scheduler import Scheduler
@@ -53,7 +55,7 @@ class Engine:
         # How a worker thread hands work back to this (the engine) thread: the server
         # loop sets it (run_loop); None = in-process use, state-file jobs run in place.
         self.post: Callable[[Callable[[], None]], None] | None = None
-        self.io = StateIO(lambda: self.post)
+        self.io = StateIO(lambda: self.post, self._resume)
 
     @property
     def ready_event(self) -> dict | None:
@@ -66,7 +68,16 @@ class Engine:
         return self.rt.states if self.rt is not None else None
 
     def handle(self, session: Session, req: dict) -> None:
-        """Apply one validated request; errors become `error` events for that session."""
+        """Apply one validated request; errors become `error` events for that session.
+
+        While the session waits for a state file (stateio.py), its requests are held and
+        applied in order afterwards, so it sees the answers in the order it asked."""
+        if session.io_pending or session.deferred:
+            session.deferred.append(req)
+            return
+        self._apply(session, req)
+
+    def _apply(self, session: Session, req: dict) -> None:
         kind = req["type"]
         if self.seqs is not None:
             self.seqs.taken = []
@@ -86,6 +97,18 @@ class Engine:
         except BaseException:
             self._give_back()
             raise
+
+    def _resume(self, session: Session) -> None:
+        """The session's state files are done: apply its held requests, in order, until
+        one starts another state-file job."""
+        while session.deferred and not session.io_pending:
+            req = session.deferred.pop(0)
+            try:
+                self._apply(session, req)
+            except Exception as e:  # noqa: BLE001 - as the server loop does for a request
+                traceback.print_exc(file=sys.stderr)
+                session.send(error_event(f"internal error: {type(e).__name__}: {e}",
+                                         req.get("seq_id", -1), req["type"]))
 
     def _give_back(self) -> None:
         """The request failed: free the slots it took (sequences.py: give_back)."""
@@ -124,6 +147,7 @@ class Engine:
         and its private state files."""
         if self.seqs is not None:
             self.seqs.close_session(session)
+        session.deferred.clear()
         session.grammars.clear()
         if self.states is not None:
             self.states.drop_namespace(session.namespace)

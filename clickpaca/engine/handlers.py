@@ -262,7 +262,7 @@ class Handlers:
             else:
                 session.send(_file_error(error, path, "written", seq_id, "save").event())
 
-        self.io.submit(write, then, lambda msg: session.send(ProtocolError(msg, seq_id, "save").event()))
+        self.io.submit(session, write, then, lambda msg: session.send(ProtocolError(msg, seq_id, "save").event()))
 
     def load(self, session: Session, req: dict) -> None:
         """The seq_id is taken now (state "loading": not scheduled, refused to others);
@@ -318,7 +318,7 @@ class Handlers:
                 seqs.release(seq)
             session.send(error_event(message, seq_id, "load"))
 
-        self.io.submit(read, then, on_bug)
+        self.io.submit(session, read, then, on_bug)
 
     def quit(self, session: Session, req: dict) -> None:
         if req["now"]:

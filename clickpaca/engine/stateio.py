@@ -10,6 +10,11 @@ hashlib and file IO release the GIL, so decoding goes on meanwhile.
 
 A finished job's completion is posted to the server's inbox and applied on the engine
 thread between ticks, like a request; it sends the `saved` / `loaded` or `error` event.
+While a session has a job in flight, the engine holds that session's next requests and
+applies them, in order, after the completion (Engine.handle), so a client sees exactly
+the answers and order it saw when files were written in place: `saved` before the
+`freed` sent behind it, a `fork` right behind a `load` finds the loaded state. Other
+sessions' requests, and every sequence's decoding, go on meanwhile.
 Without a server loop (`post` is None: in-process use) a job runs at once, in place.
 """
 
@@ -28,13 +33,14 @@ Post = Callable[[Callable[[], None]], None]
 class StateIO:
     """One worker thread and its FIFO of file jobs; `pending` counts unapplied jobs."""
 
-    def __init__(self, post: Callable[[], Post | None]) -> None:
+    def __init__(self, post: Callable[[], Post | None], resume: Callable[[Any], None]) -> None:
         self._post = post  # looked up per job: the server loop sets it after init
+        self._resume = resume  # called with a session whose last job was applied
         self._jobs: queue.Queue = queue.Queue()
         self.pending = 0  # submitted, completion not applied yet (engine thread only)
         self._thread: threading.Thread | None = None
 
-    def submit(self, work: Callable[[], Any], then: Callable[[Any, Exception | None], None],
+    def submit(self, session: Any, work: Callable[[], Any], then: Callable[[Any, Exception | None], None],
                on_bug: Callable[[str], None]) -> None:
         """Run `work()` on the worker, then `then(result, error)` on the engine thread.
 
@@ -48,21 +54,27 @@ class StateIO:
             self._thread = threading.Thread(target=self._worker, daemon=True, name="state-io")
             self._thread.start()
         self.pending += 1
-        self._jobs.put((work, then, on_bug, post))
+        session.io_pending += 1
+        self._jobs.put((session, work, then, on_bug, post))
 
     def _worker(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            work, then, on_bug, post = job
+            session, work, then, on_bug, post = job
             result, error = _run(work)
             # bound now: the next job rebinds these names before the engine applies this one
-            post(functools.partial(self._done, then, result, error, on_bug))
+            post(functools.partial(self._done, session, then, result, error, on_bug))
 
-    def _done(self, then, result, error, on_bug) -> None:
+    def _done(self, session, then, result, error, on_bug) -> None:
         self.pending -= 1
-        self._apply(then, result, error, on_bug)
+        try:
+            self._apply(then, result, error, on_bug)
+        finally:
+            session.io_pending -= 1
+            if not session.io_pending:
+                self._resume(session)
 
     @staticmethod
     def _apply(then, result, error, on_bug) -> None:
