@@ -15,8 +15,8 @@ release the GIL, so the engine thread keeps decoding meanwhile.
   continues a held sequence is known only when the engine applies it);
 - `grammar`: the compiled grammar, or the GrammarError to answer with.
 
-State file IO is not done here: a `load` must see the files of every `save` before it,
-and saves are applied by the engine in order.
+State files are not read here: a `load` must see the file of every `save` before it,
+so they are written and read on the engine's own worker, in order (engine/stateio.py).
 """
 
 from __future__ import annotations
