@@ -726,6 +726,30 @@ class Matcher:
     def forced_bytes(self) -> bytes:
         return bytes(self._m.compute_ff_bytes())
 
+    def widen_forced(self, row: np.ndarray) -> np.ndarray | None:
+        """`row` plus the shorter spellings of the bytes the grammar forces next, or None
+        if there are none.
+
+        Where the grammar forces bytes (an object's `{"a": ` in a JSON schema), llguidance's
+        mask allows only the one token that spells them canonically (`{"`), though the
+        matcher accepts the same bytes spelled by shorter tokens (`{`, then `"`). A
+        logit_bias that bans the canonical token would leave nothing to sample; the
+        sampler retries with this wider row instead (engine/generation.py)."""
+        forced = self.forced_bytes()
+        model = self.engine.model
+        extra = []
+        for k in range(1, len(forced)):
+            toks = model.tokenize(forced[:k], add_special=False, parse_special=False)
+            if len(toks) == 1 and self._m.validate_tokens([int(toks[0])]) == 1:
+                extra.append(int(toks[0]))
+        if not extra:
+            return None
+        wider = row.copy()
+        bits = wider.view(np.uint32)
+        for t in extra:
+            bits[t >> 5] |= np.uint32(1 << (t & 31))
+        return wider
+
     def rollback(self, n: int) -> bool:
         """Undo the last n consumed tokens."""
         ok = self._m.rollback(int(n))

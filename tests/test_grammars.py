@@ -573,3 +573,23 @@ def test_lexeme_and_rule_spellings_of_word_lines_agree_and_report_mask_cost(engi
     with capsys.disabled():
         print("\nmask time per token, median us over the tokens of a 3-line text: " + ", ".join(
             f"{k} {np.median(v) * 1e6:.0f}" for k, v in times.items()))
+
+
+def test_widen_forced_adds_the_shorter_spellings_the_matcher_accepts(engine, model):
+    """`{"a": ` is forced: the mask allows only `{"`; widening adds `{` (accepted by the
+    matcher, a prefix of the forced bytes) and nothing that spells anything else."""
+    m = engine.compile('%json_schema {"type": "object", "properties": {"a": {"type": "integer"}}, '
+                       '"required": ["a"]}').new_matcher()
+    assert m.forced_bytes() == b'{"a": '
+    row = m.mask()
+    before = allowed_ids(row, model.n_vocab).tolist()
+    wider = m.widen_forced(row)
+    added = sorted(set(allowed_ids(wider, model.n_vocab).tolist()) - set(before))
+    assert [model.token_to_piece(t) for t in before] == [b'{"']
+    assert added and all(b'{"a": '.startswith(model.token_to_piece(t)) for t in added), added
+    assert int(model.tokenize(b"{", add_special=False, parse_special=False)[0]) in added
+    assert allowed_ids(row, model.n_vocab).tolist() == before  # the job's row is not touched
+    for t in added:
+        assert m.fork().consume(t)
+    one = engine.compile('root ::= "7"').new_matcher()
+    assert one.widen_forced(one.mask()) is None  # one byte: no shorter spelling

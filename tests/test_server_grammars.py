@@ -459,24 +459,38 @@ def test_ban_digits_the_schema_would_use(server):
         assert not set(f"{value['code']}{value['score']}") & {"1", "2"}, text
 
 
-def test_banning_the_only_token_of_forced_text_is_an_error(server):
-    """A required key in a fixed order is forced text: llguidance allows only its canonical
-    tokens, so banning `name` there leaves nothing (documented in docs/GRAMMARS.md)."""
+def test_banning_the_token_of_forced_text_spells_it_another_way(server):
+    """A required key in a fixed order is forced text: llguidance's mask allows only its
+    canonical token (`name`); with that banned, the step's mask is widened with the
+    shorter spellings the matcher accepts (docs/GRAMMARS.md), so the output still
+    validates, still has the key, and never contains the banned token."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
               "required": ["name"], "additionalProperties": False}
     gid = register(server, "forced-name", schema_text(schema))
-    server.infer(0, chat("Give a name as JSON."), grammar_id=gid, maxTokens=20, temperature=0,
-                 logit_bias=[{"token": TOK_NAME, "bias": BAN}])
+    outs = run_jobs(server, [dict(prompt=chat("Give a name as JSON."), grammar_id=gid, maxTokens=30,
+                                  temperature=t, seed=seed, logit_bias=[{"token": TOK_NAME, "bias": BAN}])
+                             for t, seed in ((0, 0), (TEMP, 1), (TEMP, 2))])
+    for text, tokens, final in outs:
+        assert_done(final, "grammar", text)
+        assert TOK_NAME not in tokens, (text, tokens)
+        assert '"name"' in text
+        check_json(text, schema)
+
+
+def test_banning_a_forced_byte_with_no_other_spelling_is_an_error(server):
+    """A one-byte forced literal has no shorter spelling: banning its token leaves
+    nothing, and the request ends with the error; the server goes on."""
+    gid = register(server, "forced-7", 'root ::= "7" [0-9]')
+    server.infer(0, "Digits:", grammar_id=gid, maxTokens=5, temperature=0,
+                 logit_bias=[{"token": DIGIT["7"], "bias": BAN}])
     tokens, final = server.collect(0)
     assert final["type"] == "error", final
     assert "logit_bias bans every token still allowed" in final["message"], final
-    assert TOK_NAME not in [t["token"] for t in tokens]
-    # the server goes on, the same grammar without the ban works
-    text, _, final = run_jobs(server, [dict(prompt=chat("Give a name as JSON."), grammar_id=gid,
-                                            maxTokens=20, temperature=0)])[0]
+    assert not tokens
+    text, _, final = run_jobs(server, [dict(prompt="Digits:", grammar_id=gid, maxTokens=5,
+                                            temperature=0)])[0]
     assert_done(final, "grammar", text)
-    assert '"name"' in text
-    check_json(text, schema)
+    assert re.fullmatch(r"7[0-9]", text), text
 
 
 FORCE_SCHEMA = {"type": "object",

@@ -22,6 +22,10 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
         # the mask job was started for exactly the plan's sampling entries
         mask = job.row(seq.slot) if seq.matcher is not None else None
         res = seq.sampler.sample(logits[row], mask)
+        if res.empty and mask is not None:  # a ban of a token the grammar forces: spell it shorter
+            wider = seq.matcher.widen_forced(mask)
+            if wider is not None:
+                res = seq.sampler.sample(logits[row], wider)
         if res.empty:
             seqs.fail(seq, f"no token can be sampled: {res.reason}")
             continue
