@@ -1,10 +1,11 @@
 """The NDJSON protocol: request validation and event construction.
 
-One JSON object per line in each direction. `parse_line` turns a raw line into a
-validated request dict (defaults filled in, types checked, unknown fields refused) or a
-`ProtocolError` naming the field and the reason. This is the edge: every check that
+One JSON object per line in each direction. `parse_line` turns a raw line into a typed
+request, one frozen dataclass per request type (InitRequest, InferRequest, ...: defaults
+filled in, types checked, unknown fields refused with a hint for a misspelt one), or a
+`ProtocolError` naming the wire field and the reason. This is the edge: every check that
 needs only the request is made here, once, including those across fields (an infer's
-sampler fields become one `SamplerParams` under "params"; init's nBatch against its
+sampler fields become one `SamplerParams` in `params`; init's nBatch against its
 nSeqMax). Checks that need the server's state (is the seq_id active, does the grammar
 exist, are the logit_bias ids in the vocabulary) belong to the engine's handlers.
 docs/PROTOCOL.md is the user-facing description; tests/test_protocol_doc.py runs its
@@ -16,15 +17,19 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 import orjson
 
-from .chat import check_messages
+from .chat import Message, check_messages
 from .sampling import PROTOCOL_NAMES, SamplerParams
 from .sampling.params import MISSPELLINGS
+
+if TYPE_CHECKING:  # the types of prepared work (prepare.py), for the reader
+    from .grammars import CompiledGrammar, GrammarError
+    from .prepare import PromptTokens
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 # Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
@@ -53,9 +58,6 @@ class ProtocolError(Exception):
 
 
 # ------------------------------------------------------------------ field checks
-
-_MISSING = object()
-
 
 def _in_range(name: str, v, lo, hi):
     """v itself, or a ValueError naming the field and the bound it breaks."""
@@ -137,7 +139,7 @@ def _str_list(name: str, v: Any) -> list[str]:
 
 def _with_params(name: str, v: Any) -> Any:
     """Marks the sampler fields: never checked one by one, but together by SamplerParams
-    (ACROSS["infer"]), which also decides which bad field to report first."""
+    (InferRequest.check_across), which also decides which bad field to report first."""
     raise AssertionError(name)
 
 
@@ -169,10 +171,10 @@ def json_depth(obj: Any, limit: int) -> int:
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
-# Fields of each request: name -> (check, default). _MISSING = required.
 SAMPLER_FIELDS = tuple(PROTOCOL_NAMES.values())
 N_TOP_MAX = 100  # nProbs: log-probabilities of at most this many tokens per event
-# `messages` instead of `prompt` (infer, prefill): formatted with a chat template.
+
+
 def _messages(name: str, v: Any) -> Any:
     """check_messages, and the prompt's size limit over all the contents (they are
     formatted and tokenized like a prompt)."""
@@ -184,79 +186,227 @@ def _messages(name: str, v: Any) -> Any:
     return messages
 
 
-CHAT_FIELDS = {
-    "messages": (_opt(_messages), None),
-    "chatTemplate": (_opt(_str(True)), None),
-    "addGenerationPrompt": (_bool, True),
-}
-REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
-    "init": {
-        "modelPath": (_opt(_str(True)), None),
-        "nGpuLayers": (_int(0, (1 << 31) - 1), 99),
-        "nCtx": (_int(16, 1 << 24), 8192),
-        "nBatch": (_int(1, 1 << 16), 512),
-        "nSeqMax": (_int(1, 256), 64),
-        "cacheTypeK": (_str(True), "f16"),
-        "cacheTypeV": (_str(True), "f16"),
-        "nThreads": (_opt(_int(1, MAX_THREADS)), None),
-        "build": (_opt(_name), None),
-        "flashAttn": (_str(True), "auto"),
-        "swaFull": (_bool, True),
-        "kvUnified": (_bool, True),
-        "stateDir": (_opt(_str(True)), None),
-    },
-    "grammar": {"id": (_grammar_id, _MISSING), "grammar": (_str(True, MAX_GRAMMAR_BYTES), _MISSING)},
-    "infer": {
-        "seq_id": (SEQ, _MISSING),
-        "prompt": (_str(max_bytes=MAX_PROMPT_BYTES), None),
-        **CHAT_FIELDS,
-        "maxTokens": (_int(0, 1 << 24), 256),
-        "grammar_id": (_opt(_grammar_id), None),
-        "stop": (_opt(_str_list), None),
-        "reusePrefix": (_bool, True),
-        **{f: (_with_params, _MISSING) for f in SAMPLER_FIELDS},
-    },
-    "score": {
-        "seq_id": (SEQ, _MISSING),
-        "text": (_str(True, MAX_SCORE_BYTES), _MISSING),
-        "window": (_opt(_int(3, 1 << 24)), None),  # 2 would score no token of a long text
-        "perToken": (_bool, False),
-    },
-    "cancel": {"seq_id": (SEQ, _MISSING)},
-    "free": {"seq_id": (SEQ, _MISSING)},
-    "prefill": {"seq_id": (SEQ, _MISSING), "prompt": (_str(True, MAX_PROMPT_BYTES), None),
-                **CHAT_FIELDS},
-    "fork": {"seq_id": (SEQ, _MISSING), "dst_seq_id": (SEQ, _MISSING)},
-    # path: a name in the state directory (statedir.py); shared: the shared namespace
-    "save": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING), "shared": (_bool, False),
-             "replace": (_bool, False)},
-    "load": {"seq_id": (SEQ, _MISSING), "path": (_str(True), _MISSING), "shared": (_bool, False)},
-    "quit": {"now": (_bool, False)},
-}
-
-
-def _batch_fits(obj: dict, out: dict) -> None:
-    if out["nBatch"] < out["nSeqMax"]:
-        raise ValueError(f"nBatch: must be >= nSeqMax ({out['nSeqMax']}) so every sequence gets "
-                         f"a token each tick, got {out['nBatch']}")
-    if out["nCtx"] < out["nSeqMax"]:
+def _batch_fits(values: dict) -> None:
+    if values["nBatch"] < values["nSeqMax"]:
+        raise ValueError(f"nBatch: must be >= nSeqMax ({values['nSeqMax']}) so every sequence gets "
+                         f"a token each tick, got {values['nBatch']}")
+    if values["nCtx"] < values["nSeqMax"]:
         # llama.cpp clamps n_batch to n_ctx, then reserves n_seq_max output rows:
         # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) aborts the process.
-        raise ValueError(f"nCtx: must be >= nSeqMax ({out['nSeqMax']}), got {out['nCtx']}")
+        raise ValueError(f"nCtx: must be >= nSeqMax ({values['nSeqMax']}), got {values['nCtx']}")
 
 
-def _sampler_params(obj: dict, out: dict) -> None:
+def _sampler_params(obj: dict) -> SamplerParams:
     """The sampler fields, checked together by SamplerParams (its errors name the field);
     the vocabulary-dependent checks wait for the model (SequenceSampler makes them)."""
     params = SamplerParams.from_request({k: obj[k] for k in SAMPLER_FIELDS if k in obj})
     if params.n_probs > N_TOP_MAX:
         raise ValueError(f"nProbs: must be <= {N_TOP_MAX}, got {params.n_probs}")
-    out["params"] = params
+    return params
 
 
-#: Checks across the fields of a request, after each field's own check: (the original
-#: object, the validated request so far) -> None, or a ValueError naming the field.
-ACROSS: dict[str, Callable[[dict, dict], None]] = {"init": _batch_fits, "infer": _sampler_params}
+def _prompt_or_messages(values: dict, kind: str) -> None:
+    """Exactly one of `prompt` and `messages` (infer alone may send neither: it then
+    continues a held sequence with nothing added)."""
+    if values["prompt"] is not None and values["messages"] is not None:
+        raise ValueError("messages: send either prompt or messages, not both")
+    if values["messages"] is None:
+        if values["chatTemplate"] is not None:
+            raise ValueError("chatTemplate: only applies with messages")
+        if values["prompt"] is None:
+            if kind == "prefill":
+                raise ValueError("prompt: missing (required for prefill)")
+            values["prompt"] = ""
+
+
+# ------------------------------------------------------------------ typed requests
+#
+# One frozen dataclass per request type; each wire field is declared once, with its
+# check and its default (`wire`), and REQUESTS, the table `validate` walks, is derived
+# from the classes. Attributes carry the wire names (req.nBatch, req.seq_id): the wire
+# mixes camelCase and snake_case, and one spelling in docs, error messages and code
+# needs no table translating between them. Attributes that are not on the wire are
+# snake_case: infer's `params` (its sampler fields, folded into one SamplerParams) and
+# the work a reader thread may have prepared (prepare.py).
+
+
+def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
+    """A wire field: its check (name, value) -> value or ValueError naming the field, and
+    its default (none: the field is required)."""
+    if default is MISSING:
+        return field(metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+def _folded(names: tuple[str, ...], make: Callable[[], Any]) -> Any:
+    """A value made from several wire fields together (the request's check_across makes it)."""
+    return field(default_factory=make, metadata={"folds": names})
+
+
+def _prepared() -> Any:
+    """Work a reader thread may have done for the engine (prepare.py); None: the engine
+    does it itself. Not compared: requests are equal by what the client sent."""
+    return field(default=None, compare=False, repr=False, metadata={"prepared": True})
+
+
+class Request:
+    """A validated request; `type` is its wire name."""
+
+    type: ClassVar[str]
+
+    @property
+    def reply_seq_id(self) -> int:
+        """The seq_id an answer about this request goes to (-1: none)."""
+        return getattr(self, "seq_id", -1)
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        """Checks across fields, after each field's own check: `obj` as received, `values`
+        checked and defaulted (it may be completed here); a ValueError naming the field."""
+
+
+#: Request type -> its dataclass, and -> its wire fields: name -> (check, default), where
+#: default MISSING means required. The sampler fields of infer map to _with_params.
+REQUEST_TYPES: dict[str, type[Request]] = {}
+REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {}
+
+
+def _request(kind: str) -> Callable[[type], type]:
+    """Make the class a frozen dataclass answering to the wire type `kind`, and derive its
+    row of REQUESTS."""
+    def register(cls: type) -> type:
+        cls = dataclass(frozen=True, kw_only=True)(cls)
+        cls.type = kind
+        spec: dict[str, tuple[Callable[[str, Any], Any], Any]] = {}
+        for f in fields(cls):
+            if "check" in f.metadata:
+                spec[f.name] = (f.metadata["check"], f.default)
+            elif "folds" in f.metadata:
+                spec.update((name, (_with_params, MISSING)) for name in f.metadata["folds"])
+            elif "prepared" not in f.metadata:
+                raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _prepared()")
+        REQUEST_TYPES[kind] = cls
+        REQUESTS[kind] = spec
+        return cls
+    return register
+
+
+@_request("init")
+class InitRequest(Request):
+    """Load the model and make the context (engine/runtime.py); once per server."""
+
+    modelPath: str | None = wire(_opt(_str(True)), None)
+    nGpuLayers: int = wire(_int(0, (1 << 31) - 1), 99)
+    nCtx: int = wire(_int(16, 1 << 24), 8192)
+    nBatch: int = wire(_int(1, 1 << 16), 512)
+    nSeqMax: int = wire(_int(1, 256), 64)
+    cacheTypeK: str = wire(_str(True), "f16")
+    cacheTypeV: str = wire(_str(True), "f16")
+    nThreads: int | None = wire(_opt(_int(1, MAX_THREADS)), None)
+    build: str | None = wire(_opt(_name), None)
+    flashAttn: str = wire(_str(True), "auto")
+    swaFull: bool = wire(_bool, True)
+    kvUnified: bool = wire(_bool, True)
+    stateDir: str | None = wire(_opt(_str(True)), None)
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        _batch_fits(values)
+
+
+@_request("grammar")
+class GrammarRequest(Request):
+    """Compile a grammar under an id of the client's session."""
+
+    id: str = wire(_grammar_id)
+    grammar: str = wire(_str(True, MAX_GRAMMAR_BYTES))
+    compiled: CompiledGrammar | GrammarError | None = _prepared()
+
+
+@_request("infer")
+class InferRequest(Request):
+    """Generate on a sequence: from a prompt or chat messages, or continuing a held one."""
+
+    seq_id: int = wire(SEQ)
+    prompt: str | None = wire(_str(max_bytes=MAX_PROMPT_BYTES), None)
+    messages: tuple[Message, ...] | None = wire(_opt(_messages), None)  # instead of prompt
+    chatTemplate: str | None = wire(_opt(_str(True)), None)
+    addGenerationPrompt: bool = wire(_bool, True)
+    maxTokens: int = wire(_int(0, 1 << 24), 256)
+    grammar_id: str | None = wire(_opt(_grammar_id), None)
+    stop: list[str] | None = wire(_opt(_str_list), None)
+    reusePrefix: bool = wire(_bool, True)
+    params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
+    prompt_tokens: PromptTokens | None = _prepared()
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        values["params"] = _sampler_params(obj)
+        _prompt_or_messages(values, "infer")
+
+
+@_request("score")
+class ScoreRequest(Request):
+    """The negative log-likelihood of a text (scoring.py), in windows of the context."""
+
+    seq_id: int = wire(SEQ)
+    text: str = wire(_str(True, MAX_SCORE_BYTES))
+    window: int | None = wire(_opt(_int(3, 1 << 24)), None)  # 2 would score no token of a long text
+    perToken: bool = wire(_bool, False)
+    text_tokens: np.ndarray | None = _prepared()
+
+
+@_request("cancel")
+class CancelRequest(Request):
+    seq_id: int = wire(SEQ)
+
+
+@_request("free")
+class FreeRequest(Request):
+    seq_id: int = wire(SEQ)
+
+
+@_request("prefill")
+class PrefillRequest(Request):
+    """Decode a prompt into a sequence and hold it (to fork, save, or continue)."""
+
+    seq_id: int = wire(SEQ)
+    prompt: str | None = wire(_str(True, MAX_PROMPT_BYTES), None)
+    messages: tuple[Message, ...] | None = wire(_opt(_messages), None)  # instead of prompt
+    chatTemplate: str | None = wire(_opt(_str(True)), None)
+    addGenerationPrompt: bool = wire(_bool, True)
+    prompt_tokens: PromptTokens | None = _prepared()
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        _prompt_or_messages(values, "prefill")
+
+
+@_request("fork")
+class ForkRequest(Request):
+    seq_id: int = wire(SEQ)
+    dst_seq_id: int = wire(SEQ)
+
+
+# path: a name in the state directory (statedir.py); shared: the shared namespace
+@_request("save")
+class SaveRequest(Request):
+    seq_id: int = wire(SEQ)
+    path: str = wire(_str(True))
+    shared: bool = wire(_bool, False)
+    replace: bool = wire(_bool, False)
+
+
+@_request("load")
+class LoadRequest(Request):
+    seq_id: int = wire(SEQ)
+    path: str = wire(_str(True))
+    shared: bool = wire(_bool, False)
+
+
+@_request("quit")
+class QuitRequest(Request):
+    now: bool = wire(_bool, False)
 
 
 def _did_you_mean(name: str, spec: dict) -> str:
@@ -270,63 +420,46 @@ def _did_you_mean(name: str, spec: dict) -> str:
     return f" (did you mean {guess}?)" if guess in spec else ""
 
 
-def validate(obj: Any) -> dict:
-    """A validated request (defaults filled in) or ProtocolError naming the field."""
+def validate(obj: Any) -> Request:
+    """A typed request (defaults filled in) or ProtocolError naming the field."""
     if not isinstance(obj, dict):
         raise ProtocolError(f"request must be a JSON object, got {type(obj).__name__}")
     seq_id = obj.get("seq_id", -1)
     seq_id = seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else -1
-    kind = obj.get("type", _MISSING)
-    if kind is _MISSING:
+    kind = obj.get("type", MISSING)
+    if kind is MISSING:
         raise ProtocolError("type: missing (one of " + ", ".join(REQUESTS) + ")", seq_id)
     if not isinstance(kind, str) or kind not in REQUESTS:
         raise ProtocolError(f"type: unknown request type {_show(kind)} (one of "
                             + ", ".join(REQUESTS) + ")", seq_id)
     spec = REQUESTS[kind]
-    out: dict[str, Any] = {"type": kind}
     for name in obj:
         if name != "type" and name not in spec:
             raise ProtocolError(f"{name}: unknown field for {kind}{_did_you_mean(name, spec)}",
                                 seq_id, kind)
+    values: dict[str, Any] = {}
     for name, (check, default) in spec.items():
         if check is _with_params:
             continue
         if name in obj:
             try:
-                out[name] = check(name, obj[name])
+                values[name] = check(name, obj[name])
             except ValueError as e:
                 raise ProtocolError(str(e), seq_id, kind) from None
-        elif default is _MISSING:
+        elif default is MISSING:
             raise ProtocolError(f"{name}: missing (required for {kind})", seq_id, kind)
         else:
-            out[name] = default
-    if kind in ACROSS:
-        try:
-            ACROSS[kind](obj, out)
-        except ValueError as e:
-            raise ProtocolError(str(e), seq_id, kind) from None
-    if "messages" in spec:
-        _prompt_or_messages(out, seq_id, kind)
-    return out
+            values[name] = default
+    cls = REQUEST_TYPES[kind]
+    try:
+        cls.check_across(obj, values)
+    except ValueError as e:
+        raise ProtocolError(str(e), seq_id, kind) from None
+    return cls(**values)
 
 
-def _prompt_or_messages(req: dict, seq_id: int, kind: str) -> None:
-    """Exactly one of `prompt` and `messages` (infer alone may send neither: it then
-    continues a held sequence with nothing added)."""
-    if req["prompt"] is not None and req["messages"] is not None:
-        raise ProtocolError("messages: send either prompt or messages, not both", seq_id, kind)
-    if req["messages"] is None:
-        for field in ("chatTemplate",):
-            if req[field] is not None:
-                raise ProtocolError(f"{field}: only applies with messages", seq_id, kind)
-        if req["prompt"] is None:
-            if kind == "prefill":
-                raise ProtocolError("prompt: missing (required for prefill)", seq_id, kind)
-            req["prompt"] = ""
-
-
-def parse_line(line: bytes) -> dict:
-    """Decode and validate one request line."""
+def parse_line(line: bytes) -> Request:
+    """Decode and validate one request line into its typed request."""
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(f"line too long: {len(line)} bytes (limit {MAX_LINE_BYTES})")
     try:

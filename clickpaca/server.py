@@ -1,6 +1,6 @@
 """The NDJSON server over stdin/stdout.
 
-A reader thread turns lines into validated requests (or error events) and queues
+A reader thread turns lines into typed requests (or error events) and queues
 them; the main thread applies queued requests between ticks and runs the engine.
 The main thread is the only writer, so events come out in the order they happen.
 End of input and `quit` are graceful: running sequences finish, then the process
@@ -15,7 +15,7 @@ import threading
 import traceback
 from typing import BinaryIO, Iterator
 
-from .protocol import MAX_LINE_BYTES, ProtocolError, encode, error_event, parse_line
+from .protocol import MAX_LINE_BYTES, ProtocolError, Request, encode, error_event, parse_line
 from .engine import Engine, Session
 from .prepare import prepare
 
@@ -67,7 +67,7 @@ class Writer:
             self.broken = True
 
 
-def parse_or_error(line: bytes | ProtocolError) -> dict | ProtocolError:
+def parse_or_error(line: bytes | ProtocolError) -> Request | ProtocolError:
     """A request or the error to answer; never raises, so no line can end a reader thread."""
     if isinstance(line, ProtocolError):
         return line
@@ -84,8 +84,8 @@ def reader(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engin
     try:
         for line in read_lines(stream):
             req = parse_or_error(line)
-            if engine is not None and isinstance(req, dict):
-                prepare(engine, req)  # slow pure work here, not on the engine thread
+            if engine is not None and isinstance(req, Request):
+                req = prepare(engine, req)  # slow pure work here, not on the engine thread
             inbox.put((session, req))
     finally:
         inbox.put((session, EOF))
@@ -109,17 +109,17 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
         if callable(req):  # a transport's own action (e.g. a socket client went away)
             req()
             return
-        if quitting and req["type"] != "quit":
-            session.send(error_event("the server is shutting down", req.get("seq_id", -1), req["type"]))
+        if quitting and req.type != "quit":
+            session.send(error_event("the server is shutting down", req.reply_seq_id, req.type))
             return
-        if req["type"] == "quit":
+        if req.type == "quit":
             quitting = True
         try:
             engine.handle(session, req)
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
             traceback.print_exc(file=sys.stderr)
             session.send(error_event(f"internal error: {type(e).__name__}: {e}",
-                                     req.get("seq_id", -1), req["type"]))
+                                     req.reply_seq_id, req.type))
 
     while True:
         if not engine.has_work() and ((open_inputs > 0 and not quitting) or engine.io_pending()):

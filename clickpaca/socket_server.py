@@ -34,7 +34,7 @@ import orjson
 
 from .engine import Engine, Session
 from .prepare import prepare
-from .protocol import ProtocolError, encode, error_event, validate
+from .protocol import InitRequest, ProtocolError, encode, error_event, validate
 from .server import EOF, parse_or_error, read_lines, run_loop
 
 
@@ -102,9 +102,9 @@ class ClientConn:
                     if isinstance(req, ProtocolError):
                         inbox.put((self.session, req))
                         continue
-                    if req["type"] == "init":
+                    if req.type == "init":
                         inbox.put((self.session, lambda line=line: self.server.answer_init(self, line)))
-                    elif req["type"] == "quit":
+                    elif req.type == "quit":
                         break  # a client's quit ends its own connection, not the shared server
                     else:
                         inbox.put((self.session, prepare(self.server.engine, req)))
@@ -118,7 +118,7 @@ class ClientConn:
 
 
 class SocketServer:
-    def __init__(self, path: Path, init: dict, queue_size: int, max_seqs_per_client: int | None = None,
+    def __init__(self, path: Path, init: InitRequest, queue_size: int, max_seqs_per_client: int | None = None,
                  state_dir: str | None = None) -> None:
         self.path = path
         self.init_request = init

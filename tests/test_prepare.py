@@ -6,6 +6,8 @@ the engine to report, and nothing is prepared once the engine has shut down.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -29,9 +31,10 @@ def engine(tmp_path_factory):
     eng.shutdown()
 
 
-def engine_tokens(eng: Engine, req: dict) -> dict[bool, np.ndarray]:
+def engine_tokens(eng: Engine, req) -> dict[bool, np.ndarray]:
     """What the engine thread makes when nothing was prepared (handlers._prompt_tokens)."""
-    return {c: eng.handlers._prompt_tokens({**req, "_tokens": None}, c) for c in (False, True)}
+    return {c: eng.handlers._prompt_tokens(dataclasses.replace(req, prompt_tokens=None), c)
+            for c in (False, True)}
 
 
 @pytest.mark.model
@@ -42,23 +45,23 @@ def engine_tokens(eng: Engine, req: dict) -> dict[bool, np.ndarray]:
 ], ids=["prompt", "messages"])
 def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine, fields):
     req = prepare(engine, validate({"type": "prefill", "seq_id": 0, **fields}))
-    pre = req["_tokens"]
+    pre = req.prompt_tokens
     want = engine_tokens(engine, req)
     for continuing in (False, True):
-        assert np.array_equal(pre[continuing], want[continuing]), continuing
-    assert pre[False][0] == engine.rt.model.bos and len(pre[False]) == len(pre[True]) + 1
+        assert np.array_equal(pre.get(continuing), want[continuing]), continuing
+    assert pre.fresh[0] == engine.rt.model.bos and len(pre.fresh) == len(pre.continuing) + 1
     if "messages" in fields:  # formatted with the template, not the raw contents
-        assert engine.rt.model.detokenize(pre[True], special=True).startswith("<start_of_turn>user\n")
+        assert engine.rt.model.detokenize(pre.continuing, special=True).startswith("<start_of_turn>user\n")
 
 
 @pytest.mark.model
 def test_short_prompts_and_bad_conversations_are_left_to_the_engine(engine):
     short = prepare(engine, validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
-    assert "_tokens" not in short
+    assert short.prompt_tokens is None
     # the base model has no template: the engine answers with the reason, naming messages
     bad = prepare(engine, validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
                                     "messages": [{"role": "user", "content": LONG}]}))
-    assert "_tokens" not in bad
+    assert bad.prompt_tokens is None
     events: list[dict] = []
     engine.handle(Session(send=events.append), bad)
     assert events[-1]["type"] == "error" and events[-1]["message"].startswith("messages:"), events
@@ -69,7 +72,22 @@ def test_short_prompts_and_bad_conversations_are_left_to_the_engine(engine):
 def test_long_score_texts_are_tokenized_as_the_engine_would(engine):
     req = prepare(engine, validate({"type": "score", "seq_id": 0, "text": LONG}))
     model = engine.rt.model
-    assert np.array_equal(req["_tokens"], model.tokenize(LONG, add_special=True, parse_special=False))
+    assert np.array_equal(req.text_tokens, model.tokenize(LONG, add_special=True, parse_special=False))
+
+
+@pytest.mark.model
+def test_grammars_are_compiled_by_the_reader_and_their_errors_answered_by_the_engine(engine):
+    from clickpaca.grammars import CompiledGrammar, GrammarError
+
+    good = prepare(engine, validate({"type": "grammar", "id": "g", "grammar": 'root ::= "a"'}))
+    bad = prepare(engine, validate({"type": "grammar", "id": "b", "grammar": "root ::= ("}))
+    assert isinstance(good.compiled, CompiledGrammar) and isinstance(bad.compiled, GrammarError)
+    events: list[dict] = []
+    session = Session(send=events.append)
+    engine.handle(session, bad)
+    assert events[-1]["type"] == "error" and events[-1]["message"].startswith("grammar:"), events
+    engine.handle(session, good)
+    assert events[-1] == {"type": "grammar_ready", "id": "g"} and session.grammars["g"] is good.compiled
 
 
 @pytest.mark.model
@@ -81,4 +99,4 @@ def test_nothing_is_prepared_after_shutdown(tmp_path):
     assert eng.rt is not None
     eng.shutdown()
     req = prepare(eng, validate({"type": "prefill", "seq_id": 0, "prompt": LONG}))
-    assert "_tokens" not in req
+    assert req.prompt_tokens is None

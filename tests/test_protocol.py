@@ -8,6 +8,7 @@ whatever arrives on a line, `parse_line` returns a request of a known type or ra
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, SAMPLER_FIELDS, ProtocolError, encode,
+from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, SAMPLER_FIELDS, ProtocolError, Request, encode,
                                 error_event, parse_line, validate)
 from clickpaca.sampling import SamplerParams
 from clickpaca.server import read_lines
@@ -56,6 +57,12 @@ def req(kind: str, **fields) -> dict:
     return {"type": kind, **MINIMAL[kind], **fields}
 
 
+def as_dict(r: Request) -> dict:
+    """A typed request's type and the fields that make its equality (what the client's
+    line determines; not the work prepared for the engine)."""
+    return {"type": r.type, **{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.compare}}
+
+
 def test_every_request_type_is_covered():
     assert set(MINIMAL) == set(REQUESTS) == set(DEFAULTS)
 
@@ -63,7 +70,7 @@ def test_every_request_type_is_covered():
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
 def test_defaults_filled(kind):
     out = validate(req(kind))
-    assert out == {"type": kind, **MINIMAL[kind], **DEFAULTS[kind]}
+    assert as_dict(out) == {"type": kind, **MINIMAL[kind], **DEFAULTS[kind]}
 
 
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
@@ -76,19 +83,19 @@ def test_validate_does_not_modify_its_input(kind):
 
 def test_sampler_fields_become_one_sampler_params():
     out = validate(req("infer"))
-    assert not set(SAMPLER_FIELDS) & set(out)
-    assert out["params"] == SamplerParams()
+    assert not set(SAMPLER_FIELDS) & set(as_dict(out))
+    assert out.params == SamplerParams()
     fields = {"temperature": 0, "topK": 1, "topP": 0.5, "minP": 0.1, "penaltyRepeat": 1.1,
               "penaltyFreq": 0.2, "penaltyPresent": 0.3, "penaltyLastN": -1,
               "logit_bias": [{"token": 5, "bias": -1e9}], "seed": 42, "nProbs": 3,
               "samplers": ["grammar", "top_k", "temperature"]}
     assert set(fields) == set(SAMPLER_FIELDS)
     out = validate(req("infer", **fields))
-    assert not set(SAMPLER_FIELDS) & set(out)
-    assert out["params"] == SamplerParams.from_request(fields)
-    assert out["params"].to_request() == {**fields, "samplers": ["grammar", "top_k", "temperature"]}
+    assert not set(SAMPLER_FIELDS) & set(as_dict(out))
+    assert out.params == SamplerParams.from_request(fields)
+    assert out.params.to_request() == {**fields, "samplers": ["grammar", "top_k", "temperature"]}
     # a JSON null means the default, as for every optional field
-    assert validate(req("infer", topK=None, seed=None))["params"] == SamplerParams()
+    assert validate(req("infer", topK=None, seed=None)).params == SamplerParams()
 
 
 @pytest.mark.parametrize("name,bad", [
@@ -103,7 +110,7 @@ def test_bad_sampler_field_named_at_the_edge(name, bad):
     e = ei.value
     assert e.message.startswith(name + ":"), e.message
     assert e.request == "infer" and e.seq_id == MINIMAL["infer"]["seq_id"]
-    assert validate(req("infer", nProbs=100))["params"].n_probs == 100
+    assert validate(req("infer", nProbs=100)).params.n_probs == 100
 
 
 def test_sampler_fields_checked_after_the_others():
@@ -117,7 +124,7 @@ def test_init_batch_must_hold_a_token_per_sequence():
     assert ei.value.message == ("nBatch: must be >= nSeqMax (8) so every sequence gets a token "
                                 "each tick, got 7")
     assert ei.value.request == "init" and ei.value.seq_id == -1
-    assert validate(req("init", nBatch=8, nSeqMax=8))["nBatch"] == 8
+    assert validate(req("init", nBatch=8, nSeqMax=8)).nBatch == 8
 
 
 def test_init_context_must_hold_a_cell_per_sequence():
@@ -126,7 +133,7 @@ def test_init_context_must_hold_a_cell_per_sequence():
         validate(req("init", nCtx=31, nBatch=32, nSeqMax=32))
     assert ei.value.message == "nCtx: must be >= nSeqMax (32), got 31"
     assert ei.value.request == "init"
-    assert validate(req("init", nCtx=32, nBatch=32, nSeqMax=32))["nCtx"] == 32
+    assert validate(req("init", nCtx=32, nBatch=32, nSeqMax=32)).nCtx == 32
 
 
 def test_messages_share_the_prompt_limit():
@@ -134,7 +141,7 @@ def test_messages_share_the_prompt_limit():
     half = "x" * (1 << 19)
     ok = validate(req("infer", messages=[{"role": "user", "content": half},
                                          {"role": "assistant", "content": half}]))
-    assert len(ok["messages"]) == 2
+    assert len(ok.messages) == 2
     with pytest.raises(ProtocolError) as ei:
         validate({"type": "prefill", "seq_id": 3, "messages": [{"role": "user", "content": half},
                                                                {"role": "user", "content": half + "é"}]})
@@ -145,26 +152,26 @@ def test_valid_values_accepted():
     out = validate(req("init", modelPath="/m.gguf", nGpuLayers=0, nCtx=16, nBatch=1, nSeqMax=1,
                        cacheTypeK="q8_0", cacheTypeV="q4_0", nThreads=1, build="turboquant",
                        flashAttn="on", swaFull=False, kvUnified=False))
-    assert out["nCtx"] == 16 and out["nSeqMax"] == 1 and out["swaFull"] is False
-    assert validate(req("init", nCtx=1 << 24, nBatch=1 << 16, nSeqMax=256, nThreads=512))["nSeqMax"] == 256
+    assert out.nCtx == 16 and out.nSeqMax == 1 and out.swaFull is False
+    assert validate(req("init", nCtx=1 << 24, nBatch=1 << 16, nSeqMax=256, nThreads=512)).nSeqMax == 256
     out = validate(req("infer", prompt="x", maxTokens=0, grammar_id=7, stop=["a", "bc"], reusePrefix=False))
-    assert out["grammar_id"] == "7" and out["stop"] == ["a", "bc"] and out["maxTokens"] == 0
-    assert validate(req("infer", grammar_id="g"))["grammar_id"] == "g"
-    assert validate(req("infer", stop=[]))["stop"] == []
-    assert validate(req("infer", seq_id=0))["seq_id"] == 0
-    assert validate(req("grammar", id=5))["id"] == "5"
-    assert validate(req("score", window=3, perToken=True))["window"] == 3
-    assert validate(req("quit", now=True))["now"] is True
+    assert out.grammar_id == "7" and out.stop == ["a", "bc"] and out.maxTokens == 0
+    assert validate(req("infer", grammar_id="g")).grammar_id == "g"
+    assert validate(req("infer", stop=[])).stop == []
+    assert validate(req("infer", seq_id=0)).seq_id == 0
+    assert validate(req("grammar", id=5)).id == "5"
+    assert validate(req("score", window=3, perToken=True)).window == 3
+    assert validate(req("quit", now=True)).now is True
     # explicit nulls on optional fields mean the default
-    assert validate(req("init", modelPath=None, nThreads=None, build=None))["build"] is None
-    assert validate(req("infer", grammar_id=None, stop=None))["stop"] is None
+    assert validate(req("init", modelPath=None, nThreads=None, build=None)).build is None
+    assert validate(req("infer", grammar_id=None, stop=None)).stop is None
 
 
 def test_integral_floats_are_integers():
     # JSON has one number type: 3.0 is the integer 3, 3.5 is not an integer
     out = validate(req("infer", seq_id=2.0, maxTokens=3.0))
-    assert out["seq_id"] == 2 and type(out["seq_id"]) is int
-    assert out["maxTokens"] == 3 and type(out["maxTokens"]) is int
+    assert out.seq_id == 2 and type(out.seq_id) is int
+    assert out.maxTokens == 3 and type(out.maxTokens) is int
 
 
 # (request, field, bad value, words the message must contain)
@@ -272,7 +279,7 @@ def test_bool_is_not_an_int(kind, value):
             assert e.message.startswith(name + ":")
             continue
         # only true boolean fields may accept a bool, and they keep it as a bool
-        assert out[name] is value, (kind, name, out[name])
+        assert getattr(out, name) is value, (kind, name, getattr(out, name))
         assert DEFAULTS[kind].get(name) in (True, False), (kind, name)
 
 
@@ -399,8 +406,8 @@ def test_not_json(line):
 
 
 def test_parse_line_valid_and_whitespace():
-    assert parse_line(b'  {"type": "quit"}  \r\n') == {"type": "quit", "now": False}
-    assert parse_line('{"type":"infer","seq_id":1,"prompt":"é ☃ 😀"}'.encode())["prompt"] == "é ☃ 😀"
+    assert as_dict(parse_line(b'  {"type": "quit"}  \r\n')) == {"type": "quit", "now": False}
+    assert parse_line('{"type":"infer","seq_id":1,"prompt":"é ☃ 😀"}'.encode()).prompt == "é ☃ 😀"
 
 
 def test_huge_json_integers():
@@ -431,7 +438,7 @@ def test_line_length_limit():
     body = b'{"type": "infer", "seq_id": 1, "prompt": "x"}'
     line = body + b" " * (MAX_LINE_BYTES - len(body))
     assert len(line) == MAX_LINE_BYTES
-    assert parse_line(line)["seq_id"] == 1
+    assert parse_line(line).seq_id == 1
 
 
 def _read_all(data: bytes, limit: int = MAX_LINE_BYTES) -> list:
@@ -456,7 +463,7 @@ def test_read_lines_real_limit():
     data = b"x" * (MAX_LINE_BYTES + 10) + b"\n" + b'{"type": "quit"}\n'
     out = _read_all(data)
     assert len(out) == 2 and isinstance(out[0], ProtocolError)
-    assert parse_line(out[1])["type"] == "quit"
+    assert parse_line(out[1]).type == "quit"
 
 
 def test_error_event_shape():
@@ -500,8 +507,9 @@ def _check_result(line: bytes) -> None:
         assert isinstance(e.seq_id, int)
         encode(e.event())
         return
-    assert isinstance(out, dict) and out.get("type") in REQUESTS
-    spec = REQUESTS[out["type"]]
+    assert isinstance(out, Request) and out.type in REQUESTS
+    spec = REQUESTS[out.type]
+    out = as_dict(out)
     assert set(out) <= (set(spec) - set(SAMPLER_FIELDS)) | {"type", "params"}
     assert ("params" in out) == (out["type"] == "infer")
     for name, (_, default) in spec.items():
@@ -525,7 +533,7 @@ def test_any_python_request_validates_or_protocol_error(obj):
     except ProtocolError as e:
         encode(e.event())
         return
-    assert out["type"] in REQUESTS
+    assert out.type in REQUESTS
 
 
 @settings(max_examples=250, deadline=None)

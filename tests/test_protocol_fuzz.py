@@ -29,7 +29,7 @@ from collections import Counter
 
 import pytest
 
-from clickpaca.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, parse_line
+from clickpaca.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
 from clickpaca.server import read_lines
 from conftest import spawn_server
 
@@ -141,11 +141,11 @@ class Fuzzer:
             self.expected_errors[(ans.seq_id, ans.request, ans.message)] += 1
             if ans.request == "infer":
                 self.expected_infers[ans.seq_id] += 1
-        elif isinstance(ans, dict):
-            assert ans["type"] != "quit", line
-            if ans["type"] == "infer":
-                assert ans["maxTokens"] <= MAX_TOKENS, line
-                self.expected_infers[ans["seq_id"]] += 1
+        elif isinstance(ans, Request):
+            assert ans.type != "quit", line
+            if ans.type == "infer":
+                assert ans.maxTokens <= MAX_TOKENS, line
+                self.expected_infers[ans.seq_id] += 1
         self.log.append(line[:300])
         self.c.send_raw(line + b"\n")
         self.sent += 1
@@ -156,19 +156,19 @@ class Fuzzer:
         if b"\n" in line:
             return False
         ans = expected_answer(line)
-        if not isinstance(ans, dict):
+        if not isinstance(ans, Request):
             return True
-        kind = ans["type"]
+        kind = ans.type
         if kind == "quit":
             return False
         if kind == "infer":
-            return ans["maxTokens"] <= MAX_TOKENS and len(ans["prompt"]) <= 2000
+            return ans.maxTokens <= MAX_TOKENS and len(ans.prompt) <= 2000
         if kind in ("score", "prefill"):
-            return len(ans.get("text", ans.get("prompt", ""))) <= 400
+            return len(getattr(ans, "text", getattr(ans, "prompt", ""))) <= 400
         if kind in ("save", "load"):
             return True  # names only: nothing outside the server's state directory is reachable
         if kind == "grammar":
-            return len(ans["grammar"]) <= 200
+            return len(ans.grammar) <= 200
         return True
 
     def wait_idle(self, sid: int, timeout: float = WAIT) -> None:

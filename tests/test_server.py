@@ -195,6 +195,14 @@ def test_bad_requests_get_an_error_naming_the_field(server, request_, field):
     assert server.collect(0)[1]["type"] == "done"
 
 
+def test_a_misspelt_field_is_answered_with_a_hint(server):
+    """The protocol's "did you mean" hint reaches the client, on the request's seq_id."""
+    server.send({"type": "infer", "seq_id": 0, "prompt": "x", "top_k": 5})
+    ev = list(server.stream(0))[-1]
+    assert ev == {"type": "error", "seq_id": 0, "request": "infer",
+                  "message": "top_k: unknown field for infer (did you mean topK?)"}, ev
+
+
 def test_seq_id_already_active(server):
     server.infer(10, "Tell me a long story.", maxTokens=200, temperature=0.8, seed=2)
     server.infer(10, "again", maxTokens=2)

@@ -18,8 +18,8 @@ One room per concern:
 
 `Engine` only routes: requests to their handler through handlers.HANDLERS (between
 ticks), ticks to the scheduler.
-Requests arrive validated by clickpaca.protocol, the edge, where every check that needs
-only the request is made.
+Requests arrive as typed requests (protocol.InferRequest, ...) validated by
+clickpaca.protocol, the edge, where every check that needs only the request is made.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import traceback
 from typing import Callable
 
 from .. import statedir
-from ..protocol import ProtocolError, error_event
+from ..protocol import InitRequest, ProtocolError, Request, error_event
 from .handlers import HANDLERS, Handlers
 from .runtime import Runtime
 from .scheduler import Scheduler
@@ -67,8 +67,8 @@ class Engine:
         """The state directory of the successful `init` (None before)."""
         return self.rt.states if self.rt is not None else None
 
-    def handle(self, session: Session, req: dict) -> None:
-        """Apply one validated request; errors become `error` events for that session.
+    def handle(self, session: Session, req: Request) -> None:
+        """Apply one typed request; errors become `error` events for that session.
 
         While the session waits for a state file (stateio.py), its requests are held and
         applied in order afterwards, so it sees the answers in the order it asked."""
@@ -77,17 +77,17 @@ class Engine:
             return
         self._apply(session, req)
 
-    def _apply(self, session: Session, req: dict) -> None:
-        kind = req["type"]
+    def _apply(self, session: Session, req: Request) -> None:
+        kind = req.type
         if self.seqs is not None:
             self.seqs.taken = []
         try:
-            if kind == "init":
+            if isinstance(req, InitRequest):
                 self._init(session, req)
                 return
             if self.handlers is None:
                 raise ProtocolError(f"{kind} before init: send an init request first",
-                                    req.get("seq_id", -1), kind)
+                                    req.reply_seq_id, kind)
             HANDLERS[kind](self.handlers, session, req)
         except ProtocolError as e:
             self._give_back()
@@ -108,14 +108,14 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - as the server loop does for a request
                 traceback.print_exc(file=sys.stderr)
                 session.send(error_event(f"internal error: {type(e).__name__}: {e}",
-                                         req.get("seq_id", -1), req["type"]))
+                                         req.reply_seq_id, req.type))
 
     def _give_back(self) -> None:
         """The request failed: free the slots it took (sequences.py: give_back)."""
         if self.seqs is not None:
             self.seqs.give_back()
 
-    def _init(self, session: Session, req: dict) -> None:
+    def _init(self, session: Session, req: InitRequest) -> None:
         if self.rt is not None:
             raise ProtocolError("init: the server is already initialised (one init per process)",
                                 request="init")

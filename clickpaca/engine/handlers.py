@@ -1,7 +1,8 @@
 """One handler per request type after `init`, applied between ticks.
 
-A handler gets a request the protocol layer has validated (every check that needs only
-the request is done). It makes the checks that need the server's state (is the seq_id
+A handler gets the typed request the protocol layer has validated (every check that
+needs only the request is done), with the work a reader thread may have prepared for
+it (prepare.py). It makes the checks that need the server's state (is the seq_id
 in range and free, does the grammar exist, do the logit_bias ids fit the vocabulary,
 does the prompt fit the context), each raising a ProtocolError that names the field,
 and then either answers at once (grammar, cancel, free, fork, save, load) or sets up a
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import kvstate, statedir
 from ..grammars import GrammarError
-from ..protocol import (REQUESTS, ProtocolError, error_event, forked_event, freed_event,
-                        grammar_ready_event, loaded_event, saved_event)
+from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
+                        LoadRequest, PrefillRequest, ProtocolError, QuitRequest, SaveRequest, ScoreRequest,
+                        error_event, forked_event, freed_event, grammar_ready_event, loaded_event,
+                        saved_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from ..text import StopMatcher, Utf8Assembler
@@ -39,35 +42,35 @@ class Handlers:
 
     # ------------------------------------------------------------ grammars
 
-    def grammar(self, session: Session, req: dict) -> None:
-        if req["id"] not in session.grammars and len(session.grammars) >= MAX_GRAMMARS_PER_SESSION:
+    def grammar(self, session: Session, req: GrammarRequest) -> None:
+        if req.id not in session.grammars and len(session.grammars) >= MAX_GRAMMARS_PER_SESSION:
             raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
                                 "limit (re-use an id to replace one)")
         try:
-            compiled = req.get("_compiled") or self.rt.grammars.compile(req["grammar"])
+            compiled = req.compiled or self.rt.grammars.compile(req.grammar)
             if isinstance(compiled, GrammarError):  # compiled by the reader (prepare.py)
                 raise compiled
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
-        session.grammars[req["id"]] = compiled
-        session.send(grammar_ready_event(req["id"]))
+        session.grammars[req.id] = compiled
+        session.send(grammar_ready_event(req.id))
 
     # ------------------------------------------------------------ sequences that run
 
-    def infer(self, session: Session, req: dict) -> None:
+    def infer(self, session: Session, req: InferRequest) -> None:
         rt, seqs = self.rt, self.seqs
-        seq_id = req["seq_id"]
+        seq_id = req.seq_id
         seqs.check_id(seq_id, "infer")
         held = self._held_or_free(session, seq_id, "infer")
         try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
-            sampler = SequenceSampler(req["params"], rt.model.n_vocab)
+            sampler = SequenceSampler(req.params, rt.model.n_vocab)
         except SamplerParamError as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
         compiled = None
-        if req["grammar_id"] is not None:
-            compiled = session.grammars.get(req["grammar_id"])
+        if req.grammar_id is not None:
+            compiled = session.grammars.get(req.grammar_id)
             if compiled is None:
-                raise ProtocolError(f"grammar_id: unknown grammar {req['grammar_id']!r} "
+                raise ProtocolError(f"grammar_id: unknown grammar {req.grammar_id!r} "
                                     "(send a grammar request first)", seq_id, "infer")
         prompt = self._prompt_tokens(req, continuing=held is not None)
         if held is None and len(prompt) == 0:
@@ -80,33 +83,33 @@ class Handlers:
             self._reopen_held(seq, prompt)
         else:
             seq.tokens, seq.n_past = prompt.tolist(), 0
-            if req["reusePrefix"]:
+            if req.reusePrefix:
                 self._reuse_prefix(seq)
         seq.n_prompt = len(seq.tokens) - seq.n_past
         seq.state = "prompt"
         seq.sampler = sampler
         sampler.extend(seq.tokens)  # the whole context, at the moment it enters the history
         seq.matcher = compiled.new_matcher() if compiled is not None else None
-        seq.stops = StopMatcher(req["stop"])
+        seq.stops = StopMatcher(req.stop)
         seq.utf8 = Utf8Assembler()
-        seq.max_tokens = req["maxTokens"]
+        seq.max_tokens = req.maxTokens
         seq.n_predicted = 0
         seq.t_prompt = seq.t_first = None
         seqs.order.append(seq)
 
-    def score(self, session: Session, req: dict) -> None:
+    def score(self, session: Session, req: ScoreRequest) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
-        seq_id = req["seq_id"]
+        seq_id = req.seq_id
         seqs.check_id(seq_id, "score")
         if seq_id in session.seqs:
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "score")
-        window = req["window"] or min(512, ctx.n_ctx_seq)
+        window = req.window or min(512, ctx.n_ctx_seq)
         if window > ctx.n_ctx_seq:
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
-        tokens = req.get("_tokens")  # tokenized by the reader (prepare.py) when long
+        tokens = req.text_tokens  # tokenized by the reader (prepare.py) when long
         if tokens is None:
-            tokens = model.tokenize(req["text"], add_special=True, parse_special=False)
+            tokens = model.tokenize(req.text, add_special=True, parse_special=False)
         windows = windows_for(tokens, window, model.bos if model.add_bos else None)
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
@@ -114,13 +117,13 @@ class Handlers:
         seq.windows = windows
         seq.window = 0
         seq.tokens, seq.n_past = windows[0][0].tolist(), 0
-        seq.per_token = req["perToken"]
+        seq.per_token = req.perToken
         seq.n_prompt = sum(len(w[0]) for w in windows)
         seqs.order.append(seq)
 
-    def prefill(self, session: Session, req: dict) -> None:
+    def prefill(self, session: Session, req: PrefillRequest) -> None:
         seqs = self.seqs
-        seq_id = req["seq_id"]
+        seq_id = req.seq_id
         seqs.check_id(seq_id, "prefill")
         held = self._held_or_free(session, seq_id, "prefill")
         prompt = self._prompt_tokens(req, continuing=held is not None)
@@ -134,12 +137,11 @@ class Handlers:
         seq.t_prompt = None
         seqs.order.append(seq)
 
-    def _prompt_tokens(self, req: dict, continuing: bool) -> np.ndarray:
+    def _prompt_tokens(self, req: InferRequest | PrefillRequest, continuing: bool) -> np.ndarray:
         """The prompt's (or messages') tokens: from the reader thread (prepare.py) if it
         made them, both ways, since only here is it known whether a held sequence continues."""
-        pre = req.get("_tokens")
-        if pre is not None:
-            return pre[continuing]
+        if req.prompt_tokens is not None:
+            return req.prompt_tokens.get(continuing)
         return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing)
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
@@ -188,52 +190,52 @@ class Handlers:
 
     # ------------------------------------------------------------ running and held sequences
 
-    def cancel(self, session: Session, req: dict) -> None:
-        seq = session.seqs.get(req["seq_id"])
+    def cancel(self, session: Session, req: CancelRequest) -> None:
+        seq = session.seqs.get(req.seq_id)
         if seq is None or seq.state in ("held", "loading"):
-            raise ProtocolError(f"seq_id: sequence {req['seq_id']} is not running "
-                                "(use free to release a held sequence)", req["seq_id"], "cancel")
+            raise ProtocolError(f"seq_id: sequence {req.seq_id} is not running "
+                                "(use free to release a held sequence)", req.seq_id, "cancel")
         self.seqs.finish(seq, "cancelled")
 
-    def free(self, session: Session, req: dict) -> None:
-        seq = session.seqs.get(req["seq_id"])
+    def free(self, session: Session, req: FreeRequest) -> None:
+        seq = session.seqs.get(req.seq_id)
         if seq is None:
-            raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds nothing", req["seq_id"], "free")
+            raise ProtocolError(f"seq_id: sequence {req.seq_id} holds nothing", req.seq_id, "free")
         if seq.state in ("held", "loading"):  # a load in progress then answers with an error
             self.seqs.release(seq)
         else:
             self.seqs.finish(seq, "cancelled")
-        session.send(freed_event(req["seq_id"]))
+        session.send(freed_event(req.seq_id))
 
-    def fork(self, session: Session, req: dict) -> None:
+    def fork(self, session: Session, req: ForkRequest) -> None:
         seqs = self.seqs
-        src = session.seqs.get(req["seq_id"])
-        dst_id = req["dst_seq_id"]
+        src = session.seqs.get(req.seq_id)
+        dst_id = req.dst_seq_id
         try:
             seqs.check_id(dst_id, "fork", "dst_seq_id")
         except ProtocolError as e:
-            e.seq_id = req["seq_id"]  # answer on the request's seq_id, where the client waits
+            e.seq_id = req.seq_id  # answer on the request's seq_id, where the client waits
             raise
         if src is None or src.state != "held":
-            raise ProtocolError(f"seq_id: sequence {req['seq_id']} holds no state to fork "
-                                "(prefill it first)", req["seq_id"], "fork")
+            raise ProtocolError(f"seq_id: sequence {req.seq_id} holds no state to fork "
+                                "(prefill it first)", req.seq_id, "fork")
         if dst_id in session.seqs:
-            raise ProtocolError(f"dst_seq_id: sequence {dst_id} is in use", req["seq_id"], "fork")
+            raise ProtocolError(f"dst_seq_id: sequence {dst_id} is in use", req.seq_id, "fork")
         dst = seqs.new(session, dst_id, "prefill")
         self.rt.ctx.seq_cp(src.slot, dst.slot, -1, -1)
         dst.tokens, dst.n_past = list(src.tokens), src.n_past
         dst.state = "held"
         session.send(forked_event(src.seq_id, dst_id, dst.n_past))
 
-    def save(self, session: Session, req: dict) -> None:
+    def save(self, session: Session, req: SaveRequest) -> None:
         """The cells are copied out now (the sequence may change right after); hashing
         and writing run on the state-file worker, and `saved` follows when the file is
         in place (stateio.py)."""
-        seq_id = req["seq_id"]
+        seq_id = req.seq_id
         seq = session.seqs.get(seq_id)
         if seq is None or seq.state != "held":
             raise ProtocolError(f"seq_id: sequence {seq_id} holds no state to save", seq_id, "save")
-        path, shared, replace = req["path"], req["shared"], req["replace"]
+        path, shared, replace = req.path, req.shared, req.replace
 
         def may_replace(dir_fd: int, name: str) -> None:
             kvstate.refuse_foreign(dir_fd, name)
@@ -264,17 +266,17 @@ class Handlers:
 
         self.io.submit(session, write, then, lambda msg: session.send(ProtocolError(msg, seq_id, "save").event()))
 
-    def load(self, session: Session, req: dict) -> None:
+    def load(self, session: Session, req: LoadRequest) -> None:
         """The seq_id is taken now (state "loading": not scheduled, refused to others);
         the file is read and verified on the state-file worker, then restored into the
         cells here and answered with `loaded` (stateio.py)."""
         seqs = self.seqs
-        seq_id, path = req["seq_id"], req["path"]
+        seq_id, path = req.seq_id, req.path
         seqs.check_id(seq_id, "load")
         if seq_id in session.seqs:
             raise ProtocolError(f"seq_id: sequence {seq_id} is in use (free it first)", seq_id, "load")
         try:
-            dir_fd, name, label = self.rt.states.locate(path, session.namespace, req["shared"])
+            dir_fd, name, label = self.rt.states.locate(path, session.namespace, req.shared)
         except statedir.StatePathError as e:
             raise ProtocolError(_path_message(e), seq_id, "load") from None
         try:
@@ -320,8 +322,8 @@ class Handlers:
 
         self.io.submit(session, read, then, on_bug)
 
-    def quit(self, session: Session, req: dict) -> None:
-        if req["now"]:
+    def quit(self, session: Session, req: QuitRequest) -> None:
+        if req.now:
             self.seqs.finish_all("shutdown")
 
 
@@ -342,7 +344,7 @@ def _path_message(e: Exception) -> str:
 
 #: Request type -> its handler: every request of the protocol's list (REQUESTS) but
 #: `init`, which the Engine applies itself (it creates what the handlers work on).
-HANDLERS: dict[str, Callable[[Handlers, Session, dict], None]] = {
+HANDLERS: dict[str, Callable[[Handlers, Session, Any], None]] = {
     "grammar": Handlers.grammar,
     "infer": Handlers.infer,
     "score": Handlers.score,

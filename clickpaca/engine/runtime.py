@@ -14,7 +14,7 @@ from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
 from ..native import NativeError
-from ..protocol import ProtocolError, ready_event
+from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
 
 
 class Runtime:
@@ -24,7 +24,7 @@ class Runtime:
         self.model, self.ctx = model, ctx
         self.states = states
 
-    def _start(self, req: dict) -> None:
+    def _start(self, req: InitRequest) -> None:
         model, ctx = self.model, self.ctx
         self.batch = core.Batch(model.nat, ctx.n_batch)
         self._warm_up()
@@ -37,16 +37,16 @@ class Runtime:
             buildNumber=model.nat.info.get("build_number"),
             nCtx=ctx.n_ctx,
             nCtxPerSeq=ctx.n_ctx_seq,
-            nCtxShared=bool(req["kvUnified"]),
+            nCtxShared=bool(req.kvUnified),
             nBatch=ctx.n_batch,
             nSeqMax=ctx.n_seq_max,
             nThreads=ctx.n_threads,
             cacheTypeK=ctx.type_k,
             cacheTypeV=ctx.type_v,
             kvBytes=ctx.kv_bytes,
-            kvUnified=bool(req["kvUnified"]),
-            swaFull=bool(req["swaFull"]),
-            flashAttn=req["flashAttn"],
+            kvUnified=bool(req.kvUnified),
+            swaFull=bool(req.swaFull),
+            flashAttn=req.flashAttn,
             stateDir=str(self.states.root),
             cacheTypes=sorted(core.cache_types(model.nat)),
             model={"path": str(model.path), "description": model.description,
@@ -55,24 +55,24 @@ class Runtime:
         )
 
     @classmethod
-    def open(cls, req: dict, state_dir: str | None = None, allow_any_path: bool = False) -> "Runtime":
+    def open(cls, req: InitRequest, state_dir: str | None = None, allow_any_path: bool = False) -> "Runtime":
         """Load what a validated `init` request asks for; ProtocolError naming the field.
         `state_dir` is the server's default (--state-dir) when the request has no stateDir."""
-        types = (req["cacheTypeK"], req["cacheTypeV"])
-        build = req["build"] or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
-        states = open_state_dir(req["stateDir"] or state_dir, allow_any_path)
+        types = (req.cacheTypeK, req.cacheTypeV)
+        build = req.build or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
+        states = open_state_dir(req.stateDir or state_dir, allow_any_path)
         try:
-            path = resolve_model(req["modelPath"])
-            model = core.Model(path, n_gpu_layers=req["nGpuLayers"], build=build)
+            path = resolve_model(req.modelPath)
+            model = core.Model(path, n_gpu_layers=req.nGpuLayers, build=build)
         except core.ModelError as e:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         except NativeError as e:
             raise ProtocolError(f"build: {e}", request="init") from None
         try:
-            ctx = core.Context(model, n_ctx=req["nCtx"], n_batch=req["nBatch"],
-                               n_seq_max=req["nSeqMax"], type_k=types[0], type_v=types[1],
-                               n_threads=req["nThreads"], flash_attn=req["flashAttn"],
-                               kv_unified=req["kvUnified"], swa_full=req["swaFull"])
+            ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
+                               n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
+                               n_threads=req.nThreads, flash_attn=req.flashAttn,
+                               kv_unified=req.kvUnified, swa_full=req.swaFull)
         except core.ContextError as e:
             model.close()
             raise ProtocolError(str(e), request="init") from None
@@ -92,15 +92,15 @@ class Runtime:
         self.ctx.seq_rm(0, -1, -1)
         self.batch.clear()
 
-    def prompt_text(self, req: dict) -> str:
+    def prompt_text(self, req: InferRequest | PrefillRequest) -> str:
         """The request's prompt, or its messages formatted with a chat template."""
-        if req["messages"] is None:
-            return req["prompt"]
+        if req.messages is None:
+            return req.prompt
         try:
-            return chat.format_messages(self.model, req["chatTemplate"], req["messages"],
-                                        req["addGenerationPrompt"])
+            return chat.format_messages(self.model, req.chatTemplate, req.messages,
+                                        req.addGenerationPrompt)
         except chat.ChatError as e:
-            raise ProtocolError(str(e), req["seq_id"], req["type"]) from None
+            raise ProtocolError(str(e), req.seq_id, req.type) from None
 
     def tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
         """Special tokens in the text are parsed; BOS is added once at the start only."""

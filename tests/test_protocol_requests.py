@@ -1,0 +1,148 @@
+"""Typed requests, without a model: each request type parses to its own frozen
+dataclass, the field table `validate` walks (REQUESTS) is the classes' own declaration,
+the engine's handlers take the class of their request type, and an error still names
+the wire field (with the "did you mean" hint) in the event the client gets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING
+
+import numpy as np
+import orjson
+import pytest
+
+from clickpaca.engine.handlers import HANDLERS
+from clickpaca.prepare import PromptTokens
+from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, SAMPLER_FIELDS, CancelRequest, ForkRequest,
+                                FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
+                                PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
+                                ScoreRequest, _request, _with_params, parse_line, wire)
+from clickpaca.sampling import SamplerParams
+
+CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "infer": InferRequest, "score": ScoreRequest,
+           "cancel": CancelRequest, "free": FreeRequest, "prefill": PrefillRequest, "fork": ForkRequest,
+           "save": SaveRequest, "load": LoadRequest, "quit": QuitRequest}
+
+LINES = {
+    "init": b'{"type": "init"}',
+    "grammar": b'{"type": "grammar", "id": 7, "grammar": "root ::= \\"a\\""}',
+    "infer": b'{"type": "infer", "seq_id": 3, "prompt": "Hi", "topK": 5}',
+    "score": b'{"type": "score", "seq_id": 3, "text": "hello"}',
+    "cancel": b'{"type": "cancel", "seq_id": 3}',
+    "free": b'{"type": "free", "seq_id": 3}',
+    "prefill": b'{"type": "prefill", "seq_id": 3, "prompt": "Hi"}',
+    "fork": b'{"type": "fork", "seq_id": 3, "dst_seq_id": 4}',
+    "save": b'{"type": "save", "seq_id": 3, "path": "a"}',
+    "load": b'{"type": "load", "seq_id": 3, "path": "a"}',
+    "quit": b'{"type": "quit"}',
+}
+
+
+def test_every_request_type_has_its_class():
+    assert REQUEST_TYPES == CLASSES
+    assert list(REQUESTS) == list(REQUEST_TYPES) == list(LINES)
+    for kind, cls in CLASSES.items():
+        assert cls.type == kind and issubclass(cls, Request)
+
+
+@pytest.mark.parametrize("kind", sorted(LINES))
+def test_each_kind_parses_to_its_frozen_dataclass(kind):
+    out = parse_line(LINES[kind])
+    assert type(out) is CLASSES[kind]
+    assert out.type == kind
+    assert out.reply_seq_id == (3 if "seq_id" in REQUESTS[kind] else -1)
+    first = dataclasses.fields(out)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(out, first, None)
+
+
+def test_parsed_values_and_defaults():
+    """Attributes carry the wire names; a default is the class's own field default."""
+    infer = parse_line(LINES["infer"])
+    assert (infer.seq_id, infer.prompt, infer.maxTokens, infer.reusePrefix, infer.grammar_id) == (3, "Hi", 256, True, None)
+    assert infer.params == SamplerParams(top_k=5)
+    assert infer.prompt_tokens is None
+    assert parse_line(LINES["grammar"]).id == "7"
+    init = parse_line(b'{"type": "init", "nBatch": 64, "nSeqMax": 8, "cacheTypeK": "q8_0"}')
+    assert (init.nBatch, init.nSeqMax, init.cacheTypeK, init.cacheTypeV, init.nCtx) == (64, 8, "q8_0", "f16", 8192)
+    for f in dataclasses.fields(InitRequest):
+        if f.name not in ("nBatch", "nSeqMax", "cacheTypeK"):
+            assert getattr(init, f.name) == f.default, f.name
+    assert parse_line(LINES["quit"]) == QuitRequest(now=False)
+    assert parse_line(b'{"type": "save", "seq_id": 1, "path": "p", "replace": true}') == \
+        SaveRequest(seq_id=1, path="p", shared=False, replace=True)
+
+
+@pytest.mark.parametrize("kind", sorted(LINES))
+def test_the_field_table_is_the_dataclass(kind):
+    """REQUESTS is derived from the classes: every wire field with its check and default,
+    infer's sampler fields folded into params, prepared work never on the wire."""
+    cls, spec = CLASSES[kind], REQUESTS[kind]
+    on_the_wire = []
+    for f in dataclasses.fields(cls):
+        if "check" in f.metadata:
+            assert spec[f.name] == (f.metadata["check"], f.default), f.name
+            on_the_wire.append(f.name)
+        elif "folds" in f.metadata:
+            assert (kind, f.name, f.metadata["folds"]) == ("infer", "params", SAMPLER_FIELDS)
+            assert f.default_factory is SamplerParams
+            for name in SAMPLER_FIELDS:
+                assert spec[name] == (_with_params, MISSING), name
+                on_the_wire.append(name)
+        else:
+            assert f.metadata.get("prepared") and f.default is None and not f.compare, f.name
+            assert f.name not in spec, f.name
+    assert on_the_wire == list(spec)  # same fields, same order (the order errors are found in)
+    required = {name for name, (_, default) in spec.items() if default is MISSING} - set(SAMPLER_FIELDS)
+    assert required == {f.name for f in dataclasses.fields(cls) if f.default is MISSING
+                        and f.default_factory is MISSING}
+
+
+def test_a_field_declared_without_its_check_is_refused():
+    with pytest.raises(TypeError, match="plain: declare it with wire"):
+        @_request("bogus")
+        class Bogus(Request):
+            ok: int = wire(lambda name, v: v, 1)
+            plain: int = 2
+    assert "bogus" not in REQUESTS and "bogus" not in REQUEST_TYPES
+
+
+def test_each_handler_takes_its_request_class():
+    assert set(HANDLERS) == set(REQUESTS) - {"init"}
+    for kind, handler in HANDLERS.items():
+        assert handler.__annotations__["req"] == CLASSES[kind].__name__, kind
+
+
+def test_prepared_work_is_a_field_not_part_of_equality():
+    infer = parse_line(LINES["infer"])
+    toks = PromptTokens(np.array([2, 5], np.int32), np.array([5], np.int32))
+    prepared = dataclasses.replace(infer, prompt_tokens=toks)
+    assert prepared == infer and prepared.prompt_tokens.get(False).tolist() == [2, 5]
+    assert prepared.prompt_tokens.get(True).tolist() == [5]
+    assert infer.prompt_tokens is None  # the original is untouched
+    assert {f.name for f in dataclasses.fields(ScoreRequest) if not f.compare} == {"text_tokens"}
+    assert {f.name for f in dataclasses.fields(GrammarRequest) if not f.compare} == {"compiled"}
+    assert {f.name for f in dataclasses.fields(PrefillRequest) if not f.compare} == {"prompt_tokens"}
+
+
+@pytest.mark.parametrize("line,message", [
+    (b'{"type": "init", "nBatch": 0}', "nBatch: must be >= 1, got 0"),
+    (b'{"type": "init", "nBatch": 8, "nSeqMax": 9}',
+     "nBatch: must be >= nSeqMax (9) so every sequence gets a token each tick, got 8"),
+    (b'{"type": "infer", "seq_id": 2, "maxTokens": "many"}', 'maxTokens: must be an integer, got "many"'),
+    (b'{"type": "infer", "seq_id": 2, "topP": 2}', "topP: must be in [0, 1], got 2.0"),
+    (b'{"type": "score", "seq_id": 2, "text": "x", "perToken": 1}', "perToken: must be true or false, got 1"),
+    (b'{"type": "infer", "seq_id": 2, "top_k": 5}', "top_k: unknown field for infer (did you mean topK?)"),
+    (b'{"type": "infer", "seq_id": 2, "maxtokens": 5}',
+     "maxtokens: unknown field for infer (did you mean maxTokens?)"),
+    (b'{"type": "init", "nbatch": 5}', "nbatch: unknown field for init (did you mean nBatch?)"),
+    (b'{"type": "prefill", "seq_id": 2}', "prompt: missing (required for prefill)"),
+])
+def test_the_error_event_names_the_wire_field(line, message):
+    with pytest.raises(ProtocolError) as ei:
+        parse_line(line)
+    kind = orjson.loads(line)["type"]
+    sid = orjson.loads(line).get("seq_id", -1)
+    assert ei.value.event() == {"type": "error", "seq_id": sid, "message": message, "request": kind}
