@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
@@ -221,8 +221,9 @@ def _prompt_or_messages(values: dict, kind: str) -> None:
 
 # ------------------------------------------------------------------ typed requests
 #
-# One frozen dataclass per request type; each wire field is declared once, with its
-# check and its default (`wire`), and REQUESTS, the table `validate` walks, is derived
+# One frozen dataclass per request type (keyword-only: a request is built by field name,
+# as on the wire, and a required field may follow a defaulted one); each wire field is
+# declared once, with its check and its default (`wire`), and REQUESTS, the table `validate` walks, is derived
 # from the classes. Attributes carry the wire names (req.nBatch, req.seq_id): the wire
 # mixes camelCase and snake_case, and one spelling in docs, error messages and code
 # needs no table translating between them. Attributes that are not on the wire are
@@ -272,10 +273,11 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {}
 
 
 def _request(kind: str) -> Callable[[type], type]:
-    """Make the class a frozen dataclass answering to the wire type `kind`, and derive its
-    row of REQUESTS."""
+    """Register a request's dataclass under its wire type `kind` and derive its row of
+    REQUESTS from the fields."""
     def register(cls: type) -> type:
-        cls = dataclass(frozen=True, kw_only=True)(cls)
+        if not is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+            raise TypeError(f"{cls.__name__}: a request is a frozen dataclass")
         cls.type = kind
         spec: dict[str, tuple[Callable[[str, Any], Any], Any]] = {}
         for f in fields(cls):
@@ -292,6 +294,7 @@ def _request(kind: str) -> Callable[[type], type]:
 
 
 @_request("init")
+@dataclass(frozen=True, kw_only=True)
 class InitRequest(Request):
     """Load the model and make the context (engine/runtime.py); once per server."""
 
@@ -315,6 +318,7 @@ class InitRequest(Request):
 
 
 @_request("grammar")
+@dataclass(frozen=True, kw_only=True)
 class GrammarRequest(Request):
     """Compile a grammar under an id of the client's session."""
 
@@ -324,6 +328,7 @@ class GrammarRequest(Request):
 
 
 @_request("infer")
+@dataclass(frozen=True, kw_only=True)
 class InferRequest(Request):
     """Generate on a sequence: from a prompt or chat messages, or continuing a held one."""
 
@@ -346,6 +351,7 @@ class InferRequest(Request):
 
 
 @_request("score")
+@dataclass(frozen=True, kw_only=True)
 class ScoreRequest(Request):
     """The negative log-likelihood of a text (scoring.py), in windows of the context."""
 
@@ -357,16 +363,23 @@ class ScoreRequest(Request):
 
 
 @_request("cancel")
+@dataclass(frozen=True, kw_only=True)
 class CancelRequest(Request):
+    """End a running sequence (`done` with stop_reason cancelled)."""
+
     seq_id: int = wire(SEQ)
 
 
 @_request("free")
+@dataclass(frozen=True, kw_only=True)
 class FreeRequest(Request):
+    """Release a sequence, running or held, and its KV cells."""
+
     seq_id: int = wire(SEQ)
 
 
 @_request("prefill")
+@dataclass(frozen=True, kw_only=True)
 class PrefillRequest(Request):
     """Decode a prompt into a sequence and hold it (to fork, save, or continue)."""
 
@@ -383,14 +396,20 @@ class PrefillRequest(Request):
 
 
 @_request("fork")
+@dataclass(frozen=True, kw_only=True)
 class ForkRequest(Request):
+    """Copy a held sequence's KV cells to a new sequence."""
+
     seq_id: int = wire(SEQ)
     dst_seq_id: int = wire(SEQ)
 
 
-# path: a name in the state directory (statedir.py); shared: the shared namespace
 @_request("save")
+@dataclass(frozen=True, kw_only=True)
 class SaveRequest(Request):
+    """Write a held sequence's state to a file. path: a name in the state directory
+    (statedir.py); shared: in the namespace all clients share."""
+
     seq_id: int = wire(SEQ)
     path: str = wire(_str(True))
     shared: bool = wire(_bool, False)
@@ -398,14 +417,20 @@ class SaveRequest(Request):
 
 
 @_request("load")
+@dataclass(frozen=True, kw_only=True)
 class LoadRequest(Request):
+    """Restore a saved state into a sequence, held."""
+
     seq_id: int = wire(SEQ)
     path: str = wire(_str(True))
     shared: bool = wire(_bool, False)
 
 
 @_request("quit")
+@dataclass(frozen=True, kw_only=True)
 class QuitRequest(Request):
+    """End the server: after the running sequences, or `now`, cancelling them."""
+
     now: bool = wire(_bool, False)
 
 

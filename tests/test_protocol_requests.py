@@ -103,9 +103,15 @@ def test_the_field_table_is_the_dataclass(kind):
 def test_a_field_declared_without_its_check_is_refused():
     with pytest.raises(TypeError, match="plain: declare it with wire"):
         @_request("bogus")
+        @dataclasses.dataclass(frozen=True, kw_only=True)
         class Bogus(Request):
             ok: int = wire(lambda name, v: v, 1)
             plain: int = 2
+    with pytest.raises(TypeError, match="a request is a frozen dataclass"):
+        @_request("bogus")
+        @dataclasses.dataclass(kw_only=True)
+        class Mutable(Request):
+            ok: int = wire(lambda name, v: v, 1)
     assert "bogus" not in REQUESTS and "bogus" not in REQUEST_TYPES
 
 
