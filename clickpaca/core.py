@@ -69,7 +69,10 @@ class Model(_Owned):
     _free = "llama_model_free"
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 99,
-                 build: str = "mainline", nat: Native | None = None) -> None:
+                 build: str = "mainline", nat: Native | None = None, repack: bool = True) -> None:
+        """`repack` False keeps the weights in their file layout (use_extra_bufts off): the
+        repacked CPU kernels take a GEMM path for blocks of rows and a GEMV path for the
+        rest, so a token's result would depend on how many share its decode."""
         self.path = check_gguf(path)
         self.nat = nat or load(build)
         log_sink(self.nat)
@@ -77,6 +80,8 @@ class Model(_Owned):
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = repack
+        self.repack = repack
         self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if self.ptr == ffi.NULL:
             raise ModelError(f"llama.cpp could not load {self.path} (see the log on stderr)")
@@ -256,6 +261,21 @@ MEMORY_API = ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp",
 
 # (b6170 and before name the class llama_kv_cache_unified in this log line)
 _KV_SIZE_RE = re.compile(r"llama_kv_cache(?:_unified)?: size = +([0-9.]+) MiB")
+# How llama.cpp resolved flashAttn "auto" (b11312: "resolve_fused_ops: Flash Attention
+# enabled" / "... not supported, set to disabled"; older: "flash_attn = auto -> enabled").
+_FA_AUTO_RE = re.compile(r"Flash Attention (enabled|not supported)|flash_attn = auto -> (enabled|disabled)")
+
+
+def resolved_flash_attn(requested: str, log_lines: list[str]) -> bool | None:
+    """Whether flash attention is in force: the request when explicit, else what the
+    context's creation log says about "auto" (None: the log did not say)."""
+    if requested in ("on", "off"):
+        return requested == "on"
+    for line in log_lines:
+        m = _FA_AUTO_RE.search(line)
+        if m:
+            return (m.group(1) or m.group(2)) == "enabled"
+    return None
 
 
 class Context(_Owned):
@@ -266,7 +286,9 @@ class Context(_Owned):
     def __init__(self, model: Model, n_ctx: int = 8192, n_batch: int = 512,
                  n_ubatch: int | None = None, n_seq_max: int = 64, type_k: str = "f16",
                  type_v: str = "f16", n_threads: int | None = None, flash_attn: str = "auto",
-                 kv_unified: bool = True, swa_full: bool = True) -> None:
+                 kv_unified: bool = True, swa_full: bool = True, eval_callback: Any = None) -> None:
+        """`eval_callback`: a cffi callback of type ggml_backend_sched_eval_callback that sees
+        every graph node's output (opdump.py); kept alive as long as the context."""
         self.model = model
         self.nat = nat = model.nat
         ffi, lib = nat.ffi, nat.lib
@@ -301,6 +323,9 @@ class Context(_Owned):
                 raise ContextError(f"build {nat.name!r} has no llama_context_params.{field}")
             setattr(p, field, value)
         p.no_perf = True
+        if eval_callback is not None:
+            p.cb_eval = eval_callback
+        self._eval_callback = eval_callback
         sink = log_sink(nat)
         sink.captured.clear()
         sink.capture = True
@@ -313,6 +338,7 @@ class Context(_Owned):
             raise ContextError(f"llama.cpp could not create the context: {tail or 'see the log'}")
         self.kv_bytes = sum(int(float(m.group(1)) * 1024 * 1024)
                             for line in sink.captured for m in [_KV_SIZE_RE.search(line)] if m)
+        self.flash_attn = resolved_flash_attn(flash_attn, sink.captured)
         self.n_ctx = lib.llama_n_ctx(self.ptr)
         self.n_batch = lib.llama_n_batch(self.ptr)
         self.n_seq_max = lib.llama_n_seq_max(self.ptr)
