@@ -59,6 +59,7 @@ def _header(ctx, n_tokens: int, payload_len: int, digest: str) -> dict:
         "build": {"flavor": ctx.nat.name, "commit": ctx.nat.info.get("commit"),
                   "build_number": ctx.nat.info.get("build_number")},
         "cache": {"type_k": ctx.type_k, "type_v": ctx.type_v},
+        "streams": kv_streams(ctx),
         "tokens": n_tokens,
         "payload_bytes": payload_len,
         "sha256": digest,
@@ -160,6 +161,12 @@ def decode(data: bytes, path) -> tuple[dict, list[int], bytes]:
     return header, tokens, body[4 * n_tok:]
 
 
+def kv_streams(ctx) -> int:
+    """KV streams of the context: 1 for one buffer of all sequences, else one per sequence.
+    llama.cpp restores a sequence's state only into a cache of as many streams."""
+    return 1 if ctx.kv_unified else ctx.n_seq_max
+
+
 def check_compatible(ctx, header: dict) -> None:
     ident = model_identity(ctx.model)
     if header["model"] != ident:
@@ -176,6 +183,11 @@ def check_compatible(ctx, header: dict) -> None:
     if (c["type_k"], c["type_v"]) != (ctx.type_k, ctx.type_v):
         raise StateFileError(f"the file holds a {c['type_k']}/{c['type_v']} KV cache; this server "
                              f"uses {ctx.type_k}/{ctx.type_v}")
+    streams = header.get("streams")  # (files before it was recorded: llama.cpp checks)
+    if streams is not None and streams != kv_streams(ctx):
+        raise StateFileError(f"the file was saved from a KV cache of {streams} stream(s); this server's "
+                             f"has {kv_streams(ctx)} (1 with kvUnified true, else nSeqMax): llama.cpp "
+                             "restores a state only into as many streams")
     if header["tokens"] >= ctx.n_ctx_seq:
         raise StateFileError(f"the file holds {header['tokens']} tokens, more than the context "
                              f"per sequence ({ctx.n_ctx_seq})")

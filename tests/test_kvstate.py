@@ -26,7 +26,7 @@ PAYLOAD = bytes(range(256)) * 40
 
 def fake_ctx(tmp_path, payload: bytes = PAYLOAD, type_k: str = "f16", type_v: str = "f16",
              model_bytes: bytes = b"GGUF" + b"\x01" * 5000, commit: str = "abc1234",
-             n_ctx_seq: int = 4096):
+             n_ctx_seq: int = 4096, kv_unified: bool = True, n_seq_max: int = 4):
     model_file = tmp_path / f"model-{hashlib.sha1(model_bytes).hexdigest()[:8]}.gguf"
     model_file.write_bytes(model_bytes)
     model = SimpleNamespace(path=model_file, description="fake 1K F16", n_vocab=1000)
@@ -36,7 +36,8 @@ def fake_ctx(tmp_path, payload: bytes = PAYLOAD, type_k: str = "f16", type_v: st
         return payload
 
     return SimpleNamespace(model=model, nat=nat, type_k=type_k, type_v=type_v,
-                           n_ctx_seq=n_ctx_seq, seq_state_get=seq_state_get)
+                           n_ctx_seq=n_ctx_seq, seq_state_get=seq_state_get,
+                           kv_unified=kv_unified, n_seq_max=n_seq_max)
 
 
 @pytest.fixture
@@ -70,6 +71,7 @@ def test_layout_and_round_trip(saved):
     assert header["format_version"] == kvstate.FORMAT_VERSION
     assert header["tokens"] == len(TOKENS) and header["payload_bytes"] == len(PAYLOAD)
     assert header["cache"] == {"type_k": "f16", "type_v": "f16"}
+    assert header["streams"] == 1
     assert header["build"] == {"flavor": "mainline", "commit": "abc1234", "build_number": 7000}
     assert header["model"] == kvstate.model_identity(ctx.model)
     assert body == np.asarray(TOKENS, "<i4").tobytes() + PAYLOAD
@@ -245,11 +247,14 @@ def test_incompatible_contexts(saved, tmp_path):
         (fake_ctx(tmp_path, type_k="q8_0"), "f16/f16 KV cache; this server uses q8_0/f16"),
         (fake_ctx(tmp_path, type_v="q4_0"), "uses f16/q4_0"),
         (fake_ctx(tmp_path, n_ctx_seq=len(TOKENS)), "more than the context"),
+        (fake_ctx(tmp_path, kv_unified=False, n_seq_max=8), "1 stream\\(s\\); this server's has 8"),
     ]
     for other, match in cases:
         with pytest.raises(StateFileError, match=match):
             kvstate.check_compatible(other, header)
     kvstate.check_compatible(fake_ctx(tmp_path, n_ctx_seq=len(TOKENS) + 1), header)
+    del header["streams"]  # a file from before streams were recorded: llama.cpp is the judge
+    kvstate.check_compatible(fake_ctx(tmp_path, kv_unified=False, n_seq_max=8), header)
 
 
 # ------------------------------------------------------------------ atomic writes
@@ -352,6 +357,7 @@ def test_real_state_round_trip_continues_bit_for_bit(real_ctx, model, tmp_path):
     assert got == toks and size == path.stat().st_size
     assert header["model"]["description"] == model.description
     assert header["cache"] == {"type_k": "f16", "type_v": "f16"}
+    assert header["streams"] == 1
     assert kvstate.load(ctx, 1, path) == toks
     assert ctx.seq_pos_max(1) == len(toks) - 1 and ctx.seq_pos_min(1) == 0
     nxt = model.tokenize(" And then", add_special=False).tolist()
