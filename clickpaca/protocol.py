@@ -196,6 +196,31 @@ def _batch_fits(values: dict) -> None:
         raise ValueError(f"nCtx: must be >= nSeqMax ({values['nSeqMax']}), got {values['nCtx']}")
 
 
+#: Cache types deterministic mode accepts: unquantized (llama.cpp needs flash attention for a
+#: quantized V cache; a quantized K alone takes other matmul kernels, not measured for this).
+DETERMINISTIC_CACHE_TYPES = ("f16", "f32", "bf16")
+
+
+def _deterministic_fits(obj: dict, values: dict) -> None:
+    """deterministic: true sets flashAttn off and kvUnified false (deterministic.py);
+    an explicit other value, or what needs one of those paths, is refused."""
+    from .deterministic import REQUIRED
+
+    for name, need in REQUIRED.items():
+        if name in obj and values[name] != need:
+            raise ValueError(f"{name}: deterministic mode needs {orjson.dumps(need).decode()}, "
+                             f"got {_show(values[name])} (docs/DETERMINISM.md)")
+        values[name] = need
+    for name in ("cacheTypeK", "cacheTypeV"):
+        if values[name] not in DETERMINISTIC_CACHE_TYPES:
+            raise ValueError(f"{name}: deterministic mode computes attention without flash "
+                             f"attention, which takes only {', '.join(DETERMINISTIC_CACHE_TYPES)} "
+                             f"here, got {_show(values[name])}")
+    if values["nBatch"] < 3:
+        raise ValueError(f"nBatch: deterministic mode needs >= 3 (a prompt is never split "
+                         f"to leave a chunk of one token), got {values['nBatch']}")
+
+
 def _sampler_params(obj: dict) -> SamplerParams:
     """The sampler fields, checked together by SamplerParams (its errors name the field);
     the vocabulary-dependent checks wait for the model (SequenceSampler makes them)."""
@@ -311,10 +336,13 @@ class InitRequest(Request):
     swaFull: bool = wire(_bool, True)
     kvUnified: bool = wire(_bool, True)
     stateDir: str | None = wire(_opt(_str(True)), None)
+    deterministic: bool = wire(_bool, False)  # docs/DETERMINISM.md
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
         _batch_fits(values)
+        if values["deterministic"]:
+            _deterministic_fits(obj, values)
 
 
 @_request("grammar")

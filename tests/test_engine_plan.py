@@ -157,3 +157,41 @@ def test_plan_invariants(case):
         assert f.samples == (w.samples_at_end and f.ends and w.n_tokens - 1 in with_rows)
         if f.samples:
             assert isinstance(f, Feed) and f.row_pos + len(f.rows) - 1 == w.n_tokens - 1
+
+
+# ------------------------------------------------------------------ deterministic mode's prompt tick
+
+
+def test_a_deterministic_prompt_tick_feeds_one_prompt_and_no_generated_token():
+    plan = plan_tick([gen("g", 7), prompt("p", 0, 5), prompt("q", 0, 3)], 16, one_prompt=True)
+    assert [(f.key, f.pos, f.count, f.at, list(f.rows), f.samples) for f in plan] == [
+        ("q", 0, 3, 0, [0], True)]
+    assert plan_tick([gen("g", 7), prompt("w", 0, 4, waiting=True)], 16, one_prompt=True) == []
+
+
+def test_a_deterministic_prompt_tick_never_leaves_a_lone_token():
+    (f,) = plan_tick([prompt("p", 0, 9)], 8, one_prompt=True)
+    assert (f.count, f.ends) == (7, False)  # 8 would leave 1: 7 leaves 2
+    (f,) = plan_tick([prompt("p", 7, 9)], 8, one_prompt=True)
+    assert (f.count, f.ends, f.samples) == (2, True, True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tick_cases())
+def test_deterministic_prompt_ticks_feed_prompts_in_chunks_of_two_or_more(case):
+    """Fed to the end tick after tick, every prompt goes in chunks that never leave a single
+    token (one token only when it had one token left to start with); nBatch >= 3."""
+    wants, n_batch, _ = case
+    n_batch = max(3, n_batch)
+    for w in wants:
+        if w.generating or w.waiting:
+            continue
+        cur, chunks = w, []
+        while cur.n_past < cur.n_tokens:
+            (f,) = plan_tick([cur], n_batch, one_prompt=True)
+            assert f.key == w.key and f.pos == cur.n_past and 1 <= f.count <= n_batch
+            chunks.append(f.count)
+            cur = Want(w.key, False, cur.n_past + f.count, w.n_tokens, w.out_from, w.out_to,
+                       w.samples_at_end)
+        assert sum(chunks) == w.n_tokens - w.n_past
+        assert all(c >= 2 for c in chunks) or chunks == [1]

@@ -43,7 +43,8 @@ CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": 
 DEFAULTS = {
     "init": {"modelPath": None, "nGpuLayers": 99, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
-             "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None},
+             "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None,
+             "deterministic": False},
     "grammar": {},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS},
@@ -194,6 +195,7 @@ BAD = [
     ("init", "swaFull", 1, "true or false"), ("init", "swaFull", "true", "true or false"),
     ("init", "swaFull", None, "true or false"),
     ("init", "kvUnified", 0, "true or false"),
+    ("init", "deterministic", 1, "true or false"), ("init", "deterministic", None, "true or false"),
     # grammar
     ("grammar", "id", 1.5, "string or an integer"), ("grammar", "id", None, "string or an integer"),
     ("grammar", "id", [], "string or an integer"), ("grammar", "id", {"a": 1}, "string or an integer"),
@@ -548,3 +550,20 @@ def test_truncated_or_corrupted_json(obj, cut, junk):
     line = json.dumps(obj).encode()
     _check_result(line[:cut])
     _check_result(line[:cut] + junk + line[cut:])
+
+
+@pytest.mark.parametrize("extra,field,words", [
+    ({"flashAttn": "on"}, "flashAttn", 'needs "off"'), ({"flashAttn": "auto"}, "flashAttn", 'needs "off"'),
+    ({"kvUnified": True}, "kvUnified", "needs false"), ({"cacheTypeV": "q8_0"}, "cacheTypeV", "flash attention"),
+    ({"cacheTypeK": "q4_0"}, "cacheTypeK", "f16, f32, bf16"), ({"nBatch": 2, "nSeqMax": 2}, "nBatch", ">= 3")])
+def test_deterministic_refuses_what_it_cannot_keep(extra, field, words):
+    with pytest.raises(ProtocolError) as ei:
+        validate(req("init", deterministic=True, **extra))
+    assert ei.value.message.startswith(field + ":") and words in ei.value.message, ei.value.message
+
+
+def test_deterministic_sets_its_kernel_paths():
+    out = validate(req("init", deterministic=True))
+    assert (out.flashAttn, out.kvUnified, out.deterministic) == ("off", False, True)
+    out = validate(req("init", deterministic=True, flashAttn="off", kvUnified=False, cacheTypeK="bf16"))
+    assert (out.flashAttn, out.kvUnified, out.cacheTypeK) == ("off", False, "bf16")

@@ -483,8 +483,9 @@ def test_malformed_headers_are_refused_not_internal_errors(doc_file, second, tmp
 
 def test_without_a_unified_cache(doc_file, n_doc):
     """kvUnified false: a file longer than a sequence's share is refused; fork works;
-    prefix reuse is off (llama.cpp cannot share part of a sequence across streams: it
-    used to abort the whole server with a GGML_ASSERT)."""
+    prefix reuse copies the held sequence's whole stream and cuts it (llama.cpp copies
+    only whole streams: asking it for part of one aborted the whole server with a
+    GGML_ASSERT)."""
     c = spawn_server(ANY, nCtx=n_doc * 4, nSeqMax=8, kvUnified=False)  # n_doc / 2 per sequence
     try:
         ev = refused(c, "load", 0, path=str(doc_file))
@@ -493,9 +494,14 @@ def test_without_a_unified_cache(doc_file, n_doc):
         req(c, "prefill", 1, prompt=short)
         req(c, "fork", 1, dst_seq_id=2)
         forked, _ = greedy(c, 2, "The sea is", n=4)
+        n_short = req(c, "prefill", 4, prompt=short)["tokens"]
+        req(c, "free", 4)
         run, done = greedy(c, 3, short + "The sea is", n=4)
-        assert done["tokens_reused"] == 0
+        assert done["tokens_reused"] == n_short
         assert same_up_to_a_near_tie(run, forked), where_they_part(run, forked)
+        cold, done = greedy(c, 5, short + "The sea is", n=4, reusePrefix=False)
+        assert done["tokens_reused"] == 0
+        assert same_up_to_a_near_tie(cold, run), where_they_part(cold, run)
         alive(c, 0)
     finally:
         c.close()

@@ -85,6 +85,8 @@ class Handlers:
             seq.tokens, seq.n_past = prompt.tolist(), 0
             if req.reusePrefix:
                 self._reuse_prefix(seq)
+        self._no_lone_prompt_token(seq)
+        seq.n_reused = seq.n_past
         seq.n_prompt = len(seq.tokens) - seq.n_past
         seq.state = "prompt"
         seq.sampler = sampler
@@ -132,7 +134,8 @@ class Handlers:
         seq.kind = "prefill"
         seq.state = "prompt"
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
-        seq.n_prompt = len(prompt)
+        self._no_lone_prompt_token(seq)
+        seq.n_prompt = len(seq.tokens) - seq.n_past
         seq.t_arrival = time.perf_counter()
         seq.t_prompt = None
         seqs.order.append(seq)
@@ -163,13 +166,19 @@ class Handlers:
         seq.n_past -= 1
         self.rt.ctx.seq_rm(seq.slot, seq.n_past, -1)
         seq.tokens.extend(prompt.tolist())
-        seq.n_reused = seq.n_past
+
+    def _no_lone_prompt_token(self, seq: Sequence) -> None:
+        """Deterministic mode: a prompt of one token to feed after others re-feeds the one
+        before it too. Attention over a sequence's single token in a micro-batch takes
+        another kernel path than over two or more (docs/DETERMINISM.md), so that token's
+        cells would differ from the ones a cold run computes in a longer chunk."""
+        if self.rt.deterministic and len(seq.tokens) - seq.n_past == 1 and seq.n_past > 0:
+            seq.n_past -= 1
+            self.rt.ctx.seq_rm(seq.slot, seq.n_past, -1)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Share the cells of the held sequence with the longest common prompt prefix."""
         ctx, model = self.rt.ctx, self.rt.model
-        if not ctx.kv_unified:
-            return  # one stream per sequence: llama.cpp copies only whole ones (GGML_ASSERT)
         best, best_n = None, 0
         for other in seq.session.seqs.values():
             if other is seq or other.state != "held" or not other.tokens:
@@ -183,10 +192,15 @@ class Handlers:
                 continue  # cells before n left its sliding window (a loaded state keeps the last)
             if n > best_n:
                 best, best_n = other, n
+        if self.rt.deterministic and best_n < 2:
+            return  # a one-token prefix was computed alone: a cold run computes it in a chunk
         if best is not None and best_n > 0:
-            ctx.seq_cp(best.slot, seq.slot, 0, best_n)
+            if ctx.kv_unified:
+                ctx.seq_cp(best.slot, seq.slot, 0, best_n)
+            else:  # one stream per sequence: llama.cpp copies only whole streams; cut the copy
+                ctx.seq_cp(best.slot, seq.slot, -1, -1)
+                ctx.seq_rm(seq.slot, best_n, -1)
             seq.n_past = best_n
-            seq.n_reused = best_n
 
     # ------------------------------------------------------------ running and held sequences
 

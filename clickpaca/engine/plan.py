@@ -52,8 +52,17 @@ class Feed:
     samples: bool  # it samples from its last row after the decode
 
 
-def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False) -> list[Feed]:
-    """The tick's feeds, in batch order: generating sequences, then prompt chunks."""
+def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
+              one_prompt: bool = False) -> list[Feed]:
+    """The tick's feeds, in batch order: generating sequences, then prompt chunks.
+
+    `one_prompt` is deterministic mode's prompt tick (docs/DETERMINISM.md): no generating
+    sequence, one prompt chunk, and never a chunk of one token where the prompt has more
+    (llama.cpp's attention takes another kernel path for a sequence's lone token, so a
+    prompt token must always be decoded with at least one other of its sequence; a
+    generated token always alone)."""
+    if one_prompt:
+        return _one_prompt(wants, n_batch)
     plan: list[Feed] = []
     used = row = 0
 
@@ -76,3 +85,20 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False) 
             continue
         add(w, min(n_batch - used, w.n_tokens - w.n_past))
     return plan
+
+
+def _one_prompt(wants: Sequence[Want], n_batch: int) -> list[Feed]:
+    """The chunk of the prompt with the fewest tokens left (ties: arrival order): as many
+    tokens as the batch holds, but never leaving exactly one for a later chunk."""
+    prompts = [w for w in wants if not w.generating and not w.waiting and w.n_tokens > w.n_past]
+    if not prompts:
+        return []
+    w = min(prompts, key=lambda w: w.n_tokens - w.n_past)
+    left = w.n_tokens - w.n_past
+    count = min(n_batch, left)
+    if left - count == 1:
+        count -= 1  # n_batch >= 3 in deterministic mode: count stays >= 2
+    row_pos, n_rows = chunk_rows(w.n_past, count, w.out_from, w.out_to)
+    ends = count == left
+    return [Feed(w.key, False, w.n_past, count, 0, row_pos, range(0, n_rows), ends,
+                 samples=ends and w.samples_at_end and n_rows > 0)]

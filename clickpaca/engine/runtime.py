@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import chat, core, statedir
+from .. import chat, core, deterministic, statedir
 from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
@@ -20,9 +20,11 @@ from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError,
 class Runtime:
     """The loaded model and everything built on it (`open`); `close` releases them in order."""
 
-    def __init__(self, model: core.Model, ctx: core.Context, states: statedir.StateDir) -> None:
+    def __init__(self, model: core.Model, ctx: core.Context, states: statedir.StateDir,
+                 deterministic: bool = False) -> None:
         self.model, self.ctx = model, ctx
         self.states = states
+        self.deterministic = deterministic
 
     def _start(self, req: InitRequest) -> None:
         model, ctx = self.model, self.ctx
@@ -47,6 +49,8 @@ class Runtime:
             kvUnified=bool(req.kvUnified),
             swaFull=bool(req.swaFull),
             flashAttn=req.flashAttn,
+            deterministic=self.deterministic,
+            kernels=kernels(model, ctx),
             stateDir=str(self.states.root),
             cacheTypes=sorted(core.cache_types(model.nat)),
             model={"path": str(model.path), "description": model.description,
@@ -60,10 +64,14 @@ class Runtime:
         `state_dir` is the server's default (--state-dir) when the request has no stateDir."""
         types = (req.cacheTypeK, req.cacheTypeV)
         build = req.build or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
+        det = req.deterministic  # the edge (protocol.py) set its flashAttn and kvUnified
+        flash_attn = attention_for(types, req.flashAttn)
         states = open_state_dir(req.stateDir or state_dir, allow_any_path)
+        if det:
+            deterministic.apply_process_settings()
         try:
             path = resolve_model(req.modelPath)
-            model = core.Model(path, n_gpu_layers=req.nGpuLayers, build=build)
+            model = core.Model(path, n_gpu_layers=req.nGpuLayers, build=build, repack=not det)
         except core.ModelError as e:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         except NativeError as e:
@@ -71,12 +79,12 @@ class Runtime:
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
                                n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
-                               n_threads=req.nThreads, flash_attn=req.flashAttn,
+                               n_threads=req.nThreads, flash_attn=flash_attn,
                                kv_unified=req.kvUnified, swa_full=req.swaFull)
         except core.ContextError as e:
             model.close()
             raise ProtocolError(str(e), request="init") from None
-        rt = cls(model, ctx, states)
+        rt = cls(model, ctx, states, det)
         try:
             rt._start(req)
         except BaseException:
@@ -127,6 +135,28 @@ class Runtime:
                 pass
         self.ctx.close()
         self.model.close()
+
+
+def attention_for(types: tuple[str, str], flash_attn: str) -> str:
+    """The flashAttn to ask llama.cpp for. Its flash attention reads K and V as f16 (it
+    casts an f32 cache), so an f32 cache with it on would be reported as f32 and computed
+    in f16: "on" is refused, "auto" becomes "off"."""
+    if "f32" in types:
+        if flash_attn == "on":
+            field = "cacheTypeK" if types[0] == "f32" else "cacheTypeV"
+            raise ProtocolError(f"flashAttn: 'on' computes attention in f16 (llama.cpp casts an f32 "
+                                f"K/V cache to f16 for it), so {field} f32 would not be f32; use "
+                                "flashAttn 'off' or 'auto' (which turns it off for f32)", request="init")
+        return "off"
+    return flash_attn
+
+
+def kernels(model: core.Model, ctx: core.Context) -> dict[str, Any]:
+    """The kernel paths in force, for `ready`: each changes results with batch shape or
+    cell placement (docs/DETERMINISM.md)."""
+    return {"flashAttn": ctx.flash_attn, "repack": model.repack,
+            "kvLayout": "unified" if ctx.kv_unified else "per-sequence",
+            "tiledMatmul": deterministic.tiled_matmul()}
 
 
 def open_state_dir(root: str | None, allow_any_path: bool) -> statedir.StateDir:

@@ -41,6 +41,7 @@ def want(seq: Sequence) -> Want:
 class Scheduler:
     def __init__(self, rt: Runtime, seqs: Sequences) -> None:
         self.rt, self.seqs = rt, seqs
+        self._prompt_tick = False  # deterministic mode: this tick feeds one prompt chunk only
 
     def tick(self) -> None:
         """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
@@ -49,6 +50,8 @@ class Scheduler:
             if seq.state == "generate" and seq.n_past >= ctx.n_ctx_seq:
                 self.seqs.fail(seq, f"context full: sequence reached {ctx.n_ctx_seq} tokens "
                                     f"(nCtx per sequence) after {seq.n_predicted} generated tokens")
+        if self.rt.deterministic:
+            self._prompt_tick = self._next_is_prompt_tick()
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
@@ -69,10 +72,25 @@ class Scheduler:
         return self.rt.masks.start([(f.key.slot, f.key.matcher) for f in plan
                                     if f.samples and f.key.matcher is not None])
 
+    def _next_is_prompt_tick(self) -> bool:
+        """Deterministic mode never mixes generated tokens and prompt chunks in one decode
+        (llama.cpp's split of such a batch can leave a prompt token alone in a micro-batch):
+        with both waiting, prompt and generation ticks alternate."""
+        kinds = {seq.state == "generate" for seq in self.seqs.order
+                 if seq.state == "generate" or not seq.kv_wait}
+        if kinds == {True, False}:
+            return not self._prompt_tick
+        return kinds == {False}
+
     def _plan(self, defer_prompts: bool) -> list[Feed]:
         """Plan the tick (plan.py) and fill the batch from it."""
         batch = self.rt.batch
-        plan = plan_tick([want(seq) for seq in self.seqs.order], batch.capacity, defer_prompts)
+        wants = [want(seq) for seq in self.seqs.order]
+        if self.rt.deterministic:
+            plan = plan_tick(wants, batch.capacity, one_prompt=True) if self._prompt_tick \
+                else plan_tick(wants, batch.capacity, defer_prompts=True)
+        else:
+            plan = plan_tick(wants, batch.capacity, defer_prompts)
         batch.clear()
         now = time.perf_counter()
         for f in plan:

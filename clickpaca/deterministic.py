@@ -1,0 +1,41 @@
+"""Deterministic mode: the settings under which a sequence's logits depend only on its
+own tokens, not on what else is decoded with it or where its KV cells sit.
+
+Measured with opdump/opdiff (docs/DETERMINISM.md) on this CPU build, each of these is a
+kernel path that changes a token's result with the batch shape or cell placement:
+- repacked weights (llama_model_params.use_extra_bufts): a GEMM kernel for blocks of rows,
+  a GEMV kernel for the rest;
+- the tiled K-quant matmul (GGML_CPU_TILED_MM, read once per process): taken from 8 rows;
+- flash attention: a tiled path for many query rows, a split-KV path for one query row
+  over 512 cells or more, a one-by-one path otherwise;
+- one KV buffer for all sequences: attention sums over cells in SIMD lanes by cell index,
+  so where a sequence's cells sit (after other sequences', after a fork's shared cells)
+  changes the rounding.
+The mode turns each off: weights in file layout, tiled matmul off, flash attention off,
+one KV stream per sequence (its cells at 0..n-1 of its own stream).
+"""
+
+from __future__ import annotations
+
+import os
+
+TILED_ENV = "GGML_CPU_TILED_MM"
+
+#: init field -> the value deterministic mode needs; an explicit other value is an error.
+REQUIRED = {"flashAttn": "off", "kvUnified": False}
+
+
+def apply_process_settings() -> None:
+    """Turn the tiled K-quant matmul off. ggml reads the variable once per process, at
+    the first graph it plans, so this must run before the first context is created (the
+    server has one init per process)."""
+    os.environ[TILED_ENV] = "0"
+
+
+def tiled_matmul() -> bool:
+    """Whether the tiled K-quant matmul is on in this process (ggml's reading of it)."""
+    v = os.environ.get(TILED_ENV)
+    try:
+        return v is None or int(v) != 0
+    except ValueError:
+        return False
