@@ -183,14 +183,14 @@ def check_compatible(ctx, header: dict) -> None:
     if (c["type_k"], c["type_v"]) != (ctx.type_k, ctx.type_v):
         raise StateFileError(f"the file holds a {c['type_k']}/{c['type_v']} KV cache; this server "
                              f"uses {ctx.type_k}/{ctx.type_v}")
+    if header["tokens"] >= ctx.n_ctx_seq:
+        raise StateFileError(f"the file holds {header['tokens']} tokens, more than the context "
+                             f"per sequence ({ctx.n_ctx_seq})")
     streams = header.get("streams")  # (files before it was recorded: llama.cpp checks)
     if streams is not None and streams != kv_streams(ctx):
         raise StateFileError(f"the file was saved from a KV cache of {streams} stream(s); this server's "
                              f"has {kv_streams(ctx)} (1 with kvUnified true, else nSeqMax): llama.cpp "
                              "restores a state only into as many streams")
-    if header["tokens"] >= ctx.n_ctx_seq:
-        raise StateFileError(f"the file holds {header['tokens']} tokens, more than the context "
-                             f"per sequence ({ctx.n_ctx_seq})")
 
 
 def load(ctx, slot: int, path: str | os.PathLike) -> list[int]:
