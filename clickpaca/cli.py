@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx-per-seq", type=int, help="peer: KV cells per request (default 512)")
     p.add_argument("--model")
     p.add_argument("--build", default="mainline")
+    p.add_argument("--deterministic", action="store_true",
+                   help="decode, batch: also a server in deterministic mode, in the same alternating rounds "
+                        "(docs/DETERMINISM.md)")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_bench)
@@ -129,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--native", action="store_true", help="also run llama-perplexity for each type")
+    p.add_argument("--ref", choices=["f16", "f32"], default="f16",
+                   help="KL reference: the first type (f16), or the exact f32 K/V cache with flash "
+                        "attention off (then KL vs the first type is shown too)")
+    p.add_argument("--noise", action="store_true",
+                   help="also measure the noise floor (the f16 default changed in chunking, batch shape, "
+                        "cell placement, flash attention, repacking) and show it beside each type")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--model")
     p.add_argument("--out", default="bench-results")

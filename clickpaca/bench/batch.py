@@ -46,15 +46,20 @@ def measure(args: Any) -> dict[str, Any]:
     m0 = machine()
     progress(f"batch: starting the server (nSeqMax {max(seqs)})")
     server = Server(server_init(model, args.build, t, max(seqs), p, g))
+    det = Server(server_init(model, args.build, t, max(seqs), p, g, deterministic=True)) \
+        if getattr(args, "deterministic", False) else None
     bias = server.ban_eog()
     params = {"temperature": 0, **bias}
     rows = []
     try:
         for n in seqs:
-            res = alternate({
+            sides = {
                 "server": lambda r, n=n: run_server_group(server, n, p, g, params),
                 "llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build),
-            }, args.repeats, f"batch N={n}")
+            }
+            if det is not None:
+                sides["deterministic"] = lambda r, n=n: run_server_group(det, n, p, g, params)
+            res = alternate(sides, args.repeats, f"batch N={n}")
             srv, nat = res["server"], res["llama-batched-bench"]
             s_wall = [x["wall_tps"] for x in srv]
             s_span = [x["span_tps"] for x in srv]
@@ -71,10 +76,17 @@ def measure(args: Any) -> dict[str, Any]:
                    "server_tokens": [x["tokens"] for x in srv],
                    "server_prompt_tokens": srv[-1]["prompt_tokens"],
                    "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
+            if det is not None:
+                d_wall = [x["wall_tps"] for x in res["deterministic"]]
+                row.update({"det_wall_tps": summary(d_wall), "det_ratio_to_default": ratio(median(d_wall), median(s_wall)),
+                            "det_paired_ratios": [round(a / b, 4) for a, b in zip(d_wall, s_wall) if a and b],
+                            "det_tokens": [x["tokens"] for x in res["deterministic"]]})
             rows.append(row)
             progress(f"batch N={n}: server {median(s_wall)} tok/s, native {median(n_tg)} tok/s")
     finally:
         server.close()
+        if det is not None:
+            det.close()
     notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
              "span tok/s also counts ticks where some prompts were still being processed",
              "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
@@ -87,7 +99,8 @@ def measure(args: Any) -> dict[str, Any]:
         if row["server_prompt_tokens"] != [p]:
             notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
-                       "repeats": args.repeats, "build": args.build, "model": model},
+                       "repeats": args.repeats, "build": args.build, "model": model,
+                       "deterministic": det is not None},
             "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
             "server_problems": server.problems}
 
@@ -98,8 +111,14 @@ def table(out: dict[str, Any]) -> str:
         rows.append((r["seqs"], r["server_wall_tps"]["median"], r["server_span_tps"]["median"],
                      r["server_eval_tps_sum"]["median"], r["native_s_tg"]["median"], r["ratio"], r["goal"],
                      r["server_latency_ms"]["median"], r["native_latency_ms"]["median"]))
-    return markdown(["seqs", "server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
+    text = markdown(["seqs", "server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
                      "ratio", "goal", "server ms/token/seq", "native ms/token/seq"], rows)
+    det = [(r["seqs"], r["det_wall_tps"]["median"], r["server_wall_tps"]["median"], r["det_ratio_to_default"],
+            ", ".join(f"{x:.3f}" for x in r["det_paired_ratios"])) for r in out["rows"] if "det_wall_tps" in r]
+    if det:
+        text += "\n\n" + markdown(["seqs", "deterministic tok/s", "default tok/s", "ratio of medians",
+                                    "per-round ratios"], det)
+    return text
 
 
 def plot(out: dict[str, Any], path) -> None:

@@ -6,6 +6,8 @@ runs greedy (temperature 0) and the default sampler chain. Its speed is read two
 `done.eval_tps` (generation only, prompt excluded, like llama-bench tg; the headline
 ratio uses it) and the wall clock between its first and last token events ((n-1)
 intervals). End-of-generation tokens are banned so every run makes exactly N tokens.
+With --deterministic a second server in deterministic mode (docs/DETERMINISM.md) runs in
+the same alternating rounds, and its speed is given as a ratio to the default server's.
 """
 
 from __future__ import annotations
@@ -26,32 +28,42 @@ def measure(args: Any) -> dict[str, Any]:
     n, t, model = args.tokens, threads(args), model_path(args)
     m0 = machine()
     progress(f"decode: starting the server ({args.build}, {t} threads)")
-    server = Server({"modelPath": model, "nCtx": max(512, n + 64), "nSeqMax": 1, "nBatch": 512,
-                     "nThreads": t, "build": args.build})
+    init = {"modelPath": model, "nCtx": max(512, n + 64), "nSeqMax": 1, "nBatch": 512,
+            "nThreads": t, "build": args.build}
+    server = Server(init)
+    det = Server({**init, "deterministic": True}) if getattr(args, "deterministic", False) else None
     bias = server.ban_eog()
     variants = {"greedy": {"temperature": 0}, "default_chain": {"seed": 1234}}
 
-    def server_side(r: int) -> dict[str, Any]:
-        out = {}
-        for name, params in variants.items():
-            [run] = run_group(server, [exact_prompt(PROMPT_TOKENS)],
-                              {"maxTokens": n, "reusePrefix": False, **bias, **params})
-            out[name] = {"eval_tps": run.final.get("eval_tps"), "wall_tps": run.wall_tps,
-                         "tokens": run.tokens, "final": {k: v for k, v in run.final.items()
-                                                         if not k.startswith("_")}}
-        return out
+    def side(srv: Server):
+        def run(r: int) -> dict[str, Any]:
+            out = {}
+            for name, params in variants.items():
+                [one] = run_group(srv, [exact_prompt(PROMPT_TOKENS)],
+                                  {"maxTokens": n, "reusePrefix": False, **bias, **params})
+                out[name] = {"eval_tps": one.final.get("eval_tps"), "wall_tps": one.wall_tps,
+                             "tokens": one.tokens, "final": {k: v for k, v in one.final.items()
+                                                             if not k.startswith("_")}}
+            return out
+        return run
 
     def native_side(r: int) -> dict[str, Any]:
         return llama_bench_tg(model, n, t, args.build, repetitions=1)
 
+    sides = {"server": side(server), "llama-bench": native_side}
+    if det is not None:
+        sides["deterministic"] = side(det)
     try:
-        res = alternate({"server": server_side, "llama-bench": native_side}, args.repeats, "decode")
+        res = alternate(sides, args.repeats, "decode")
     finally:
         server.close()
+        if det is not None:
+            det.close()
     native = [r["avg_ts"] for r in res["llama-bench"]]
     native_med = median(native)
     out: dict[str, Any] = {
         "params": {"tokens": n, "threads": t, "repeats": args.repeats, "build": args.build,
+                   "deterministic": det is not None,
                    "model": model, "prompt_tokens": PROMPT_TOKENS},
         "machine_start": m0, "native_cmd": res["llama-bench"][0]["cmd"],
         "llama_bench_tg": summary(native), "server": {},
@@ -67,6 +79,16 @@ def measure(args: Any) -> dict[str, Any]:
                                "ratio_eval": ratio(median(ev), native_med),
                                "ratio_wall": ratio(median(wall), native_med),
                                "last_done": res["server"][-1][name]["final"]}
+    if det is not None:
+        out["deterministic"] = {}
+        for name in variants:
+            ev = [r[name]["eval_tps"] for r in res["deterministic"]]
+            base = [r[name]["eval_tps"] for r in res["server"]]
+            out["deterministic"][name] = {
+                "eval_tps": summary(ev), "ratio_to_default": ratio(median(ev), median(base)),
+                "paired_ratios": [round(a / b, 4) for a, b in zip(ev, base) if a and b],
+                "tokens": [r[name]["tokens"] for r in res["deterministic"]]}
+        out["deterministic_init"] = {k: v for k, v in det.ready.items() if k not in ("_t",)}
     notes = [f"ratio = server done.eval_tps / llama-bench tg{n} (medians of {args.repeats} "
              "alternating rounds); goal >= 0.95",
              "done.eval_tps divides n tokens by the time after the prompt decode, which holds "
@@ -88,7 +110,16 @@ def table(out: dict[str, Any]) -> str:
                      s["eval_tps"]["max"], s["ratio_eval"]))
         rows.append((f"server {name}", "wall first->last token", s["wall_tps"]["median"],
                      s["wall_tps"]["min"], s["wall_tps"]["max"], s["ratio_wall"]))
-    return markdown(["side", "measure", "tok/s median", "min", "max", "ratio vs native"], rows)
+    for name, s in out.get("deterministic", {}).items():
+        rows.append((f"deterministic {name}", "done.eval_tps", s["eval_tps"]["median"], s["eval_tps"]["min"],
+                     s["eval_tps"]["max"], None))
+    text = markdown(["side", "measure", "tok/s median", "min", "max", "ratio vs native"], rows)
+    if out.get("deterministic"):
+        text += "\n\n" + markdown(
+            ["deterministic / default", "ratio of medians", "per-round ratios"],
+            [(name, s["ratio_to_default"], ", ".join(f"{x:.3f}" for x in s["paired_ratios"]))
+             for name, s in out["deterministic"].items()])
+    return text
 
 
 def run(args: Any) -> dict[str, Any]:
