@@ -21,6 +21,7 @@ from .cachetypes import (
     parse_pair,
 )
 from .common import model_path, out_dir, png, threads, with_defaults
+from .kl import attention
 from .report import emit, machine, plot_points
 from .serve import Server
 from .stats import median, parse_list, progress, ratio, summary
@@ -58,7 +59,7 @@ def measure(args: Any) -> dict[str, Any]:
         progress(f"kv: {pair_name(k, v)} ({build})")
         try:
             with Server({"modelPath": model, "build": build, "nCtx": n_ctx, "nSeqMax": 1,
-                         "cacheTypeK": k, "cacheTypeV": v, "flashAttn": "on"}) as s:
+                         "cacheTypeK": k, "cacheTypeV": v, "flashAttn": attention(k, v)}) as s:
                 ready = s.ready
             problems += s.problems
         except Exception as e:  # noqa: BLE001 - a refused type is a result too

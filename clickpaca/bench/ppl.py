@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .cachetypes import bits_per_value, build_for, pair_bpv, pair_name, parse_pair
+from .kl import attention, compare_variants
 from .common import model_path, out_dir, png
 from .report import emit, machine, plot_points
 from .serve import Server
@@ -63,7 +64,6 @@ def cut_text(model, text: str, window: int, chunks: int) -> tuple[str, int, int]
 
 def measure(args: Any) -> dict[str, Any]:
     from .. import core
-    from .kl import compare
     from .tools import perplexity
 
     model = model_path(args)
@@ -91,7 +91,8 @@ def measure(args: Any) -> dict[str, Any]:
         rec: dict[str, Any] = {"cache": name, "cache_k": k, "cache_v": v, "build": build}
         try:
             with Server({"modelPath": model, "build": build, "nCtx": args.ctx, "nSeqMax": 1,
-                         "nThreads": threads, "cacheTypeK": k, "cacheTypeV": v, "flashAttn": "on"}) as s:
+                         "nThreads": threads, "cacheTypeK": k, "cacheTypeV": v,
+                         "flashAttn": attention(k, v)}) as s:
                 sc = s.client.score(0, cut, window=args.ctx, perToken=True)
             problems += s.problems
             samples.setdefault(name, {})["token_nll"] = sc.get("token_nll")
@@ -102,15 +103,42 @@ def measure(args: Any) -> dict[str, Any]:
             problems.append(f"score with {name}: {e}")
         rows[name] = rec
     progress(f"ppl: KL / top-1 in-process ({kl_build} build)")
+    ref = getattr(args, "ref", None) or "f16"
+    noise_rows: list[dict[str, Any]] = []
     try:
-        cmp = compare(model, pairs, tokens, args.ctx, build=kl_build, threads=threads)
-        for (k, v) in pairs:
-            c = cmp[f"{k}/{v}"]
-            rows[pair_name(k, v)].update({"ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"],
-                                          **{x: c.get(x) for x in ("kl_mean", "kl_median", "kl_p99",
-                                                                   "kl_max", "top1_agreement")}})
+        variants, refs, noise_at = plan_variants(pairs, ref, bool(getattr(args, "noise", False)))
+        recs = compare_variants(model, variants, refs, tokens, args.ctx, build=kl_build, threads=threads)
+        primary, second = variants[refs[0]].name, (variants[refs[1]].name if len(refs) > 1 else None)
+        for (k, v), c in zip(pairs, recs):
+            vs = c["vs"].get(primary) or {"kl_mean": 0.0, "top1_agreement": 1.0}
+            rec = rows[pair_name(k, v)]
+            rec.update({"ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"], "kl_ref": primary,
+                        **{x: vs.get(x) for x in ("kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement")}})
+            if second is not None:
+                rec["kl_ref2"] = second
+                rec["kl_mean_ref2"] = (c["vs"].get(second) or {"kl_mean": 0.0})["kl_mean"]
             samples.setdefault(pair_name(k, v), {}).update(
-                {"token_nll_inproc": c["token_nll"], "token_kl": c.get("token_kl"), "token_top1": c.get("token_top1")})
+                {"token_nll_inproc": c["token_nll"], "token_kl": vs.get("token_kl"),
+                 "token_top1": vs.get("token_top1")})
+        if ref == "f32":
+            c = recs[refs[0]]
+            rows["f32 ref"] = {"cache": "f32 ref", "cache_k": "f32", "cache_v": "f32", "build": kl_build,
+                               "ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"], "kl_ref": primary,
+                               "kl_mean": 0.0, "top1_agreement": 1.0, "flash_attn": "off"}
+        base = variants[noise_at[0]].name if noise_at else None
+        for i in noise_at[1:]:
+            vs = recs[i]["vs"][base]
+            noise_rows.append({"source": variants[i].name, "ppl": recs[i]["ppl"], "dppl": vs["dppl"],
+                               "kl_mean": vs["kl_mean"], "kl_p99": vs["kl_p99"], "kl_max": vs["kl_max"],
+                               "top1_agreement": vs["top1_agreement"]})
+        if noise_rows:
+            floor_kl = max(r["kl_mean"] for r in noise_rows)
+            floor_dppl = max(abs(r["dppl"]) for r in noise_rows)
+            for r in rows.values():
+                if r.get("kl_mean") is not None and r.get("cache") != pair_name(*pairs[0]) and "ref" not in r["cache"]:
+                    r["kl_over_floor"] = r["kl_mean"] / floor_kl if floor_kl > 0 else None
+                    dppl = r["ppl_inproc"] - recs[0]["ppl"]
+                    r["above_noise"] = r["kl_mean"] > floor_kl and abs(dppl) > floor_dppl
     except Exception as e:  # noqa: BLE001
         problems.append(f"in-process KL failed: {e}")
     if args.native:
@@ -126,13 +154,21 @@ def measure(args: Any) -> dict[str, Any]:
     bpv = {b: bits_per_value(b) for b in {r["build"] for r in rows.values()}}
     for r in rows.values():
         r["bpv"] = pair_bpv(r["cache_k"], r["cache_v"], bpv[r["build"]])
+    ref_name = "f32 K/V with flash attention off (the exact reference)" if ref == "f32" \
+        else f"the first type ({pair_name(*pairs[0])})"
     notes = [f"text: {text_path}; {chunks} windows of {args.ctx} tokens, second half of each scored "
-             "(llama-perplexity's method); flash attention on",
-             f"KL(P_{pairs[0][0]} || P_type) in nats per position and top-1 agreement, vs the first type "
-             f"({pair_name(*pairs[0])}), computed in-process on the {kl_build} build",
+             "(llama-perplexity's method); flash attention on (off for f32, which it would compute in f16)",
+             f"KL(P_ref || P_type) in nats per position and top-1 agreement, vs {ref_name}, computed "
+             f"in-process on the {kl_build} build",
              "ppl server = the server's `score`; ppl in-process = the same windows through clickpaca.core "
              "(should match the server closely)"]
-    return {"params": {"cache": [pair_name(k, v) for k, v in pairs], "ctx": args.ctx, "chunks": chunks,
+    if noise_rows:
+        notes.append("noise floor: the f16 default computation changed in one thing that should not "
+                     "matter, KL and dPPL against it; a type's effect stands above the noise when its KL "
+                     "and |dPPL| exceed the largest of these (KL / floor, above noise)")
+    return {"noise": noise_rows,
+            "params": {"cache": [pair_name(k, v) for k, v in pairs], "ctx": args.ctx, "chunks": chunks,
+                       "ref": ref, "noise": bool(noise_rows),
                        "text": text_path, "tokens": n_tok, "threads": threads, "model": model,
                        "native": bool(args.native),
                        "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
@@ -141,12 +177,54 @@ def measure(args: Any) -> dict[str, Any]:
             "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems}
 
 
+def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool) -> tuple[list, list[int], list[int]]:
+    """(variants, reference indices (the primary first), noise indices (its base first)):
+    the cache types first, in order; then the f32 reference; then the noise floor's
+    variants, based on the first type when it is the f16 default, else on its own f16 base."""
+    from .kl import F32_REF, NOISE, NOISE_BASE, Variant
+
+    if ref not in ("f16", "f32"):
+        raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
+    variants = [Variant(pair_name(k, v), k, v, flash_attn=attention(k, v)) for k, v in pairs]
+    refs = [0]
+    if ref == "f32":
+        variants.append(F32_REF)
+        refs = [len(variants) - 1, 0]
+    noise_at: list[int] = []
+    if noise:
+        if variants[0].pair == "f16/f16" and variants[0].flash_attn == NOISE_BASE.flash_attn:
+            noise_at.append(0)
+        else:
+            variants.append(NOISE_BASE)
+            noise_at.append(len(variants) - 1)
+            refs.append(noise_at[0])
+        for v in NOISE:
+            variants.append(v)
+            noise_at.append(len(variants) - 1)
+    return variants, refs, noise_at
+
+
 def table(out: dict[str, Any]) -> str:
-    rows = [(r["cache"], r["build"], r.get("bpv"), r.get("ppl_server"), r.get("ppl_inproc"),
-             r.get("ppl_native"), r.get("kl_mean"), r.get("kl_p99"), r.get("top1_agreement"))
-            for r in out["rows"]]
-    return markdown(["K/V", "build", "bits/value", "PPL server", "PPL in-process", "PPL llama-perplexity",
-                     "KL mean", "KL p99", "top-1 agree"], rows, align="llrrrrrrr")
+    two = any(r.get("kl_ref2") for r in out["rows"])
+    floor = bool(out.get("noise"))
+    head = ["K/V", "build", "bits/value", "PPL server", "PPL in-process", "PPL llama-perplexity",
+            f"KL mean vs {out['params'].get('ref', 'f16')}", "KL p99", "top-1 agree"]
+    head += ["KL mean vs f16"] if two else []
+    head += ["KL / noise floor", "above noise"] if floor else []
+    rows = []
+    for r in out["rows"]:
+        row = [r["cache"], r["build"], r.get("bpv"), r.get("ppl_server"), r.get("ppl_inproc"),
+               r.get("ppl_native"), r.get("kl_mean"), r.get("kl_p99"), r.get("top1_agreement")]
+        row += [r.get("kl_mean_ref2")] if two else []
+        row += [r.get("kl_over_floor"), r.get("above_noise")] if floor else []
+        rows.append(tuple(row))
+    text = markdown(head, rows, align="ll" + "r" * (len(head) - 2))
+    if floor:
+        text += "\n\nNoise floor (f16 default against itself changed in one thing):\n\n" + markdown(
+            ["changed", "PPL", "dPPL", "KL mean", "KL p99", "KL max", "top-1 agree"],
+            [(r["source"], r["ppl"], r["dppl"], r["kl_mean"], r["kl_p99"], r["kl_max"], r["top1_agreement"])
+             for r in out["noise"]], align="lrrrrrr")
+    return text
 
 
 def plot(out: dict[str, Any], args: Any) -> None:

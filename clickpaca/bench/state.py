@@ -21,6 +21,7 @@ from typing import Any
 
 from .cachetypes import build_for, pair_name, parse_pair
 from .common import model_path, out_dir, with_defaults
+from .kl import attention
 from .report import emit, machine
 from .serve import Server, run_group
 from .stats import alternate, median, parse_list, progress, ratio, summary
@@ -132,7 +133,7 @@ def measure(args: Any) -> dict[str, Any]:
         progress(f"state: file size for {pair_name(k, v)}")
         try:
             with Server({**base_init, "build": build, "cacheTypeK": k, "cacheTypeV": v,
-                         "flashAttn": "on", "nSeqMax": 1, "nCtx": n_doc + 512}) as s:
+                         "flashAttn": attention(k, v), "nSeqMax": 1, "nCtx": n_doc + 512}) as s:
                 s.client.request({"type": "prefill", "seq_id": 0, "prompt": doc})
                 sv = s.client.request({"type": "save", "seq_id": 0,
                                        "path": f"doc-{k}-{v}.state"})
