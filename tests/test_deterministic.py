@@ -213,3 +213,31 @@ def test_score_is_the_same_whatever_nseqmax_and_company(det):
         assert c.score(0, text, window=128, perToken=True)["token_nll"] == alone["token_nll"]
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------ the fork case, outside the mode
+
+
+def test_a_fork_differs_from_cold_in_one_kv_buffer_only_by_where_its_cells_sit():
+    """Flash attention off, one KV buffer (not the mode): a fork re-feeds the held text's
+    last token, whose cell still belongs to the source, so the fork's new tokens sit one
+    cell further on than a cold run's, and attention sums over cells in SIMD lanes by cell
+    index (docs/DETERMINISM.md). With the source freed first that cell is free again, the
+    fork's tokens land where a cold run's do, and the numbers are bit for bit the cold
+    run's. With the source held they may part, only at a near-tie."""
+    c = spawn(deterministic=False, flashAttn="off", kvUnified=True)
+    try:
+        assert c.ready["kernels"]["flashAttn"] is False and c.ready["kernels"]["kvLayout"] == "unified"
+        cold, _ = greedy(c, 0, DOC + Q, reusePrefix=False)
+        req(c, "prefill", 1, prompt=DOC)
+        req(c, "fork", 1, dst_seq_id=2)
+        req(c, "fork", 1, dst_seq_id=3)
+        held_source, _ = greedy(c, 2, Q)
+        step = next((i for i, (a, b) in enumerate(zip(cold, held_source)) if a[0] != b[0]), None)
+        if step is not None:  # parted: only where the cold run's top two were close
+            top = dict(cold[step][2])
+            assert top[cold[step][0]] - top[held_source[step][0]] < 0.5, (step, cold[step], held_source[step])
+        req(c, "free", 1)
+        assert greedy(c, 3, Q)[0] == cold
+    finally:
+        c.close()
