@@ -84,7 +84,7 @@ KV_TYPES ?= f16,q8_0,q4_0,turbo2,turbo3,turbo4,q8_0/turbo3,q8_0/turbo4
 kv-study: KV_GROUP := kv-study-$(shell date -u +%Y%m%dT%H%M%SZ)
 kv-study: setup turboquant
 	$(PY) -m bindgen
-	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache $(KV_TYPES) --ctx 512 --chunks 4 --native --plot \
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache $(KV_TYPES) --ctx 512 --chunks 4 --native --ref f32 --noise --plot \
 		--out bench-results/kv-study
 	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca bench kv --cache $(KV_TYPES) --build turboquant --speed \
 		--prompt-tokens 512 --tokens 64 --repeats 3 --out bench-results/kv-study
