@@ -6,7 +6,7 @@ arrive, however the prompt is chunked (nBatch), and across cold, held prefix, pr
 reuse, fork, and state saved and loaded in the same or a new process; `score` is the
 same whatever nSeqMax and batch composition. Every comparison here is `==` on the
 events' numbers. Sequences stay inside the default model's 512-position sliding window
-(docs/DETERMINISM.md says why that is the limit).
+(past it the claim is measured once but not tested: docs/DETERMINISM.md).
 
 The cache is f16 whatever CLICKPACA_TEST_CACHE_* say: the mode turns flash attention
 off, and llama.cpp needs it for a quantized V cache (refused, tested below).
