@@ -35,6 +35,9 @@ def test_ready_reports_the_context(server):
     assert r["kvBytes"] > 0
     assert "f16" in r["cacheTypes"] and "q8_0" in r["cacheTypes"]
     assert r["build"] == TEST_BUILD
+    # the kernel paths in force: flash attention's "auto" resolved (on, on this CPU build)
+    assert r["deterministic"] is False
+    assert r["kernels"] == {"flashAttn": True, "repack": True, "kvLayout": "unified", "tiledMatmul": True}
 
 
 def test_greedy_equals_llama_completion(server, model_path):
@@ -247,6 +250,22 @@ def test_bad_init(init, field):
             c.init(**init)
         assert field in str(e.value)
         c.init(nCtx=512, nSeqMax=2)  # a good init still works afterwards
+    finally:
+        c.close()
+
+
+def test_an_f32_cache_is_never_computed_in_f16():
+    """llama.cpp's flash attention reads K and V as f16 (it casts an f32 cache): with an f32
+    cache, flashAttn on is refused naming the field, and auto turns it off, as ready says."""
+    c = Client.spawn(python=sys.executable)
+    try:
+        with pytest.raises(ServerError) as e:
+            c.init(nCtx=256, nSeqMax=2, build=TEST_BUILD, cacheTypeK="f32", cacheTypeV="f32", flashAttn="on")
+        assert e.value.event["message"].startswith("flashAttn:") and "f16" in e.value.event["message"]
+        r = c.init(nCtx=256, nSeqMax=2, build=TEST_BUILD, cacheTypeK="f32", cacheTypeV="f16")
+        assert r["cacheTypeK"] == "f32" and r["kernels"]["flashAttn"] is False
+        c.infer(0, "The capital of France is", maxTokens=2, temperature=0)
+        assert c.collect(0)[1]["type"] == "done"
     finally:
         c.close()
 
