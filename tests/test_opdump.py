@@ -34,19 +34,21 @@ def test_the_same_decode_twice_has_no_source(model_path):
     runs = []
     try:
         toks = model.tokenize("The quick brown fox jumps over the lazy dog")
-        for _ in range(2):
+        for armed in (True, True, False):
             rec = OpRecorder(model.nat)
             ctx = core.Context(model, n_ctx=256, n_batch=64, n_seq_max=1, flash_attn="off",
                                eval_callback=rec.callback)
             batch = core.Batch(model.nat, 64)
             batch.add(toks, 0, 0)
-            rec.armed = True
+            rec.armed = armed
             assert ctx.decode(batch) == 0
             runs.append((rec.evals, ctx.logits().copy()))
             ctx.close()
     finally:
         model.close()
-    (ea, la), (eb, lb) = runs
+    (ea, la), (eb, lb), (unrecorded, lc) = runs
+    assert unrecorded == []  # not armed: the callback declines every node
+    assert np.array_equal(la, lc)  # recording (node by node, no fusion) changes no bit
     assert len(ea) == len(eb) == 1 and len(ea[0].nodes) > 100  # every node of the graph was seen
     assert {"kq-0", "kq_soft_max-0", "ffn_out-0", "result_output"} <= {n.name for n in ea[0].nodes}
     n = len(toks)
