@@ -322,3 +322,35 @@ def _collect_enum(t: c_ast.Node, enums: dict[str, dict[str, int]]) -> None:
         # stays the same when other enums are added before it in a later version.
         name = t.name or f"<anonymous enum {t.values.enumerators[0].name}>"
         enums[name] = {e.name: int(e.value.value) for e in t.values.enumerators}
+
+
+# `#define NAME 42` (decimal, hex, octal, with u/l suffixes, optionally negative): the
+# object-like macros whose whole body is one integer literal.
+_INT_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+(-?[ \t]*(?:0[xX][0-9a-fA-F]+|\d+)[uUlL]*)"
+                        r"[ \t]*(?://[^\n]*|/\*[^\n]*?\*/)?[ \t]*$", re.MULTILINE)
+
+
+def integer_macros(header_text: str) -> dict[str, int]:
+    """Name -> value of the header's integer macros. The preprocessor expands and then
+    drops macros, so a value a header states only as a #define (ggml-rpc.h's protocol
+    version) is read from the text; anything but a plain integer literal is left out."""
+    out = {}
+    for m in _INT_MACRO.finditer(header_text):
+        body = m.group(2).replace(" ", "").replace("\t", "")
+        neg = body.startswith("-")
+        value = ConstEval._literal(c_ast.Constant("int", body.lstrip("-")))
+        out[m.group(1)] = -value if neg else value
+    return out
+
+
+def add_macro_constants(decls: Declarations, macros: dict[str, int]) -> None:
+    """Add integer macros as constants of the bindings (`#define NAME value` in the cdef,
+    which cffi's ABI mode turns into lib.NAME), unless a declaration already has the name."""
+    lines = []
+    for name, value in macros.items():
+        if name in decls.constants or name in decls.functions:
+            continue
+        decls.constants[name] = value
+        lines.append(f"#define {name} {value}")
+    if lines:
+        decls.cdef += "\n".join(lines) + "\n"

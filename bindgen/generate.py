@@ -1,4 +1,4 @@
-"""Generate one build's cffi ABI-mode bindings from its own llama.h.
+"""Generate one build's cffi ABI-mode bindings from its own llama.h (and ggml-rpc.h).
 
     python -m bindgen                         # every build under builds/
     python -m bindgen builds/mainline         # one build
@@ -30,7 +30,8 @@ import cffi
 from clickpaca.paths import cache_dir, sha256_file
 
 from . import history, layout
-from .cparse import BindgenError, deprecations, parse, preprocess
+from .cparse import (BindgenError, Declarations, add_macro_constants, deprecations,
+                     integer_macros, parse, preprocess)
 from .exports import ExportCheckError, unexported
 from .manifest import build_manifest
 from .report import build_report, render_text
@@ -40,13 +41,42 @@ MODULE = "_llama_cffi"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The headers a build's bindings come from: llama.h (which includes ggml.h and
+# ggml-backend.h), then the optional ones a build may lack (ggml-rpc.h exists only where
+# the RPC backend was built).
+HEADERS = ("llama.h",)
+OPTIONAL_HEADERS = ("ggml-rpc.h",)
+
+
+def bound_headers(include: Path) -> list[str]:
+    """The headers of HEADERS and OPTIONAL_HEADERS that this include directory has."""
+    return [*HEADERS, *(h for h in OPTIONAL_HEADERS if (include / h).exists())]
+
+
+def parse_headers(include: Path, headers: list[str]) -> Declarations:
+    """Preprocess and parse the headers as one translation unit (an umbrella header that
+    includes them in order, so shared ggml declarations are read once), plus the integer
+    macros of the optional headers (ggml-rpc.h states its protocol version only as
+    #defines, which the preprocessor would otherwise drop)."""
+    with tempfile.TemporaryDirectory(prefix="clickpaca-bindgen-") as tmp:
+        umbrella = Path(tmp) / "clickpaca-bindings.h"
+        umbrella.write_text("".join(f'#include "{h}"\n' for h in headers))
+        top = include / headers[0] if len(headers) == 1 else umbrella
+        decls = parse(preprocess(top, [include]), str(top))
+    for h in headers:
+        if h in OPTIONAL_HEADERS:
+            add_macro_constants(decls, integer_macros((include / h).read_text(errors="replace")))
+    return decls
+
+
 def make_manifest(include: Path, stamp: dict[str, Any], libpath: Path | None,
                   keep: dict | None = None) -> tuple[dict[str, Any], int]:
-    """Parse include/llama.h, check exports (when a library is given), build the manifest
-    and prove its layouts against the compiler: (manifest, fields proved). `keep` receives
-    the declarations (for writing the module)."""
-    header = include / "llama.h"
-    decls = parse(preprocess(header, [include]), str(header))
+    """Parse include/llama.h (and the optional headers present), check exports (when a
+    library is given), build the manifest and prove its layouts against the compiler:
+    (manifest, fields proved). `keep` receives the declarations (for writing the module)."""
+    headers = bound_headers(include)
+    stamp["headers"] = {h: sha256_file(include / h) for h in headers}  # the module's STAMP too
+    decls = parse_headers(include, headers)
     ffi = cffi.FFI()
     ffi.cdef(decls.cdef)
     if libpath is not None:
@@ -57,9 +87,9 @@ def make_manifest(include: Path, stamp: dict[str, Any], libpath: Path | None,
             decls.signatures.pop(name, None)
             decls.skipped[name] = "declared in the header but exported by no library"
     manifest = build_manifest(ffi, decls, stamp)
-    hints = deprecations(header.read_text(errors="replace"))
+    hints = deprecations("\n".join((include / h).read_text(errors="replace") for h in headers))
     manifest["deprecated"] = {k: v for k, v in sorted(hints.items()) if k in manifest["functions"]}
-    n_fields = layout.prove(manifest["records"], ["llama.h"], [include])
+    n_fields = layout.prove(manifest["records"], headers, [include])
     if keep is not None:
         keep["decls"] = decls
     return manifest, n_fields

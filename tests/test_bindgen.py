@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from bindgen import generate as gen
 from bindgen import layout
-from bindgen.cparse import BindgenError, ConstEval, parse, preprocess
+from bindgen.cparse import BindgenError, ConstEval, integer_macros, parse, preprocess
 from bindgen.report import build_report, compare, render_text
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler (gcc)")
@@ -703,3 +703,58 @@ def test_cffi_accepts_the_generated_cdef_twice(synth):
     f = cffi.FFI()
     f.cdef(decls.cdef)
     assert f.sizeof("struct syn_outer") == manifest["records"]["struct syn_outer"]["size"]
+
+
+# ---------------------------------------------------------------- optional headers (ggml-rpc.h)
+
+RPC_HEADER = r"""
+#pragma once
+#include "llama.h"
+#define SYN_RPC_MAJOR 7
+#define SYN_RPC_MINOR   0x10u  // a comment after the value
+#define SYN_RPC_NEG -3
+#define SYN_RPC_EXPR (1 << 4)
+#define SYN_RPC_GUARD
+SYN_API int32_t syn_rpc_version(void);
+SYN_API struct syn_point syn_rpc_where(const char * endpoint);
+"""
+
+RPC_IMPL = r"""
+#include "ggml-rpc.h"
+int32_t syn_rpc_version(void) { return SYN_RPC_MAJOR; }
+struct syn_point syn_rpc_where(const char * endpoint) { struct syn_point p = {(int32_t)endpoint[0], 9}; return p; }
+"""
+
+
+def test_integer_macros_read_from_the_text():
+    text = ("#define A 7\n#  define B 0x1Fu\n#define C -2 /* c */\n#define D (1 << 2)\n"
+            "#define E\n#define F(x) (x)\n#define G 010\n  #define H 5UL // h\n")
+    assert integer_macros(text) == {"A": 7, "B": 31, "C": -2, "G": 8, "H": 5}
+
+
+def test_an_optional_header_present_is_bound_with_its_integer_macros(tmp_path, monkeypatch):
+    """A build whose include/ has ggml-rpc.h: its functions and integer #defines come
+    through the generated module and are callable; llama.h's own declarations stay."""
+    build = make_build(tmp_path, impl=None)
+    (build / "include" / "ggml-rpc.h").write_text(RPC_HEADER)
+    (build / "impl.c").write_text(IMPL + RPC_IMPL)
+    subprocess.run(["gcc", "-std=c11", "-O1", "-shared", "-fPIC", "-w", "-I", str(build / "include"),
+                    "-o", str(build / "lib" / "libllama.so"), str(build / "impl.c")],
+                   check=True, capture_output=True, text=True)
+    monkeypatch.setenv("CLICKPACA_CACHE", str(tmp_path / "cache"))
+    manifest = gen.generate(build, quiet=True)
+    assert {"syn_rpc_version", "syn_rpc_where", "syn_add"} <= set(manifest["functions"])
+    assert {"SYN_RPC_MAJOR": 7, "SYN_RPC_MINOR": 16, "SYN_RPC_NEG": -3}.items() <= manifest["constants"].items()
+    assert "SYN_RPC_EXPR" not in manifest["constants"] and "SYN_RPC_GUARD" not in manifest["constants"]
+    assert set(manifest["stamp"]["headers"]) == {"llama.h", "ggml-rpc.h"}
+    module = import_module(build / "bindings" / "_llama_cffi.py", "_synthetic_rpc_cffi")
+    lib = module.ffi.dlopen(str(build / "lib" / "libllama.so"))
+    assert lib.syn_rpc_version() == lib.SYN_RPC_MAJOR == 7
+    p = lib.syn_rpc_where(b"A:1")
+    assert (p.x, p.y) == (65, 9)
+
+
+def test_without_the_optional_header_only_llama_h_is_bound(synth):
+    build, manifest, ffi, lib, module = synth
+    assert list(manifest["stamp"]["headers"]) == ["llama.h"]
+    assert not any(name.startswith("SYN_RPC") for name in manifest["constants"])
