@@ -1,4 +1,4 @@
-"""The `clickpaca` command: serve, demo, model, tok, bench, ppl, results."""
+"""The `clickpaca` command: serve, demo, model, tok, bench, ppl, results, rpc-server."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     return run_ppl(args)
 
 
+def cmd_rpc_server(args: argparse.Namespace) -> int:
+    from .rpc.worker import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="clickpaca", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -117,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-schema", type=int, help="peer: token limit of the schema loads (default 128)")
     p.add_argument("--mixed", type=int, help="peer: requests of the mixed-schema load (default 64)")
     p.add_argument("--ctx-per-seq", type=int, help="peer: KV cells per request (default 512)")
+    p.add_argument("--rpc", default=None,
+                   help="decode / batch: also on RPC workers, side by side with local: "
+                        "'loopback' (starts two on 127.0.0.1) or host:port,host:port")
+    p.add_argument("--rpc-layers", type=int, default=99,
+                   help="decode / batch --rpc: nGpuLayers of the RPC sides (default 99: all)")
     p.add_argument("--model")
     p.add_argument("--build", default="mainline")
     p.add_argument("--deterministic", action="store_true",
@@ -143,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("rpc-server", help="run an RPC worker (llama.cpp's rpc-server of a build) "
+                       "that holds part of a model for a server elsewhere")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; the protocol has no authentication: "
+                        "see docs/SCALE-OUT.md before binding anything else)")
+    p.add_argument("--port", type=int, default=50052, help="port (default 50052)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: half the cores)")
+    p.add_argument("--build", default="mainline",
+                   help="the build whose rpc-server runs; must match the server's build")
+    p.add_argument("--cache", action="store_true",
+                   help="keep received weights in llama.cpp's local cache (faster reloads)")
+    p.set_defaults(func=cmd_rpc_server)
 
     from .results.cli import add_parser as add_results
 
