@@ -69,22 +69,44 @@ class Model(_Owned):
     _free = "llama_model_free"
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 99,
-                 build: str = "mainline", nat: Native | None = None, repack: bool = True) -> None:
+                 build: str = "mainline", nat: Native | None = None, repack: bool = True,
+                 devices: Any = None, tensor_split: list[float] | None = None) -> None:
         """`repack` False keeps the weights in their file layout (use_extra_bufts off): the
         repacked CPU kernels take a GEMM path for blocks of rows and a GEMV path for the
-        rest, so a token's result would depend on how many share its decode."""
+        rest, so a token's result would depend on how many share its decode.
+        `devices`: a NULL-terminated ggml_backend_dev_t array to offload to instead of
+        every device the registry has (e.g. RPC workers'); `tensor_split`: the share of
+        the offloaded layers per device (llama.cpp normalises it)."""
         self.path = check_gguf(path)
         self.nat = nat or load(build)
-        log_sink(self.nat)
+        sink = log_sink(self.nat)
         ffi, lib = self.nat.ffi, self.nat.lib
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = repack
         self.repack = repack
-        self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if devices is not None:
+            params.devices = devices
+        if tensor_split is not None:
+            n = int(lib.llama_max_devices())
+            if len(tensor_split) > n:
+                raise ModelError(f"tensorSplit: {len(tensor_split)} values, this build takes at most {n}")
+            split = ffi.new("float[]", list(tensor_split) + [0.0] * (n - len(tensor_split)))
+            params.tensor_split = split  # read during the load only
+        # The load's log says where each layer and buffer went (rpc/devices.py reads it).
+        sink.captured.clear()
+        sink.capture = True
+        try:
+            self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        finally:
+            sink.capture = False
+        self.load_log = list(sink.captured)
+        sink.captured.clear()
         if self.ptr == ffi.NULL:
-            raise ModelError(f"llama.cpp could not load {self.path} (see the log on stderr)")
+            errors = [line.strip() for line in self.load_log if "error" in line.lower()][-3:]
+            raise ModelError(f"llama.cpp could not load {self.path}"
+                             + (f": {' / '.join(errors)}" if errors else " (see the log on stderr)"))
         self.vocab = lib.llama_model_get_vocab(self.ptr)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
@@ -333,6 +355,7 @@ class Context(_Owned):
             self.ptr = lib.llama_init_from_model(model.ptr, p)
         finally:
             sink.capture = False
+        self.init_log = list(sink.captured)  # buffer sizes per device (rpc/devices.py)
         if self.ptr == ffi.NULL:
             tail = "".join(sink.captured[-5:]).strip()
             raise ContextError(f"llama.cpp could not create the context: {tail or 'see the log'}")

@@ -137,6 +137,37 @@ def _str_list(name: str, v: Any) -> list[str]:
     return v
 
 
+MAX_RPC_SERVERS = 16  # GGML_RPC_MAX_SERVERS in ggml-rpc.h
+
+
+def _endpoints(name: str, v: Any) -> tuple[str, ...]:
+    """rpcServers: distinct "host:port" strings (rpc/wire.py parses them)."""
+    from .rpc.wire import parse_endpoint
+
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"{name}: must be a non-empty list of \"host:port\" strings, got {_show(v)}")
+    if len(v) > MAX_RPC_SERVERS:
+        raise ValueError(f"{name}: at most {MAX_RPC_SERVERS} workers, got {len(v)}")
+    for item in v:
+        try:
+            parse_endpoint(item)
+        except ValueError as e:
+            raise ValueError(f"{name}: {_show(item)}: {e}") from None
+    if len(set(v)) != len(v):
+        raise ValueError(f"{name}: a worker is listed twice")
+    return tuple(v)
+
+
+def _shares(name: str, v: Any) -> tuple[float, ...]:
+    """tensorSplit: the share of the offloaded layers per device (normalised by llama.cpp)."""
+    if not isinstance(v, list) or not v or len(v) > MAX_RPC_SERVERS:
+        raise ValueError(f"{name}: must be a list of 1..{MAX_RPC_SERVERS} numbers, got {_show(v)}")
+    out = [_num(0.0)(name, x) for x in v]
+    if not any(out):
+        raise ValueError(f"{name}: at least one share must be > 0")
+    return tuple(out)
+
+
 def _with_params(name: str, v: Any) -> Any:
     """Marks the sampler fields: never checked one by one, but together by SamplerParams
     (InferRequest.check_across), which also decides which bad field to report first."""
@@ -337,6 +368,13 @@ class InitRequest(Request):
     kvUnified: bool = wire(_bool, True)
     stateDir: str | None = wire(_opt(_str(True)), None)
     deterministic: bool = wire(_bool, False)  # docs/DETERMINISM.md
+    # RPC workers (docs/SCALE-OUT.md): "host:port" each, the offloaded layers' share per
+    # worker device, seconds without progress before a worker counts as lost, and the
+    # output layer's weights kept local (its logits then never cross the network)
+    rpcServers: tuple[str, ...] | None = wire(_opt(_endpoints), None)
+    tensorSplit: tuple[float, ...] | None = wire(_opt(_shares), None)
+    rpcTimeout: float = wire(_num(0.1, 86400.0), 120.0)
+    outputLocal: bool = wire(_bool, False)
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:

@@ -9,11 +9,16 @@ exits; `{"type": "quit", "now": true}` cancels them instead.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import socket
 import sys
 import threading
+import time
 import traceback
-from typing import BinaryIO, Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Iterator
 
 from .protocol import MAX_LINE_BYTES, ProtocolError, Request, encode, error_event, parse_line
 from .engine import Engine, Session
@@ -91,17 +96,27 @@ def reader(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engin
         inbox.put((session, EOF))
 
 
-def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) -> None:
+@dataclass
+class LoopState:
+    """What the request loop knows across turns; kept outside it so that a take-over
+    after a lost RPC worker (`take_over`) goes on where the blocked loop stopped."""
+
+    open_inputs: int = 1
+    quitting: bool = False
+    thread: int = field(default_factory=threading.get_ident)  # the engine thread
+
+
+def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1,
+             state: LoopState | None = None) -> None:
     """Apply requests between ticks until every input has ended and no work is left."""
-    open_inputs = sessions_open
-    quitting = False
+    st = state or LoopState(open_inputs=sessions_open)
+    st.thread = threading.get_ident()
     engine.post = lambda fn: inbox.put((None, fn))  # state-file completions (engine/stateio.py)
 
     def apply(item) -> None:
-        nonlocal open_inputs, quitting
         session, req = item
         if req is EOF:
-            open_inputs -= 1
+            st.open_inputs -= 1
             return
         if isinstance(req, ProtocolError):
             session.send(req.event())
@@ -109,11 +124,11 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
         if callable(req):  # a transport's own action (e.g. a socket client went away)
             req()
             return
-        if quitting and req.type != "quit":
+        if st.quitting and req.type != "quit":
             session.send(error_event("the server is shutting down", req.reply_seq_id, req.type))
             return
         if req.type == "quit":
-            quitting = True
+            st.quitting = True
         try:
             engine.handle(session, req)
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
@@ -122,7 +137,7 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
                                      req.reply_seq_id, req.type))
 
     while True:
-        if not engine.has_work() and ((open_inputs > 0 and not quitting) or engine.io_pending()):
+        if not engine.has_work() and ((st.open_inputs > 0 and not st.quitting) or engine.io_pending()):
             apply(inbox.get())
         while True:
             try:
@@ -136,9 +151,88 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1) 
                 traceback.print_exc(file=sys.stderr)
                 engine.fail_all(f"internal error during a tick: {type(e).__name__}: {e}")
         flush()
-        if ((open_inputs <= 0 or quitting) and not engine.has_work() and not engine.io_pending()
+        if ((st.open_inputs <= 0 or st.quitting) and not engine.has_work() and not engine.io_pending()
                 and inbox.empty()):
             return
+
+
+# Exit status of a server that lost an RPC worker and then reached the end of its input.
+EXIT_WORKER_LOST = 3
+
+
+def wait_until_blocked(thread_id: int, settle: float = 0.3) -> None:
+    """Until the thread sits still in one place (blocked in a native call: the engine
+    thread waiting on a lost worker) for `settle` seconds. The abort can come a moment
+    before that thread reaches its wait; taking over its state earlier would race it."""
+    if thread_id == threading.get_ident():
+        return
+    last, since = None, time.monotonic()
+    while time.monotonic() - since < settle:
+        frame = sys._current_frames().get(thread_id)
+        where = (frame.f_code, frame.f_lasti) if frame is not None else None
+        if where != last:
+            last, since = where, time.monotonic()
+        time.sleep(0.02)
+
+
+class SignalPipe:
+    """SIGINT and SIGTERM for a process whose main thread may be blocked for good.
+
+    Python runs signal handlers on the main thread only; after a lost RPC worker that
+    thread sits inside llama_decode and never will. Python's C-level handler still
+    writes each signal's number to the wakeup fd set here (on the main thread, at
+    start), and `watch` reads them on a thread of its own."""
+
+    def __init__(self) -> None:
+        self.r: socket.socket | None = None
+        try:
+            r, w = socket.socketpair()
+            w.setblocking(False)
+            signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+            self.r, self._w = r, w
+        except (ValueError, OSError):  # not the main thread (an in-process server): no pipe
+            pass
+
+    def watch(self, on_stop: Callable[[], None]) -> None:
+        """Call on_stop at every SIGINT or SIGTERM from now on (also one already waiting)."""
+        if self.r is None:
+            return
+        stops = {int(signal.SIGINT), int(signal.SIGTERM)}
+
+        def loop() -> None:
+            while True:
+                data = self.r.recv(64)
+                if not data:
+                    return
+                if stops & set(data):
+                    on_stop()
+
+        threading.Thread(target=loop, daemon=True, name="signals").start()
+
+
+def take_over(engine: Engine, inbox: queue.Queue, flush: Callable[[], None], state: LoopState,
+              message: str, finish: Callable[[], None] | None = None,
+              signals: SignalPipe | None = None, stop: Callable[[], None] | None = None) -> None:
+    """After a lost RPC worker, on the thread that lost it (rpc/loss.py): the engine
+    thread is blocked for good, so this thread ends what was running with errors naming
+    the worker, then answers every request until the input ends (quit, end of input,
+    SIGINT/SIGTERM through `signals`, which call `stop`), and ends the process. Never
+    returns."""
+    try:
+        wait_until_blocked(state.thread)
+        engine.lose(message)
+        flush()
+        if signals is not None and stop is not None:
+            signals.watch(stop)
+        run_loop(engine, inbox, flush, state=state)
+        flush()
+        if finish is not None:
+            finish()
+    except BaseException:  # noqa: BLE001 - the process must still end
+        traceback.print_exc(file=sys.stderr)
+    finally:
+        sys.stderr.flush()
+        os._exit(EXIT_WORKER_LOST)
 
 
 def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
@@ -151,10 +245,15 @@ def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
     session = Session(send=writer.send)
     inbox: queue.Queue = queue.Queue()
     engine = Engine(state_dir=state_dir, allow_any_path=allow_any_path)
+    state = LoopState(open_inputs=1)
+    signals = SignalPipe()
+    engine.on_worker_lost = lambda message: take_over(
+        engine, inbox, writer.flush, state, message, signals=signals,
+        stop=lambda: inbox.put((session, EOF)))
     t = threading.Thread(target=reader, args=(stdin, inbox, session, engine), daemon=True, name="reader")
     t.start()
     try:
-        run_loop(engine, inbox, writer.flush)
+        run_loop(engine, inbox, writer.flush, state=state)
     finally:
         writer.flush()
         engine.shutdown()

@@ -35,7 +35,7 @@ import orjson
 from .engine import Engine, Session
 from .prepare import prepare
 from .protocol import InitRequest, ProtocolError, encode, error_event, validate
-from .server import EOF, parse_or_error, read_lines, run_loop
+from .server import EOF, LoopState, SignalPipe, parse_or_error, read_lines, run_loop, take_over
 
 
 class ClientConn:
@@ -139,9 +139,13 @@ class SocketServer:
 
     def answer_init(self, conn: ClientConn, line: bytes) -> None:
         raw = orjson.loads(line)
+        if self.engine.lost is not None:
+            conn.session.send(error_event(self.engine.lost_answer(), -1, "init"))
+            return
         running = self.engine.ready_event or {}
         names = {"nCtx": "nCtx", "nSeqMax": "nSeqMax", "nBatch": "nBatch", "stateDir": "stateDir",
-                 "cacheTypeK": "cacheTypeK", "cacheTypeV": "cacheTypeV", "build": "build"}
+                 "cacheTypeK": "cacheTypeK", "cacheTypeV": "cacheTypeV", "build": "build",
+                 "rpcServers": "rpcServers", "tensorSplit": "tensorSplit"}
         differ = [f"{k}={raw[k]!r} (running: {running.get(v)!r})" for k, v in names.items()
                   if k in raw and raw[k] != running.get(v)]
         if "modelPath" in raw and raw["modelPath"] is not None and raw["modelPath"] != running["model"]["path"]:
@@ -205,7 +209,25 @@ class SocketServer:
             threading.Thread(target=conn.writer, daemon=True, name=f"{conn.name}-w").start()
             threading.Thread(target=conn.reader, daemon=True, name=f"{conn.name}-r").start()
 
+    def cleanup(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
     def run(self) -> int:
+        state = LoopState(open_inputs=1)
+        signals = SignalPipe()
+
+        def lost(message: str) -> None:
+            if self.listener is None:  # during the start's init: nobody to answer, just end
+                print(f"clickpaca: init failed: {message}", file=sys.stderr, flush=True)
+                os._exit(1)
+            take_over(self.engine, self.inbox, self.flush, state, message, finish=self.cleanup,
+                      signals=signals, stop=lambda: self.inbox.put((self.admin, EOF)))
+        self.engine.on_worker_lost = lost
         self.engine.handle(self.admin, self.init_request)
         if self.engine.ready_event is None:
             print(f"clickpaca: init failed: {self.init_error}", file=sys.stderr)
@@ -220,14 +242,9 @@ class SocketServer:
         signal.signal(signal.SIGINT, stop)
         threading.Thread(target=self.accept_loop, daemon=True, name="accept").start()
         try:
-            run_loop(self.engine, self.inbox, self.flush, sessions_open=1)
+            run_loop(self.engine, self.inbox, self.flush, state=state)
         finally:
-            if self.listener is not None:
-                self.listener.close()
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.cleanup()
             self.engine.shutdown()
         return 0
 

@@ -55,7 +55,12 @@ class Engine:
         # How a worker thread hands work back to this (the engine) thread: the server
         # loop sets it (run_loop); None = in-process use, state-file jobs run in place.
         self.post: Callable[[Callable[[], None]], None] | None = None
-        self.io = StateIO(lambda: self.post, self._resume)
+        self.io = StateIO(lambda: self.post, self._resume, refuse=lambda: self.lost)
+        # A lost RPC worker (rpc/loss.py): the message every request is answered with from
+        # then on, and the server's take-over (server.py) that keeps answering.
+        self.lost: str | None = None
+        self.on_worker_lost: Callable[[str], None] | None = None
+        self._current: tuple[Session, Request] | None = None  # the request being handled
 
     @property
     def ready_event(self) -> dict | None:
@@ -79,8 +84,13 @@ class Engine:
 
     def _apply(self, session: Session, req: Request) -> None:
         kind = req.type
+        if self.lost is not None:
+            if kind != "quit":  # (quit needs no answer: the loop ends)
+                session.send(self.lost_error(req))
+            return
         if self.seqs is not None:
             self.seqs.taken = []
+        self._current = (session, req)
         try:
             if isinstance(req, InitRequest):
                 self._init(session, req)
@@ -97,6 +107,8 @@ class Engine:
         except BaseException:
             self._give_back()
             raise
+        finally:
+            self._current = None
 
     def _resume(self, session: Session) -> None:
         """The session's state files are done: apply its held requests, in order, until
@@ -119,15 +131,51 @@ class Engine:
         if self.rt is not None:
             raise ProtocolError("init: the server is already initialised (one init per process)",
                                 request="init")
-        self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path)
+        self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path,
+                                    on_worker_lost=self._worker_lost)
         self.seqs = Sequences(rt.ctx)
         self.handlers = Handlers(rt, self.seqs, self.io)
         self.scheduler = Scheduler(rt, self.seqs)
         session.send(rt.ready_event)
 
     def has_work(self) -> bool:
-        """Sequences to decode: the server loop ticks while this holds."""
-        return self.seqs is not None and bool(self.seqs.order)
+        """Sequences to decode: the server loop ticks while this holds (never after a lost
+        RPC worker: the engine thread is blocked then)."""
+        return self.lost is None and self.seqs is not None and bool(self.seqs.order)
+
+    # ------------------------------------------------------------ a lost RPC worker
+
+    def _worker_lost(self, message: str) -> None:
+        """Called on the thread that lost the worker (rpc/loss.py); the server's take-over
+        runs there and never returns. Without one, that thread just stays parked."""
+        if self.on_worker_lost is not None:
+            self.on_worker_lost(message)
+
+    def lost_error(self, req: Request) -> dict:
+        return error_event(self.lost_answer(), req.reply_seq_id, req.type)
+
+    def lost_answer(self) -> str:
+        """What every request gets after a lost worker."""
+        return f"{self.lost}; this server cannot decode any more (start it again with the workers running)"
+
+    def lose(self, message: str) -> None:
+        """The engine thread is blocked for good inside llama.cpp (a worker was lost): the
+        request it was handling and every running sequence end with an error naming the
+        worker, and from now on every request is answered with one. Nothing here calls
+        into llama.cpp: its state belongs to the blocked thread."""
+        self.lost = message
+        answered = None
+        if self._current is not None:
+            session, req = self._current
+            session.send(error_event(message, req.reply_seq_id, req.type))
+            answered = (session, req.reply_seq_id)
+        if self.seqs is not None:
+            self.seqs.frozen = True
+            for seq in list(self.seqs.order):
+                if (seq.session, seq.seq_id) == answered:
+                    self.seqs.release(seq)
+                else:
+                    self.seqs.fail(seq, message)
 
     def io_pending(self) -> bool:
         """State-file jobs whose answer has not been sent yet: the loop waits for them."""
@@ -145,7 +193,7 @@ class Engine:
     def close_session(self, session: Session) -> None:
         """A client went away: cancel its sequences, free their KV, forget its grammars
         and its private state files."""
-        if self.seqs is not None:
+        if self.seqs is not None:  # (after a lost worker: the books only, seqs.frozen)
             self.seqs.close_session(session)
         session.deferred.clear()
         session.grammars.clear()
@@ -153,6 +201,8 @@ class Engine:
             self.states.drop_namespace(session.namespace)
 
     def shutdown(self) -> None:
+        if self.lost is not None:
+            return  # the model is in use by the blocked thread: the process exit frees it
         if self.seqs is not None:
             self.seqs.finish_all("shutdown", notify=False)
         self.io.close()  # a save in progress completes its rename

@@ -5,15 +5,15 @@ save/load; and the `ready` event that describes them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from .. import chat, core, deterministic, statedir
+from .. import chat, core, deterministic, rpc, statedir
 from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
-from ..native import NativeError
+from ..native import NativeError, load
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
 
 
@@ -21,10 +21,12 @@ class Runtime:
     """The loaded model and everything built on it (`open`); `close` releases them in order."""
 
     def __init__(self, model: core.Model, ctx: core.Context, states: statedir.StateDir,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, workers: rpc.RpcDevices | None = None,
+                 loss: rpc.WorkerLoss | None = None) -> None:
         self.model, self.ctx = model, ctx
         self.states = states
         self.deterministic = deterministic
+        self.workers, self.loss = workers, loss
 
     def _start(self, req: InitRequest) -> None:
         model, ctx = self.model, self.ctx
@@ -56,12 +58,21 @@ class Runtime:
             model={"path": str(model.path), "description": model.description,
                    "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
                    "nCtxTrain": model.n_ctx_train, "addBos": model.add_bos},
+            nGpuLayers=req.nGpuLayers,
+            devices=rpc.device_rows(model.nat, self.workers, model.load_log + ctx.init_log),
         )
+        if self.workers is not None:
+            self.ready_event.update(rpcServers=[w.text for w in self.workers.workers],
+                                    rpcTimeout=self.workers.timeout,
+                                    tensorSplit=list(req.tensorSplit) if req.tensorSplit else None)
 
     @classmethod
-    def open(cls, req: InitRequest, state_dir: str | None = None, allow_any_path: bool = False) -> "Runtime":
+    def open(cls, req: InitRequest, state_dir: str | None = None, allow_any_path: bool = False,
+             on_worker_lost: Callable[[str], None] | None = None) -> "Runtime":
         """Load what a validated `init` request asks for; ProtocolError naming the field.
-        `state_dir` is the server's default (--state-dir) when the request has no stateDir."""
+        `state_dir` is the server's default (--state-dir) when the request has no stateDir.
+        With rpcServers, the workers are checked and connected first, and a worker lost
+        later calls `on_worker_lost` with a message naming it (rpc/loss.py)."""
         types = (req.cacheTypeK, req.cacheTypeV)
         build = req.build or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
         det = req.deterministic  # the edge (protocol.py) set its flashAttn and kvUnified
@@ -71,11 +82,19 @@ class Runtime:
             deterministic.apply_process_settings()
         try:
             path = resolve_model(req.modelPath)
-            model = core.Model(path, n_gpu_layers=req.nGpuLayers, build=build, repack=not det)
+            nat = load(build)
         except core.ModelError as e:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         except NativeError as e:
             raise ProtocolError(f"build: {e}", request="init") from None
+        workers, loss = open_workers(nat, req, types, on_worker_lost) if req.rpcServers else (None, None)
+        try:
+            model = core.Model(path, n_gpu_layers=req.nGpuLayers, nat=nat, repack=not det,
+                               devices=workers.dev_array if workers is not None else None,
+                               tensor_split=req.tensorSplit)
+        except core.ModelError as e:
+            close_workers(workers, loss)
+            raise ProtocolError(f"modelPath: {e}", request="init") from None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
                                n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
@@ -83,8 +102,9 @@ class Runtime:
                                kv_unified=req.kvUnified, swa_full=req.swaFull)
         except core.ContextError as e:
             model.close()
+            close_workers(workers, loss)
             raise ProtocolError(str(e), request="init") from None
-        rt = cls(model, ctx, states, det)
+        rt = cls(model, ctx, states, det, workers, loss)
         try:
             rt._start(req)
         except BaseException:
@@ -135,6 +155,40 @@ class Runtime:
                 pass
         self.ctx.close()
         self.model.close()
+        close_workers(self.workers, self.loss)
+
+
+def open_workers(nat, req: InitRequest, types: tuple[str, str], on_lost: Callable[[str], None] | None
+                 ) -> tuple[rpc.RpcDevices, rpc.WorkerLoss]:
+    """Check and connect the init's rpcServers (rpc/): ProtocolError naming the field.
+    The abort callback goes in first, so a worker lost while loading is a loss too."""
+    known = core.cache_types(nat)
+    kv = {f: (t, known[t]) for f, t in (("cacheTypeK", types[0]), ("cacheTypeV", types[1])) if t in known}
+    try:
+        rpc.protocol_version(nat)
+    except rpc.RpcUnavailable as e:
+        raise ProtocolError(f"rpcServers: {e}", request="init") from None
+    loss = rpc.WorkerLoss(nat, on_lost)
+    try:
+        workers = rpc.connect_workers(nat, req.rpcServers, req.rpcTimeout, kv)
+    except rpc.WorkerCheckError as e:
+        loss.close()
+        raise ProtocolError(str(e) if e.field != "rpcServers" else f"rpcServers: {e}", request="init") from None
+    loss.devices = workers
+    split = req.tensorSplit
+    if split is not None and len(split) != workers.n_devices:
+        close_workers(workers, loss)
+        raise ProtocolError(f"tensorSplit: {len(split)} values for {workers.n_devices} RPC devices "
+                            "(one share per device of the workers, in rpcServers order)", request="init")
+    return workers, loss
+
+
+def close_workers(workers: rpc.RpcDevices | None, loss: rpc.WorkerLoss | None) -> None:
+    """After the model and context are freed: the held connections, then the callback."""
+    if workers is not None:
+        workers.close()
+    if loss is not None:
+        loss.close()
 
 
 def attention_for(types: tuple[str, str], flash_attn: str) -> str:

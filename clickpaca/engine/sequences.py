@@ -95,6 +95,9 @@ class Sequences:
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
         self.order: list[Sequence] = []  # active (not held) sequences in arrival order
         self.taken: list[Sequence] = []  # slots taken by the request being handled (give_back)
+        # Set after a lost RPC worker: the context belongs to the engine thread, blocked for
+        # good inside llama.cpp, so endings only keep the books (no KV calls).
+        self.frozen = False
 
     def check_id(self, seq_id: int, kind: str, field_: str = "seq_id") -> None:
         if not 0 <= seq_id < self.ctx.n_seq_max:
@@ -128,7 +131,8 @@ class Sequences:
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's KV cells and slot at once; its seq_id is reusable now."""
-        self.ctx.seq_rm(seq.slot, -1, -1)
+        if not self.frozen:
+            self.ctx.seq_rm(seq.slot, -1, -1)
         if seq in self.order:
             self.order.remove(seq)
         if seq.session.seqs.get(seq.seq_id) is seq:
@@ -136,7 +140,7 @@ class Sequences:
         self.free_slots.append(seq.slot)
         for other in self.order:
             other.kv_wait = False
-        if len(self.free_slots) == self.ctx.n_seq_max:
+        if len(self.free_slots) == self.ctx.n_seq_max and not self.frozen:
             # Nothing is held or running: start the next requests from the first cells.
             # Otherwise new cells land after the freed ones and every later decode
             # attends over the larger span (measured: 64 sequences ran ~35% slower).

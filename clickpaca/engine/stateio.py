@@ -33,9 +33,13 @@ Post = Callable[[Callable[[], None]], None]
 class StateIO:
     """One worker thread and its FIFO of file jobs; `pending` counts unapplied jobs."""
 
-    def __init__(self, post: Callable[[], Post | None], resume: Callable[[Any], None]) -> None:
+    def __init__(self, post: Callable[[], Post | None], resume: Callable[[Any], None],
+                 refuse: Callable[[], str | None] = lambda: None) -> None:
         self._post = post  # looked up per job: the server loop sets it after init
         self._resume = resume  # called with a session whose last job was applied
+        # a message when completions must not touch the context any more (a lost RPC
+        # worker): each is then answered with it through its on_bug
+        self._refuse = refuse
         self._jobs: queue.Queue = queue.Queue()
         self.pending = 0  # submitted, completion not applied yet (engine thread only)
         self._thread: threading.Thread | None = None
@@ -70,7 +74,11 @@ class StateIO:
     def _done(self, session, then, result, error, on_bug) -> None:
         self.pending -= 1
         try:
-            self._apply(then, result, error, on_bug)
+            refused = self._refuse()
+            if refused is not None:
+                on_bug(refused)
+            else:
+                self._apply(then, result, error, on_bug)
         finally:
             session.io_pending -= 1
             if not session.io_pending:
