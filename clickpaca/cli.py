@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'loopback' (starts two on 127.0.0.1) or host:port,host:port")
     p.add_argument("--rpc-layers", type=int, default=99,
                    help="decode / batch --rpc: nGpuLayers of the RPC sides (default 99: all)")
+    p.add_argument("--rpc-output-local", action="store_true",
+                   help="decode / batch --rpc: the RPC sides keep the output layer local (outputLocal)")
     p.add_argument("--model")
     p.add_argument("--build", default="mainline")
     p.add_argument("--deterministic", action="store_true",

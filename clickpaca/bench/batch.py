@@ -1,4 +1,5 @@
-"""`clickpaca bench batch`: N sequences at once, server vs llama-batched-bench.
+"""`clickpaca bench batch`: N sequences at once, server vs llama-batched-bench (with
+--rpc: local against one and two RPC workers, bench/rpc.py).
 
 For each N in --seqs, N infers of the same prompt length P (--prompt-tokens) and the
 same generation length G (--tokens, end-of-generation banned so every sequence makes
@@ -130,8 +131,73 @@ def plot(out: dict[str, Any], path) -> None:
                f"{out['params']['threads']} threads", logx=True)
 
 
+def measure_rpc(args: Any) -> dict[str, Any]:
+    """--rpc: every N of --seqs on the local model, one worker, two workers (bench/rpc.py),
+    alternating rounds, a fresh server per side and round."""
+    from . import rpc
+
+    seqs = parse_list(args.seqs)
+    p, g, t, model = args.prompt_tokens, args.tokens, threads(args), model_path(args)
+    m0 = machine()
+    base = server_init(model, args.build, t, max(seqs), p, g)
+    with rpc.workers(args.rpc, args.build, t) as endpoints:
+        servers = rpc.side_servers(base, endpoints, args.rpc_layers, args.rpc_output_local)
+
+        def side(init: dict[str, Any]):
+            def run_once(r: int) -> dict[int, dict[str, Any]]:
+                out = {}
+                with Server(init) as server:
+                    eps = init.get("rpcServers", [])
+                    for n in seqs:
+                        before = rpc.traffic(eps)
+                        st = run_server_group(server, n, p, g, {"temperature": 0, **server.ban_eog()})
+                        moved = rpc.delta(before, rpc.traffic(eps)) if eps else None
+                        out[n] = {"tps": st["wall_tps"], "tokens": st["tokens"], "bytes": moved,
+                                  "bytes_per_token": rpc.per_token(moved, n * g),
+                                  "devices": rpc.where(server.ready), "problems": list(server.problems)}
+                return out
+            return run_once
+
+        res = alternate({name: side(init) for name, init in servers}, args.repeats, "batch --rpc")
+    rows = []
+    for n in seqs:
+        per_side = {name: {"tps": summary([x[n]["tps"] for x in runs]),
+                           "tokens": [x[n]["tokens"] for x in runs],
+                           "bytes_per_token": runs[-1][n]["bytes_per_token"],
+                           "bytes_samples": [x[n]["bytes"] for x in runs],
+                           "devices": runs[-1][n]["devices"]}
+                    for name, runs in res.items()}
+        rows.append({"seqs": n, "sides": per_side})
+        progress("batch --rpc N=" + str(n) + ": " + ", ".join(
+            f"{name} {s['tps']['median']} tok/s" for name, s in per_side.items()))
+    notes = ["tok/s = token events per second while all N sequences generate (as bench batch), "
+             f"medians of {args.repeats} alternating rounds",
+             f"RPC sides: nGpuLayers {args.rpc_layers}, layers split evenly over the workers, "
+             f"outputLocal {str(bool(args.rpc_output_local)).lower()}",
+             "bytes/token = bytes sent + received on the connections to the workers while the N "
+             f"sequences ran (kernel counters via ss; their {p}-token prompts included) / the N x {g} "
+             "generated tokens"]
+    return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t, "repeats": args.repeats,
+                       "build": args.build, "model": model, "rpc": args.rpc, "rpc_layers": args.rpc_layers,
+                       "rpc_output_local": bool(args.rpc_output_local),
+                       "endpoints": endpoints},
+            "machine_start": m0, "rows": rows, "notes": notes}
+
+
+def table_rpc(out: dict[str, Any]) -> str:
+    from . import rpc
+
+    names = list(out["rows"][0]["sides"]) if out["rows"] else []
+    return rpc.table(names, [(r["seqs"], r["sides"]) for r in out["rows"]], "seqs")
+
+
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args, seqs="1,2,4,8,16,32,64")
+    if getattr(args, "rpc", None):
+        out = measure_rpc(args)
+        emit(out_dir(args), "batch-rpc", out, table_rpc(out),
+             "Batched generation: local against RPC workers (tokens/s)")
+        return out
     out = measure(args)
     emit(out_dir(args), "batch", out, table(out), "Batched generation (tokens/s)")
     if args.plot:

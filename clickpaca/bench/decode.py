@@ -1,4 +1,5 @@
-"""`clickpaca bench decode`: single-sequence decode speed, server vs llama-bench tg.
+"""`clickpaca bench decode`: single-sequence decode speed, server vs llama-bench tg
+(with --rpc: local against one and two RPC workers, bench/rpc.py).
 
 One server (started once; start-up is not measured) and `llama-bench -p 0 -n N -t T`
 of the same build, model and threads run alternately, `--repeats` rounds. The server
@@ -122,8 +123,71 @@ def table(out: dict[str, Any]) -> str:
     return text
 
 
+def measure_rpc(args: Any) -> dict[str, Any]:
+    """--rpc: greedy decode of N tokens on the local model, one worker, two workers
+    (bench/rpc.py), alternating rounds, a fresh server per side and round."""
+    from . import rpc
+
+    n, t, model = args.tokens, threads(args), model_path(args)
+    m0 = machine()
+    base = {"modelPath": model, "nCtx": max(512, n + 64), "nSeqMax": 1, "nBatch": 512,
+            "nThreads": t, "build": args.build}
+    with rpc.workers(args.rpc, args.build, t) as endpoints:
+        servers = rpc.side_servers(base, endpoints, args.rpc_layers, args.rpc_output_local)
+
+        def side(init: dict[str, Any]):
+            def run_once(r: int) -> dict[str, Any]:
+                with Server(init) as server:
+                    eps = init.get("rpcServers", [])
+                    before = rpc.traffic(eps)
+                    [run] = run_group(server, [exact_prompt(PROMPT_TOKENS)],
+                                      {"maxTokens": n, "reusePrefix": False, "temperature": 0,
+                                       **server.ban_eog()})
+                    moved = rpc.delta(before, rpc.traffic(eps)) if eps else None
+                    # n decodes (the prompt's, then one per token), each sampling one token
+                    return {"tps": run.wall_tps, "eval_tps": run.final.get("eval_tps"),
+                            "tokens": run.tokens, "bytes": moved,
+                            "bytes_per_token": rpc.per_token(moved, n), "devices": rpc.where(server.ready),
+                            "problems": server.problems}
+            return run_once
+
+        res = alternate({name: side(init) for name, init in servers}, args.repeats, "decode --rpc")
+    per_side = {name: {"tps": summary([x["tps"] for x in runs]),
+                       "eval_tps": summary([x["eval_tps"] for x in runs]),
+                       "tokens": [x["tokens"] for x in runs],
+                       "bytes_per_token": runs[-1]["bytes_per_token"],
+                       "bytes_samples": [x["bytes"] for x in runs],
+                       "devices": runs[-1]["devices"],
+                       "problems": [p for x in runs for p in x["problems"]]}
+                for name, runs in res.items()}
+    notes = ["tok/s = token events per second between the first and the last token (greedy, "
+             f"{n} tokens, end-of-generation banned), medians of {args.repeats} alternating rounds",
+             f"RPC sides: nGpuLayers {args.rpc_layers}, layers split evenly over the workers, "
+             f"outputLocal {str(bool(args.rpc_output_local)).lower()}",
+             "bytes/token = bytes sent + received on the connections to the workers during the run "
+             f"(kernel counters via ss; the {PROMPT_TOKENS}-token prompt included) / the {n} generated "
+             "tokens (one decode each)"]
+    return {"params": {"tokens": n, "threads": t, "repeats": args.repeats, "build": args.build,
+                       "model": model, "prompt_tokens": PROMPT_TOKENS, "rpc": args.rpc,
+                       "rpc_layers": args.rpc_layers, "rpc_output_local": bool(args.rpc_output_local),
+                       "endpoints": endpoints},
+            "machine_start": m0, "sides": per_side, "notes": notes}
+
+
+def table_rpc(out: dict[str, Any]) -> str:
+    from . import rpc
+
+    names = list(out["sides"])
+    return rpc.table(names, [(f"decode {out['params']['tokens']} tokens", out["sides"])], "load")
+
+
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args)
+    if getattr(args, "rpc", None):
+        out = measure_rpc(args)
+        emit(out_dir(args), "decode-rpc", out, table_rpc(out),
+             "Single-sequence decode: local against RPC workers (tokens/s)")
+        return out
     out = measure(args)
     emit(out_dir(args), "decode", out, table(out), "Single-sequence decode (tokens/s)")
     return out
