@@ -70,13 +70,16 @@ class Model(_Owned):
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 99,
                  build: str = "mainline", nat: Native | None = None, repack: bool = True,
-                 devices: Any = None, tensor_split: list[float] | None = None) -> None:
+                 devices: Any = None, tensor_split: list[float] | None = None,
+                 cpu_tensors: str | None = None) -> None:
         """`repack` False keeps the weights in their file layout (use_extra_bufts off): the
         repacked CPU kernels take a GEMM path for blocks of rows and a GEMV path for the
         rest, so a token's result would depend on how many share its decode.
         `devices`: a NULL-terminated ggml_backend_dev_t array to offload to instead of
         every device the registry has (e.g. RPC workers'); `tensor_split`: the share of
-        the offloaded layers per device (llama.cpp normalises it)."""
+        the offloaded layers per device (llama.cpp normalises it); `cpu_tensors`: a
+        regular expression of tensor names whose weights stay in local CPU memory
+        wherever their layer goes (llama.cpp's tensor buffer overrides)."""
         self.path = check_gguf(path)
         self.nat = nat or load(build)
         sink = log_sink(self.nat)
@@ -94,6 +97,12 @@ class Model(_Owned):
                 raise ModelError(f"tensorSplit: {len(tensor_split)} values, this build takes at most {n}")
             split = ffi.new("float[]", list(tensor_split) + [0.0] * (n - len(tensor_split)))
             params.tensor_split = split  # read during the load only
+        if cpu_tensors is not None:
+            overrides = ffi.new("struct llama_model_tensor_buft_override[2]")  # NULL-terminated
+            pattern = ffi.new("char[]", cpu_tensors.encode())
+            overrides[0].pattern = pattern
+            overrides[0].buft = lib.ggml_backend_cpu_buffer_type()
+            params.tensor_buft_overrides = overrides  # read during the load only
         # The load's log says where each layer and buffer went (rpc/devices.py reads it).
         sink.captured.clear()
         sink.capture = True

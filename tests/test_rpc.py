@@ -181,6 +181,27 @@ def test_grammar_bias_and_several_sequences_in_one_batch(local, remote):
     assert ban not in [t[0] for t in runs["remote"][2]]
 
 
+def test_output_layer_kept_local(local, remote, tmp_path):
+    """outputLocal: the vocabulary projection stays on the local CPU (the logits do not
+    cross the network); the worker holds less, and greedy output stays the local run's."""
+    ws = start_local(2, WORKER_BUILD, threads=1, log_dir=tmp_path)
+    try:
+        c = remote_server([w.text for w in ws], outputLocal=True)
+        try:
+            cpu, w0, w1 = c.ready["devices"]
+            assert c.ready["outputLocal"] is True
+            assert cpu["layers"] == [*range(0, 7), 18] and w1["layers"] == list(range(13, 18))
+            assert w1["modelMiB"] < remote.ready["devices"][2]["modelMiB"]
+            out = greedy(c, 0)
+            assert same_up_to_a_near_tie(greedy(local, 0), out)
+            assert greedy(c, 1) == out  # bit for bit, run to run
+        finally:
+            c.close()
+    finally:
+        for w in ws:
+            w.stop()
+
+
 def test_quantized_kv_cache_on_the_workers(tmp_path):
     """q8_0 K and V held by the workers (their CPU backend runs the same kernels). Workers
     of its own: a worker serves one client at a time, and `remote` holds the others."""

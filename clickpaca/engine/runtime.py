@@ -17,6 +17,12 @@ from ..native import NativeError, load
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
 
 
+# outputLocal: the vocabulary projection's weights (a model's own output matrix, or the
+# token embeddings it shares with its input) stay local, so a decode's logits are computed
+# here instead of crossing the network (1 MiB per token for a 262,144-token vocabulary).
+OUTPUT_TENSORS = r"^(output|token_embd)\.weight$"
+
+
 class Runtime:
     """The loaded model and everything built on it (`open`); `close` releases them in order."""
 
@@ -59,7 +65,9 @@ class Runtime:
                    "sizeBytes": model.size_bytes, "nLayer": model.n_layer,
                    "nCtxTrain": model.n_ctx_train, "addBos": model.add_bos},
             nGpuLayers=req.nGpuLayers,
-            devices=rpc.device_rows(model.nat, self.workers, model.load_log + ctx.init_log),
+            outputLocal=bool(req.outputLocal),
+            devices=rpc.device_rows(model.nat, self.workers, model.load_log + ctx.init_log,
+                                    output_layer=model.n_layer if req.outputLocal else None),
         )
         if self.workers is not None:
             self.ready_event.update(rpcServers=[w.text for w in self.workers.workers],
@@ -91,7 +99,8 @@ class Runtime:
         try:
             model = core.Model(path, n_gpu_layers=req.nGpuLayers, nat=nat, repack=not det,
                                devices=workers.dev_array if workers is not None else None,
-                               tensor_split=req.tensorSplit)
+                               tensor_split=req.tensorSplit,
+                               cpu_tensors=OUTPUT_TENSORS if req.outputLocal else None)
         except core.ModelError as e:
             close_workers(workers, loss)
             raise ProtocolError(f"modelPath: {e}", request="init") from None

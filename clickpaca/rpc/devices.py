@@ -223,16 +223,21 @@ def buffer_sizes(lines: list[str]) -> dict[tuple[str, str], float]:
     return out
 
 
-def device_rows(nat, workers: RpcDevices | None, log_lines: list[str]) -> list[dict]:
+def device_rows(nat, workers: RpcDevices | None, log_lines: list[str],
+                output_layer: int | None = None) -> list[dict]:
     """One row per device for `ready`: the local CPU first, then each worker's devices,
     with free and total memory and what each holds: its layers (layer nLayer is the
     output layer) and its model / KV / compute buffers in MiB, as llama.cpp logged them
-    while loading the model and creating the context."""
+    while loading the model and creating the context. `output_layer`: the output layer's
+    index when its weights were kept local (outputLocal): it is listed on the CPU."""
     ffi, lib = nat.ffi, nat.lib
     if not all(hasattr(lib, f) for f in ("ggml_backend_dev_by_type", "ggml_backend_dev_memory",
                                          "ggml_backend_dev_name", "ggml_backend_dev_description")):
         return []  # an older llama.cpp without ggml's device API
     layers = assigned_layers(log_lines)
+    if output_layer is not None:
+        layers = {d: [i for i in ls if i != output_layer] for d, ls in layers.items()}
+        layers["CPU"] = sorted(layers.get("CPU", []) + [output_layer])
     buffers = buffer_sizes(log_lines)
     cpu = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
     rows = []
