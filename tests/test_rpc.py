@@ -329,7 +329,8 @@ def test_a_worker_busy_with_another_server_is_an_init_error(remote, workers):
 
 @pytest.mark.turboquant
 def test_a_kv_cache_type_the_workers_lack_is_refused(tmp_path):
-    """A turboquant server with mainline workers: turbo3 is no ggml type of theirs."""
+    """A turboquant server with mainline workers: turbo3 is no ggml type of theirs (and a
+    worker of the turboquant build holds it)."""
     if not (build_dir("turboquant") / "build-info.json").exists():
         pytest.fail("builds/turboquant is missing: run `make turboquant`")
     [w] = start_local(1, WORKER_BUILD, threads=1, log_dir=tmp_path)
@@ -352,6 +353,18 @@ def test_a_kv_cache_type_the_workers_lack_is_refused(tmp_path):
             ok.close()
     finally:
         w.stop()
+    # a worker of the turboquant build holds a turbo3 cache
+    [tq] = start_local(1, "turboquant", threads=1, log_dir=tmp_path)
+    try:
+        c = spawn_server(build="turboquant", cacheTypeK="q8_0", cacheTypeV="turbo3", rpcServers=[tq.text],
+                         **BASE, **{"nGpuLayers": 99})
+        try:
+            assert c.ready["devices"][1]["kvMiB"] > 0
+            assert len(greedy(c, 0, n=4)) == 4
+        finally:
+            c.close()
+    finally:
+        tq.stop()
 
 
 # ------------------------------------------------------------------ lost mid-run
