@@ -10,20 +10,19 @@
 
 from __future__ import annotations
 
-from .devices import RpcDevices, device_rows
+from .devices import RpcDevices, RpcUnavailable, device_rows
 from .loss import WorkerLoss
 from .wire import Endpoint, WorkerCheckError, check_worker, parse_endpoint
-
-class RpcUnavailable(RuntimeError):
-    """This build has no RPC backend."""
-
 
 def protocol_version(nat) -> tuple[int, int, int]:
     """The RPC protocol this build speaks (ggml-rpc.h's macros, through the bindings)."""
     lib = nat.lib
-    if not hasattr(lib, "ggml_backend_rpc_init") or not hasattr(lib, "RPC_PROTO_MAJOR_VERSION"):
-        raise RpcUnavailable(f"build {nat.name!r} has no RPC backend (configure it with "
-                             "GGML_RPC=ON and run `make bindgen`)")
+    missing = [n for n in ("ggml_backend_rpc_init", "ggml_backend_rpc_add_server", "RPC_PROTO_MAJOR_VERSION")
+               if not hasattr(lib, n)]
+    if missing:
+        raise RpcUnavailable(f"build {nat.name!r} has no usable RPC backend (its bindings lack "
+                             f"{', '.join(missing)}): build llama.cpp newer than b6170 with GGML_RPC=ON "
+                             "and run `make bindgen`")
     return (int(lib.RPC_PROTO_MAJOR_VERSION), int(lib.RPC_PROTO_MINOR_VERSION),
             int(lib.RPC_PROTO_PATCH_VERSION))
 

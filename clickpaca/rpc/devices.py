@@ -27,6 +27,10 @@ from .wire import Endpoint
 TCP_STATES = {1: "established", 7: "closed", 8: "close-wait"}  # linux/tcp_states.h
 
 
+class RpcUnavailable(RuntimeError):
+    """This build has no usable RPC backend."""
+
+
 @dataclass
 class Worker:
     """One worker: its endpoint, our connection to it, and the devices it offers."""
@@ -134,6 +138,11 @@ class RpcDevices:
     def _open(self, text: str, ep: Endpoint, version: tuple[int, int, int]) -> Worker:
         ffi, lib = self.nat.ffi, self.nat.lib
         w = Worker(ep, text, version)
+        if not hasattr(lib, "ggml_backend_rpc_add_server"):
+            # llama.cpp b6170 (sdist 0.3.16) has neither it nor the device argument of
+            # ggml_backend_rpc_init; b11312 has both
+            raise RpcUnavailable(f"build {self.nat.name!r} predates ggml_backend_rpc_add_server, "
+                                 "which RPC workers need here")
         python_threads = {t.native_id for t in threading.enumerate()}
         before = _native_threads()
         w.backend = lib.ggml_backend_rpc_init(text.encode(), 0)  # connects and says hello
