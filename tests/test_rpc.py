@@ -225,6 +225,20 @@ def test_output_layer_kept_local(local, remote, tmp_path):
             w.stop()
 
 
+def test_held_state_saved_and_loaded_through_the_workers(remote):
+    """prefill / save / load with the KV cells on the workers: the state file carries the
+    cells read back from them, and a loaded copy continues like the held original."""
+    doc = "The printing press was invented in the fifteenth century by Johannes Gutenberg. " * 4
+    assert remote.request({"type": "prefill", "seq_id": 2, "prompt": doc})["type"] == "prefilled"
+    saved = remote.request({"type": "save", "seq_id": 2, "path": "rpc-doc"})
+    assert saved["type"] == "saved" and saved["bytes"] > 0, saved
+    loaded = remote.request({"type": "load", "seq_id": 3, "path": "rpc-doc"})
+    assert loaded["type"] == "loaded" and loaded["tokens"] == saved["tokens"], loaded
+    held = greedy(remote, 2, " It", n=8)
+    again = greedy(remote, 3, " It", n=8)
+    assert same_up_to_a_near_tie(held, again), (held, again)
+
+
 def test_quantized_kv_cache_on_the_workers(tmp_path):
     """q8_0 K and V held by the workers (their CPU backend runs the same kernels). Workers
     of its own: a worker serves one client at a time, and `remote` holds the others."""
