@@ -109,8 +109,9 @@ def hello(sock: socket.socket, ep: Endpoint) -> tuple[int, int, int]:
             "time; or not an RPC worker)") from None
     except (ConnectionError, ValueError, OSError) as e:
         raise WorkerCheckError(
-            f"RPC worker {ep}: the handshake failed ({e}): not an RPC worker, or one of an older "
-            "protocol that expects another hello") from None
+            f"RPC worker {ep}: the handshake failed ({e}): not an RPC worker, one of an older "
+            "protocol that expects another hello, or an SSH tunnel whose far end has no worker "
+            "running") from None
     if len(rsp) < 3:
         raise WorkerCheckError(f"RPC worker {ep}: a {len(rsp)}-byte hello response (expected the "
                                "protocol version): not an RPC worker")
