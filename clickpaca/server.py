@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator
 
 from .protocol import MAX_LINE_BYTES, ProtocolError, Request, encode, error_event, parse_line
-from .engine import Engine, Session
+from .engine import Engine, Session, report_bug
 from .prepare import prepare
 
 EOF = object()
@@ -132,9 +132,7 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1,
         try:
             engine.handle(session, req)
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
-            traceback.print_exc(file=sys.stderr)
-            session.send(error_event(f"internal error: {type(e).__name__}: {e}",
-                                     req.reply_seq_id, req.type))
+            report_bug(session, req, e)
 
     while True:
         if not engine.has_work() and ((st.open_inputs > 0 and not st.quitting) or engine.io_pending()):

@@ -37,7 +37,14 @@ from .scheduler import Scheduler
 from .sequences import Sequence, Sequences, Session
 from .stateio import StateIO
 
-__all__ = ["Engine", "Session", "Sequence"]
+__all__ = ["Engine", "Session", "Sequence", "report_bug"]
+
+
+def report_bug(session: Session, req: Request, e: Exception) -> None:
+    """A bug met while applying a request costs that request an `error` event (and a
+    traceback on stderr), never the server."""
+    traceback.print_exc(file=sys.stderr)
+    session.send(error_event(f"internal error: {type(e).__name__}: {e}", req.reply_seq_id, req.type))
 
 
 class Engine:
@@ -118,9 +125,7 @@ class Engine:
             try:
                 self._apply(session, req)
             except Exception as e:  # noqa: BLE001 - as the server loop does for a request
-                traceback.print_exc(file=sys.stderr)
-                session.send(error_event(f"internal error: {type(e).__name__}: {e}",
-                                         req.reply_seq_id, req.type))
+                report_bug(session, req, e)
 
     def _give_back(self) -> None:
         """The request failed: free the slots it took (sequences.py: give_back)."""
