@@ -6,6 +6,11 @@ PRESET ?= linux-cpu
 COMPAT_VERSION ?= 0.3.16
 PYTEST_ARGS ?=
 export OMP_WAIT_POLICY ?= passive
+# CPU choices of the builds (docs/DETERMINISM.md, README): AMX=1 keeps ggml's AMX kernels,
+# PORTABLE=1 builds llama.cpp's runtime-dispatched CPU variants instead of -march=native.
+AMX ?= 0
+PORTABLE ?= 0
+export AMX PORTABLE
 
 .PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-tq test-compat bench kv-study clean help
 
@@ -14,7 +19,7 @@ demo: setup
 	$(PY) -m clickpaca demo
 
 ## setup: prerequisites check, venv + mainline build + generated bindings + default model
-setup: prereqs venv mainline bindgen model
+setup: prereqs venv model mainline bindgen
 
 ## prereqs: check the README's system prerequisites before any download or build
 prereqs:
@@ -28,11 +33,11 @@ $(VENV)/.installed: pyproject.toml | prereqs
 	@touch $@
 
 ## mainline: llama.cpp from the pinned sdist -> builds/mainline (cached by source+preset+patches)
-mainline: prereqs venv
+mainline: prereqs venv model
 	$(PY) native/build.py mainline --preset $(PRESET)
 
 ## turboquant: the pinned source + native/turboquant patch set -> builds/turboquant
-turboquant: prereqs venv
+turboquant: prereqs venv model
 	$(PY) native/build.py turboquant --preset $(PRESET)
 
 ## peer: llama-server (the peer of `clickpaca bench peer`) from the mainline tree -> builds/peer/bin

@@ -24,7 +24,10 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -48,6 +51,13 @@ TOOL_ALIASES = {"ggml-rpc-server": "rpc-server"}
 HEADER_DIRS = ["include", "ggml/include"]
 # Bump when the compat recipe changes (compat keys only; mainline/turboquant keys ignore it).
 COMPAT_RECIPE = "2"
+# ggml's AMX extra buffer type dies with SIGILL (tileloadd) on the pinned source on
+# Sapphire Rapids class CPUs (issue #23, docs/DETERMINISM.md): compiled out unless AMX=1.
+NO_AMX_FLAGS = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+# Instruction-set macros a compiler predefines for its target: what a native build uses.
+ISA_MACRO = re.compile(
+    r"#define (__(?:SSE\w*|SSSE3|AVX\w*|AMX\w*|F16C|FMA4?|BMI2?|POPCNT|LZCNT|MOVBE|PCLMUL|AES"
+    r"|SHA|GFNI|VAES|VPCLMULQDQ|ARM_NEON|ARM_FEATURE_\w+)__)\b")
 
 
 class BuildError(RuntimeError):
@@ -337,14 +347,62 @@ def cache_lock(flavor: str):
         yield
 
 
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def preset_native(preset: str) -> bool:
+    """Whether a preset compiles for the build machine's CPU (GGML_NATIVE, default ON)."""
+    data = json.loads((ROOT / "CMakePresets.json").read_text())
+    byname = {p["name"]: p for p in data["configurePresets"]}
+    p, value = byname.get(preset), "ON"
+    chain = []
+    while p is not None:
+        chain.append(p)
+        p = byname.get(p.get("inherits")) if isinstance(p.get("inherits"), str) else None
+    for p in reversed(chain):
+        value = p.get("cacheVariables", {}).get("GGML_NATIVE", value)
+    return str(value).upper() in ("ON", "1", "TRUE")
+
+
+def cpu_from_env() -> dict:
+    """The CPU choices of `make ... AMX=1 PORTABLE=1` (both off by default)."""
+    return cpu_options(os.environ.get("AMX", "0") == "1", os.environ.get("PORTABLE", "0") == "1")
+
+
+def cpu_options(amx: bool, portable: bool) -> dict:
+    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1)."""
+    cflags = [] if amx or not is_x86() else list(NO_AMX_FLAGS)
+    cmake = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"] if portable else []
+    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable}
+
+
+def target_isa(cflags: list[str], native: bool = True) -> list[str]:
+    """The instruction-set macros the compiler defines for `-march=native` plus our flags:
+    what a native build's code may use. Part of the key, so a cache shared between machines
+    never hands a build to a CPU it was not made for; recorded in build-info.json, where
+    clickpaca/cpu.py checks it against the running CPU."""
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, *(["-march=native"] if native and is_x86() else []), *cflags, "-dM", "-E", "-x", "c", os.devnull]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise BuildError(f"could not ask the C compiler which instructions it targets ({' '.join(cmd)}): {e}")
+    return sorted({m.group(1) for m in ISA_MACRO.finditer(out)})
+
+
 def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra: list[str],
-              compat_stamp: list | None = None) -> str:
-    """The cache key: everything that decides what a build produces."""
+              compat_stamp: list | None = None, cpu: dict | None = None,
+              isa: list[str] | None = None) -> str:
+    """The cache key: everything that decides what a build produces, including the
+    instruction sets it was compiled for (`isa`) and the CPU choices (`cpu`)."""
     fields = {
         "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
         "presets": preset_digest(preset), "source": source_digest,
         "patches": pdigest, "targets": ["llama", *TOOLS],
         **({"extra": extra} if extra else {}),
+        **({"cpu": {k: cpu[k] for k in ("cflags", "cmake")}} if cpu else {}),
+        **({"isa": isa} if isa is not None else {}),
     }
     if compat_stamp is not None:
         # Compat-only recipe, keyed apart from mainline/turboquant: targets found by
@@ -353,14 +411,24 @@ def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def finished_pinned_build(flavor: str, preset: str) -> Path | None:
+def build_cpu(preset: str, cpu: dict) -> list[str]:
+    """The `isa` of a build with these CPU choices on this machine ([] when portable or
+    not native: such a build picks its kernels at run time)."""
+    if cpu["portable"] or not preset_native(preset):
+        return []
+    return target_isa(cpu["cflags"])
+
+
+def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
     """A finished mainline/turboquant build of the pinned source, found without the lock
-    and without writing anything (its key needs only the lock file and the patches)."""
+    and without writing anything (its key needs only the lock file, the patches and what
+    the compiler targets on this machine)."""
     if flavor not in ("mainline", "turboquant") or os.environ.get("LLAMA_CPP_SRC"):
         return None
     pfiles = patch_files("turboquant") if flavor == "turboquant" else []
     key = build_key(flavor, preset, "sdist:" + read_lock()["sha256"],
-                    patches_digest(pfiles) if pfiles else "", [])
+                    patches_digest(pfiles) if pfiles else "", [], cpu=cpu,
+                    isa=build_cpu(preset, cpu))
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     return out if (out / ".complete").exists() else None
 
@@ -374,17 +442,21 @@ def link_build(name: str, out: Path) -> None:
     log(f"builds/{name} -> {out}")
 
 
-def build(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
-    out = finished_pinned_build(flavor, preset)
+def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
+          cpu: dict | None = None, smoke_model: Path | None = None) -> Path:
+    cpu = cpu or cpu_from_env()
+    out = finished_pinned_build(flavor, preset, cpu)
     if out is not None:
         log(f"{flavor}: cached build {out}")
         link_build(flavor, out)
         return out
     with cache_lock(flavor):
-        return build_locked(flavor, preset, sdist_version, jobs)
+        return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model)
 
 
-def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int) -> Path:
+def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
+                 cpu: dict | None = None, smoke_model: Path | None = None) -> Path:
+    cpu = cpu or cpu_from_env()
     source = resolve_source(flavor, sdist_version)
     src: Path = source["src"]
     extra: list[str] = []
@@ -399,7 +471,9 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
             raise BuildError("native/turboquant/ holds no patch set")
         src = apply_patch_set("turboquant", src, pdigest)
     compat = [source["commit"], source["build_number"]] if flavor == "compat" else None
-    key = build_key(flavor, preset, source["digest"], pdigest, extra, compat_stamp=compat)
+    isa = build_cpu(preset, cpu)
+    key = build_key(flavor, preset, source["digest"], pdigest, extra, compat_stamp=compat,
+                    cpu=cpu, isa=isa)
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     done = out / ".complete"
     if done.exists():
@@ -410,10 +484,14 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         env = dict(os.environ, CLICKPACA_BUILD_DIR=str(out / "cmake"))
+        if cpu["cflags"]:
+            for var in ("CFLAGS", "CXXFLAGS"):
+                env[var] = " ".join([env.get(var, ""), *cpu["cflags"]]).strip()
         logfile = out / "build.log"
         run_streamed(["cmake", "--preset", preset, f"-DLLAMA_CPP_SRC={src}",
                       f"-DLLAMA_BUILD_NUMBER={source['build_number']}",
-                      f"-DLLAMA_BUILD_COMMIT={source['commit']}", *extra], env, logfile)
+                      f"-DLLAMA_BUILD_COMMIT={source['commit']}", *extra, *cpu["cmake"]],
+                     env, logfile)
         if flavor == "compat":
             tools = tools_in(configured_targets(out / "cmake"))
             log(f"{flavor}: tools this tree defines under preset {preset}: "
@@ -423,6 +501,11 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         run_streamed(["cmake", "--build", str(out / "cmake"), "-j", str(jobs),
                       "--target", "llama", *tools.values()], env, logfile)
         assemble(out, src, tools)
+        try:
+            smoke(out, flavor, smoke_model, jobs, strict=flavor != "compat")
+        except BuildError:
+            shutil.rmtree(out, ignore_errors=True)  # nothing a later run could take as finished
+            raise
         header_sha = sha256_file(out / "include" / "llama.h")
         info = {
             "flavor": flavor, "preset": preset, "key": key,
@@ -431,6 +514,9 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
                if "build_number_from" in source else {}),
             "origin": source["origin"], "source_dir": str(src),
             "tools": sorted(tools),
+            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "cflags": cpu["cflags"],
+                    "cmake": cpu["cmake"], "isa": isa, "machine": platform.machine(),
+                    "built_on": cpu_model_name()},
             "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
             "llama_h_sha256": header_sha,
             "libllama_sha256": sha256_file(out / "lib" / "libllama.so"),
@@ -442,6 +528,63 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int)
         log(f"{flavor}: built in {info['build_seconds']:.0f} s")
     link_build(f"compat-{sdist_version}" if flavor == "compat" else flavor, out)
     return out
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def signal_name(returncode: int) -> str | None:
+    """'SIGILL (illegal instruction)' for a process killed by a signal, else None."""
+    if returncode >= 0:
+        return None
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"signal {-returncode}"
+    return f"{sig.name} ({(signal.strsignal(sig) or sig.name).lower()})"
+
+
+CRASH_HINTS = {
+    "SIGILL": "an instruction this CPU does not run: a build made for another CPU, or ggml's AMX "
+              "path on a CPU with AMX (compiled out unless AMX=1); remedy: `make mainline` on this "
+              "machine without AMX=1, or PORTABLE=1",
+    "SIGSEGV": "a fault in the native code, often an extra buffer type (repack, AMX); remedy: "
+               "report it with the build log, try AMX=0 or PORTABLE=1",
+}
+
+
+def smoke(out: Path, flavor: str, model: Path | None, jobs: int, strict: bool = True) -> None:
+    """Run the build's own llama-bench on the model before the build counts as finished:
+    a 64-token prompt batch (large enough for every extra buffer type: repack, AMX) and a
+    one-token decode. A crash is a BuildError of one line naming the signal, the CPU and
+    the likely cause; so is any failure when `strict`."""
+    bench = out / "bin" / "llama-bench"
+    if model is None or not model.exists() or not bench.exists():
+        log(f"{flavor}: smoke test skipped ({'no llama-bench' if not bench.exists() else 'no model'})")
+        return
+    cmd = [str(bench), "-m", str(model), "-p", "64", "-n", "1", "-r", "1", "-t", str(max(1, jobs)), "-o", "csv"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sig = signal_name(proc.returncode)
+    if sig is not None:
+        short = sig.split(" ")[0]
+        raise BuildError(f"the {flavor} build's smoke test (llama-bench -p 64 -n 1) died with {sig} "
+                         f"on CPU {cpu_model_name()!r}; likely cause: "
+                         f"{CRASH_HINTS.get(short, 'a fault in the native code')}")
+    if proc.returncode != 0:
+        msg = (f"the {flavor} build's smoke test (llama-bench -p 64 -n 1) exited {proc.returncode}: "
+               + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+        if strict:
+            raise BuildError(msg)
+        log(f"{flavor}: {msg} (not a crash; kept)")
+        return
+    log(f"{flavor}: smoke test passed (llama-bench -p 64 -n 1 on {model.name})")
 
 
 def shared_libraries(cmake_dir: Path) -> list[Path]:
@@ -480,15 +623,30 @@ def assemble(out: Path, src: Path, tools: dict[str, str]) -> None:
         raise BuildError(f"the build produced no libllama.so under {cmake_dir}")
 
 
+def default_smoke_model() -> Path | None:
+    """$CLICKPACA_MODEL, else the default model where `make model` assembles it."""
+    env = os.environ.get("CLICKPACA_MODEL")
+    path = Path(env) if env else cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
+    return path if path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("flavor", choices=["mainline", "turboquant", "compat"])
     ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
     ap.add_argument("--sdist-version", help="compat: the llama-cpp-python sdist version")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--amx", action="store_true", default=os.environ.get("AMX", "0") == "1",
+                    help="keep ggml's AMX kernels (AMX=1; known to die with SIGILL on the pinned source)")
+    ap.add_argument("--portable", action="store_true", default=os.environ.get("PORTABLE", "0") == "1",
+                    help="llama.cpp's runtime-dispatched CPU variants instead of -march=native (PORTABLE=1)")
+    ap.add_argument("--smoke-model", type=Path, default=None,
+                    help="the GGUF the smoke test runs (default: $CLICKPACA_MODEL, else the default model in the cache)")
     args = ap.parse_args(argv)
+    model = args.smoke_model or default_smoke_model()
     try:
-        build(args.flavor, args.preset, args.sdist_version, args.jobs)
+        build(args.flavor, args.preset, args.sdist_version, args.jobs,
+              cpu_options(args.amx, args.portable), model)
     except BuildError as e:
         log(f"error: {e}")
         return 1
