@@ -12,11 +12,10 @@ Formats, detected from the first non-blank characters of the text:
   header is llguidance's own options directive, e.g. ``%llguidance {}``).
 - ``%json_schema <JSON>``  a JSON schema (the rest of the text must parse as JSON).
 - anything else  GBNF (llama.cpp's syntax, rule ``root``), converted to Lark by
-  llguidance's own converter plus one fix (`gbnf_to_lark` here): a token rule ending in
-  optional whitespace (``num ::= [0-9]+ ws``) is not folded into one greedy lexeme, which
-  would swallow a following literal "\\n" and change the language (llama.cpp's
-  arithmetic.gbnf rejected "1+2= 3\\n" without it). A Lark grammar without the
-  ``%llguidance`` header is read as GBNF and fails to parse (the error says to add it).
+  clickpaca/gbnf.py (llguidance's GBNF parser, corrected to mean what llama.cpp means:
+  nested quantifiers, token references, repetition bounds, token rules ending in optional
+  whitespace). A Lark grammar without the ``%llguidance`` header is read as GBNF and fails
+  to parse (the error says to add it).
 
 `compile()` validates completely before returning (llguidance does not raise on bad
 grammars: the matcher is built, checked with ``is_error()``, and its first mask is
@@ -36,9 +35,12 @@ would re-enable it even with ``whitespace_flexible`` false; null removes it) and
 schema may choose other fixed separators through ``"x-guidance": {"item_separator": ",",
 "key_separator": ":"}``). The output is then exactly ``json.dumps(value)`` layout: one
 space after ``,`` and ``:``, no other whitespace, no indentation, which is what small
-models most often produce. ``lenient`` stays False: keywords llguidance knows but does
-not implement (``uniqueItems``, ``if``/``then``/``else``, ``dependentSchemas``...) are
-errors, not silently dropped (unknown keywords are ignored, as JSON Schema says).
+models most often produce. ``lenient`` is the `grammar` request's option, applied as an
+override: by default keywords llguidance knows but does not implement (``uniqueItems``,
+``if``/``then``/``else``, ``dependentSchemas``...) are errors, not silently dropped
+(unknown keywords are ignored, as JSON Schema says); with it they are ignored and listed
+in `CompiledGrammar.ignored`. Typed numbers are bounded to NUMBER_DIGITS integral digits
+unless ``number_digits`` is None (clickpaca/json_schema.py).
 Objects without ``"additionalProperties": false`` accept any extra keys, per JSON Schema.
 Inside ``%llguidance`` grammars, ``%json {...}`` sub-schemas use llguidance's defaults
 (flexible whitespace); add ``"x-guidance": {"whitespace_flexible": false}`` yourself.
@@ -83,7 +85,9 @@ import numpy as np
 
 import llguidance.numpy as llg_np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance import gbnf_to_lark as g2l
+
+from .gbnf import gbnf_to_lark
+from .json_schema import NUMBER_DIGITS, bound_numbers, ignored_keywords
 
 __all__ = [
     "GrammarError", "GrammarEngine", "CompiledGrammar", "Matcher", "fill_masks",
@@ -180,7 +184,7 @@ class GrammarEngine:
         self.n_words = (self.n_vocab + 31) // 32
         self.n_threads = n_threads or min(2, os.cpu_count() or 1)
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
@@ -276,32 +280,40 @@ class GrammarEngine:
 
     # ------------------------------------------------------------ compile
 
-    def compile(self, text: str) -> "CompiledGrammar":
-        """Compile grammar text (format detected, see module doc); GrammarError if invalid."""
+    def compile(self, text: str, *, lenient: bool = False,
+                number_digits: int | None = NUMBER_DIGITS) -> "CompiledGrammar":
+        """Compile grammar text (format detected, see module doc); GrammarError if invalid.
+
+        The options act on JSON schemas only (clickpaca/json_schema.py): `lenient` ignores
+        keywords llguidance does not implement (listed in the result's `ignored`);
+        `number_digits` bounds typed numbers' integral digits (None: unbounded).
+        """
         if not isinstance(text, str):
             raise GrammarError(f"grammar must be a string, got {type(text).__name__}")
+        key = (text, bool(lenient), number_digits)
         with self._cache_lock:
-            hit = self._cache.get(text)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(text)
+                self._cache.move_to_end(key)
                 return hit
-        compiled = self._compile(text)
+        compiled = self._compile(text, bool(lenient), number_digits)
         with self._cache_lock:
-            self._cache[text] = compiled
-            self._cache.move_to_end(text)
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, text: str) -> "CompiledGrammar":
+    def _compile(self, text: str, lenient: bool, number_digits: int | None) -> "CompiledGrammar":
         fmt = detect_format(text)
         if not text.strip():
             raise GrammarError("empty grammar", fmt)
         check_limits(text, fmt)
-        return _on_big_stack(self._compile_checked, text, fmt)
+        return _on_big_stack(self._compile_checked, text, fmt, lenient, number_digits)
 
-    def _compile_checked(self, text: str, fmt: str) -> "CompiledGrammar":
-        grammar = self._to_llguidance(text, fmt)
+    def _compile_checked(self, text: str, fmt: str, lenient: bool,
+                         number_digits: int | None) -> "CompiledGrammar":
+        grammar = self._to_llguidance(text, fmt, lenient, number_digits)
         name = _FORMAT_NAMES[fmt]
         tok = self.tokenizer
         # Never raises for grammar errors: the matcher enters an error state instead.
@@ -315,11 +327,15 @@ class GrammarEngine:
             raise GrammarError(f"invalid {name}: {_short(matcher.get_error())}", fmt)
         if not scratch.any():
             raise GrammarError(f"invalid {name}: the grammar allows no token at the start", fmt)
-        return CompiledGrammar(self, fmt, text, grammar, matcher,
-                               list(matcher.get_grammar_warnings()))
+        warnings = list(matcher.get_grammar_warnings())
+        return CompiledGrammar(self, fmt, text, grammar, matcher, warnings,
+                               ignored_keywords(warnings) if lenient else [])
 
-    @staticmethod
-    def _to_llguidance(text: str, fmt: str) -> str:
+    def _tokenize_special(self, text: str) -> list[int]:
+        """Token ids of text with special tokens parsed (GBNF `<text>` token references)."""
+        return [int(t) for t in self.model.tokenize(text, add_special=False, parse_special=True)]
+
+    def _to_llguidance(self, text: str, fmt: str, lenient: bool, number_digits: int | None) -> str:
         if fmt == "lark":
             return LLMatcher.grammar_from_lark(_lark_header_options(text))
         if fmt == "json_schema":
@@ -333,15 +349,15 @@ class GrammarEngine:
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object (or true), got "
                                    f"{type(schema).__name__}", fmt)
+            if number_digits is not None:
+                schema = bound_numbers(schema, number_digits)
             try:
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS,
-                                                          overrides=JSON_OVERRIDES)
+                return LLMatcher.grammar_from_json_schema(
+                    schema, defaults=JSON_DEFAULTS, overrides={**JSON_OVERRIDES, "lenient": lenient})
             except (ValueError, TypeError) as e:
                 raise GrammarError(f"invalid JSON schema: {e}", fmt) from None
         try:
-            lark = gbnf_to_lark(text)
-        except GrammarError:
-            raise
+            lark = gbnf_to_lark(text, self._tokenize_special, MAX_GRAMMAR_RULES)
         except Exception as e:  # noqa: BLE001 - the converter raises plain Exceptions
             hint = ""
             if "start" in text and ":" in text and "::=" not in text:
@@ -398,107 +414,6 @@ class GrammarEngine:
         if done.size:
             for w, bits in zip(self._eog_words, self._eog_bits):
                 u[done, w] |= bits
-
-
-# ---------------------------------------------------------------------------- GBNF
-
-
-class _BoundaryRef(g2l.RuleRefNode):
-    """A rule reference that is never folded into the lexeme before it."""
-
-    def is_terminal(self) -> bool:
-        return False
-
-
-class _CharLevelAlternatives(g2l.AlternativeNode):
-    """A rule body kept at the parser level (one lexeme per character class or literal)."""
-
-    def is_terminal(self) -> bool:
-        return False
-
-    def simplify(self) -> "_CharLevelAlternatives":
-        self.alternatives = [a.simplify() for a in self.alternatives]
-        return self
-
-
-def _nullable_rules(rules: dict) -> set[str]:
-    """Names of the GBNF rules that can match the empty string (fixpoint)."""
-    def nullable(node: Any, names: set[str]) -> bool:
-        if isinstance(node, g2l.LiteralNode):
-            return node.value == ""
-        if isinstance(node, g2l.RuleRefNode):
-            return node.name in names
-        if isinstance(node, g2l.RepetitionNode):
-            return node.min_times == 0 or nullable(node.node, names)
-        if isinstance(node, g2l.SequenceNode):
-            return all(nullable(n, names) for n in node.nodes)
-        if isinstance(node, g2l.AlternativeNode):
-            return any(nullable(n, names) for n in node.alternatives)
-        return False  # character classes, "."
-
-    names: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, rule in rules.items():
-            if name not in names and nullable(rule.alternatives, names):
-                names.add(name)
-                changed = True
-    return names
-
-
-def _split_trailing_optional(rules: dict) -> None:
-    """Keep a trailing reference to an optional rule out of the lexeme before it.
-
-    llguidance's converter folds every all-terminal GBNF rule into one lexeme, and
-    lexemes are matched greedily. For `num ::= [0-9]+ ws` with `ws ::= [ \t\n]*`
-    followed by a literal "\n" (llama.cpp's arithmetic.gbnf), the lexeme NUM swallows
-    the "\n" and the grammar then demands a second one: "1+2= 3\n" would not be
-    complete as it is for llama.cpp. Such alternatives become `body ws`, the body a
-    lexeme of its own, and the optional rule (`ws`) is kept at the parser level, one
-    lexeme per character, so that " \n" can still end as ws " " + literal "\n".
-    """
-    nullable = _nullable_rules(rules)
-    boundary: set[str] = set()
-    for name, rule in list(rules.items()):
-        if name == "root" or not isinstance(rule.alternatives, g2l.AlternativeNode):
-            continue
-        for i, alt in enumerate(rule.alternatives.alternatives):
-            if not isinstance(alt, g2l.SequenceNode):
-                continue
-            k = 0
-            while (k < len(alt.nodes) and isinstance(alt.nodes[-1 - k], g2l.RuleRefNode)
-                   and alt.nodes[-1 - k].name in nullable):
-                k += 1
-            if k == 0 or k == len(alt.nodes):
-                continue
-            body = f"{name}-lexeme-{i}"
-            while body in rules:
-                body += "x"
-            rules[body] = g2l.RuleNode(body, g2l.AlternativeNode([g2l.SequenceNode(
-                alt.nodes[:-k])]), "")
-            boundary.update(n.name for n in alt.nodes[-k:])
-            alt.nodes = [g2l.RuleRefNode(body)] + [_BoundaryRef(n.name) for n in alt.nodes[-k:]]
-    for name in boundary:
-        rule = rules[name]
-        alts = rule.alternatives
-        rule.alternatives = _CharLevelAlternatives(
-            alts.alternatives if isinstance(alts, g2l.AlternativeNode) else [alts])
-
-
-def gbnf_to_lark(text: str) -> str:
-    """llama.cpp GBNF -> llguidance Lark, with llguidance's converter and one fix.
-
-    The fix (`_split_trailing_optional`) keeps llama.cpp's meaning for token rules that
-    end with optional whitespace; raises the converter's exceptions on bad GBNF.
-    """
-    rules = g2l.GrammarParser().parse(text)
-    if len(rules) > MAX_GRAMMAR_RULES:
-        raise GrammarError(f"{len(rules)} rules, the limit is {MAX_GRAMMAR_RULES}", "gbnf")
-    _split_trailing_optional(rules)
-    g2l.resolve(rules)
-    body = "\n\n".join(str(r) for r in sorted(rules.values(), key=lambda r: r.order))
-    return "%llguidance {}\n\n" + body + "\n"
 
 
 _LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z_0-9]*(\.-?[0-9]+)?[ \t]*:", re.M)
@@ -639,16 +554,17 @@ _FORMAT_NAMES = {"lark": "lark grammar", "json_schema": "JSON schema", "gbnf": "
 class CompiledGrammar:
     """A validated grammar: a template matcher in its start state, never advanced itself."""
 
-    __slots__ = ("engine", "format", "source", "grammar", "_template", "warnings")
+    __slots__ = ("engine", "format", "source", "grammar", "_template", "warnings", "ignored")
 
     def __init__(self, engine: GrammarEngine, fmt: str, source: str, grammar: str,
-                 template: LLMatcher, warnings: list[str]) -> None:
+                 template: LLMatcher, warnings: list[str], ignored: list[str] | None = None) -> None:
         self.engine = engine
         self.format = fmt          # "gbnf" | "lark" | "json_schema"
         self.source = source       # the text given to compile()
         self.grammar = grammar     # llguidance's serialized grammar
         self._template = template
         self.warnings = warnings   # llguidance's grammar warnings (not errors)
+        self.ignored = ignored or []  # schema keywords a lenient compile ignored
 
     def new_matcher(self) -> "Matcher":
         """An independent matcher at the grammar's start (a ~1 us deep copy)."""
