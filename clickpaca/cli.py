@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+
+#: Commands whose native code may die from a signal, in this process (ppl, bench kv) or in
+#: a server they spawned: they run in a child process, so that a death is one line naming
+#: the signal and its likely cause, never a traceback or a shell's bare "Illegal instruction".
+GUARDED = {"demo", "bench", "ppl"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -176,9 +183,38 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run_guarded(argv: list[str]) -> int:
+    """Run `clickpaca ARGV` in a child and report its death by a signal in one line."""
+    from .cpu import describe_exit
+
+    proc = subprocess.Popen([sys.executable, "-m", "clickpaca", *argv],
+                            env=dict(os.environ, CLICKPACA_GUARDED="1"))
+    while True:
+        try:
+            status = proc.wait()
+            break
+        except KeyboardInterrupt:
+            continue  # the child got the same SIGINT and ends in its own way
+    if status < 0:
+        print(f"clickpaca {argv[0]}: died: {describe_exit(status)}", file=sys.stderr)
+        return 128 - status
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    if args.command not in GUARDED:
+        return int(args.func(args) or 0)
+    if os.environ.get("CLICKPACA_GUARDED") != "1":
+        return run_guarded(argv)
+    from .client import ServerError
+
+    try:
+        return int(args.func(args) or 0)
+    except ServerError as e:
+        print(f"clickpaca {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

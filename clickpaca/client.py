@@ -9,6 +9,10 @@ send requests, and read events per sequence, from plain code or from asyncio.
 A reader thread routes each event: token/done/error events with a seq_id go to that
 sequence's queue, everything else (ready, grammar_ready, errors without a sequence,
 ...) to the `misc` queue.
+
+When the connection ends (the server exited, was killed, or closed the socket), every
+waiting reader gets one ServerError: for a spawned server it names the exit status or
+the signal, with the likely cause, and the last lines of the server's stderr.
 """
 
 from __future__ import annotations
@@ -20,20 +24,24 @@ import socket as socketlib
 import subprocess
 import sys
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import orjson
 
+from .cpu import describe_exit
 from .protocol import END_EVENTS
 
 #: The events that answer a request on its seq_id (the protocol's END_EVENTS).
 END_TYPES = frozenset(END_EVENTS)
+#: How many of a spawned server's last stderr lines a death report carries.
+STDERR_TAIL_LINES = 8
 
 
 class ServerError(RuntimeError):
-    """An `error` event answered a request the client waited for."""
+    """An `error` event answered a request the client waited for, or the server went away
+    (event type `closed`: `status` is its exit status, negative for a signal)."""
 
     def __init__(self, event: dict) -> None:
         super().__init__(event.get("message"))
@@ -44,6 +52,10 @@ class Client:
     def __init__(self, rfile: BinaryIO, wfile: BinaryIO, proc: subprocess.Popen | None = None,
                  sock: socketlib.socket | None = None) -> None:
         self.rfile, self.wfile, self.proc, self.sock = rfile, wfile, proc, sock
+        self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._stderr_path: str | None = None
+        self._stderr_thread: threading.Thread | None = None
+        self._end: dict | None = None  # the `closed` event, once the connection has ended
         self._queues: dict[int, queue.Queue] = defaultdict(queue.Queue)
         self.misc: queue.Queue = queue.Queue()
         self.all_events: list[dict] = []
@@ -58,13 +70,24 @@ class Client:
     @classmethod
     def spawn(cls, *args: str, env: dict | None = None, stderr: Any = None,
               python: str | None = None) -> "Client":
-        """Start `python -m clickpaca serve ARGS` and talk to it over its stdio."""
+        """Start `python -m clickpaca serve ARGS` and talk to it over its stdio.
+
+        With `stderr` None the server's stderr still reaches ours, through a thread that
+        keeps its last lines for the report of a death; a file given as `stderr` is read
+        back for them instead."""
         cmd = [python or sys.executable, "-m", "clickpaca", "serve", *args]
         full_env = dict(os.environ, **(env or {}))
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=stderr, env=full_env)
+                                stderr=subprocess.PIPE if stderr is None else stderr, env=full_env)
         assert proc.stdin and proc.stdout
-        return cls(proc.stdout, proc.stdin, proc=proc)
+        client = cls(proc.stdout, proc.stdin, proc=proc)
+        if stderr is None:
+            client._stderr_thread = threading.Thread(target=client._tee_stderr, daemon=True,
+                                                     name="client-stderr")
+            client._stderr_thread.start()
+        elif isinstance(getattr(stderr, "name", None), str):
+            client._stderr_path = stderr.name
+        return client
 
     @classmethod
     def connect(cls, path: str | os.PathLike) -> "Client":
@@ -91,10 +114,53 @@ class Client:
         except (OSError, ValueError):
             pass
         finally:
+            end = self._end = self._end_event()
             self.closed.set()
-            self.misc.put({"type": "closed"})
+            self.misc.put(end)
             for q in list(self._queues.values()):
-                q.put({"type": "closed"})
+                q.put(end)
+
+    def _tee_stderr(self) -> None:
+        """Pass the server's stderr through to ours, keeping its last lines."""
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                os.write(2, line)
+            except OSError:
+                pass
+            self._stderr_tail.append(line.decode("utf-8", "replace").rstrip())
+
+    def stderr_tail(self) -> list[str]:
+        """The last lines the spawned server wrote to stderr (as far as they are known)."""
+        if self._stderr_path is not None:
+            try:
+                with open(self._stderr_path, "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - 4096))
+                    lines = f.read().decode("utf-8", "replace").splitlines()
+                return [ln.rstrip() for ln in lines if ln.strip()][-STDERR_TAIL_LINES:]
+            except OSError:
+                return []
+        return [ln for ln in self._stderr_tail if ln.strip()]
+
+    def _end_event(self) -> dict:
+        """The `closed` pseudo-event every waiting reader gets when the connection ends."""
+        if self.proc is None:
+            return {"type": "closed", "message": "the server closed the connection"}
+        try:
+            status = self.proc.wait(timeout=10)  # its stdout is closed: it is exiting
+        except subprocess.TimeoutExpired:
+            return {"type": "closed", "message": "the server closed its output but is still running"}
+        if self._stderr_thread is not None:
+            self._stderr_thread.join(timeout=5)
+        tail = self.stderr_tail()
+        if status == 0:
+            message = "the server exited (status 0)"
+        else:
+            message = f"the server died: {describe_exit(status)}"
+            if tail:
+                message += "; its last stderr lines: " + " | ".join(tail)
+        return {"type": "closed", "message": message, "status": status, "stderr": tail}
 
     def _decode(self, line: bytes) -> dict:
         """One event line as a dict (subclasses may annotate it, e.g. with a timestamp)."""
@@ -113,6 +179,8 @@ class Client:
         return self.misc.get(timeout=timeout)
 
     def _wait_misc(self, types: set[str], timeout: float) -> dict:
+        if self._end is not None and self.misc.empty():
+            raise ServerError(self._end)
         while True:
             ev = self.misc.get(timeout=timeout)
             if ev["type"] in types:
@@ -120,7 +188,8 @@ class Client:
             if ev["type"] == "error":
                 raise ServerError(ev)
             if ev["type"] == "closed":
-                raise ServerError({"message": "the server closed the connection"})
+                self.misc.put(ev)  # every later reader learns it too
+                raise ServerError(ev)
 
     # ------------------------------------------------------------ requests
 
@@ -154,12 +223,18 @@ class Client:
     # ------------------------------------------------------------ events
 
     def stream(self, seq_id: int, timeout: float = 600) -> Iterator[dict]:
-        """Events of one sequence up to and including the one that ends its request."""
+        """Events of one sequence up to and including the one that ends its request;
+        ServerError if the connection ends first (the server died or went away)."""
         q = self._queues[seq_id]
+        if self._end is not None and q.empty():
+            raise ServerError(self._end)
         while True:
             ev = q.get(timeout=timeout)
+            if ev["type"] == "closed":
+                q.put(ev)  # a later read of this sequence learns it too
+                raise ServerError(ev)
             yield ev
-            if ev["type"] in END_TYPES or ev["type"] == "closed":
+            if ev["type"] in END_TYPES:
                 return
 
     def wait(self, seq_id: int, timeout: float = 600) -> dict:
@@ -170,8 +245,6 @@ class Client:
         assert last is not None
         if last["type"] == "error":
             raise ServerError(last)
-        if last["type"] == "closed":
-            raise ServerError({"message": "the server closed the connection"})
         return last
 
     def collect(self, seq_id: int, timeout: float = 600) -> tuple[list[dict], dict]:
@@ -188,10 +261,15 @@ class Client:
     async def astream(self, seq_id: int, timeout: float = 600):
         """asyncio version of `stream`: `async for ev in client.astream(0): ...`."""
         q = self._queues[seq_id]
+        if self._end is not None and q.empty():
+            raise ServerError(self._end)
         while True:
             ev = await asyncio.to_thread(q.get, True, timeout)
+            if ev["type"] == "closed":
+                q.put(ev)
+                raise ServerError(ev)
             yield ev
-            if ev["type"] in END_TYPES or ev["type"] == "closed":
+            if ev["type"] in END_TYPES:
                 return
 
     async def acollect(self, seq_id: int, timeout: float = 600) -> tuple[list[dict], dict]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cpu import check_build
 from .paths import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,6 +102,9 @@ def _load(name: str) -> Native:
     if not module_path.exists():
         raise NativeError(f"build {name!r} has no generated bindings ({module_path}): run `make bindgen`")
     info = json.loads((d / "build-info.json").read_text())
+    wrong_cpu = check_build(name, info)
+    if wrong_cpu:
+        raise NativeError(wrong_cpu)
     spec = importlib.util.spec_from_file_location(f"clickpaca._bindings_{name.replace('-', '_')}", module_path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -24,3 +24,23 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+
+def vendored_source(build: str = "mainline") -> Path:
+    """The llama.cpp source tree a build was made from (its grammars/, tests/ and headers).
+    The build's own build-info.json says where (`source_dir`), so the answer is right
+    whatever $CLICKPACA_CACHE is now and was then: the one lookup for code and tests.
+    FileNotFoundError naming what to run when the build or its tree is missing."""
+    import json
+
+    from .native import build_dir
+
+    info = build_dir(build) / "build-info.json"
+    if not info.exists():
+        raise FileNotFoundError(f"build {build!r} not found ({info}): run `make mainline`")
+    src = Path(json.loads(info.read_text())["source_dir"])
+    if not (src / "include" / "llama.h").exists():
+        raise FileNotFoundError(f"build {build!r} was made from {src}, which is gone: "
+                                "run `make mainline` to extract the pinned source again")
+    return src

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -434,7 +434,7 @@ def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
 
 
 def link_build(name: str, out: Path) -> None:
-    link = ROOT / "builds" / name
+    link = Path(os.environ.get("CLICKPACA_BUILDS", ROOT / "builds")) / name
     link.parent.mkdir(exist_ok=True)
     if link.is_symlink() or link.exists():
         link.unlink()
@@ -530,34 +530,20 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_module():
+    """clickpaca/cpu.py (standard library only), loaded by path: this script runs before
+    any venv exists, and the CPU's name and flags are read in one place."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("clickpaca_cpu", ROOT / "clickpaca" / "cpu.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def signal_name(returncode: int) -> str | None:
-    """'SIGILL (illegal instruction)' for a process killed by a signal, else None."""
-    if returncode >= 0:
-        return None
-    try:
-        sig = signal.Signals(-returncode)
-    except ValueError:
-        return f"signal {-returncode}"
-    return f"{sig.name} ({(signal.strsignal(sig) or sig.name).lower()})"
-
-
-CRASH_HINTS = {
-    "SIGILL": "an instruction this CPU does not run: a build made for another CPU, or ggml's AMX "
-              "path on a CPU with AMX (compiled out unless AMX=1); remedy: `make mainline` on this "
-              "machine without AMX=1, or PORTABLE=1",
-    "SIGSEGV": "a fault in the native code, often an extra buffer type (repack, AMX); remedy: "
-               "report it with the build log, try AMX=0 or PORTABLE=1",
-}
+    return cpu_module().cpu_name()
 
 
 def smoke(out: Path, flavor: str, model: Path | None, jobs: int, strict: bool = True) -> None:
@@ -571,12 +557,9 @@ def smoke(out: Path, flavor: str, model: Path | None, jobs: int, strict: bool = 
         return
     cmd = [str(bench), "-m", str(model), "-p", "64", "-n", "1", "-r", "1", "-t", str(max(1, jobs)), "-o", "csv"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    sig = signal_name(proc.returncode)
-    if sig is not None:
-        short = sig.split(" ")[0]
-        raise BuildError(f"the {flavor} build's smoke test (llama-bench -p 64 -n 1) died with {sig} "
-                         f"on CPU {cpu_model_name()!r}; likely cause: "
-                         f"{CRASH_HINTS.get(short, 'a fault in the native code')}")
+    if proc.returncode < 0:
+        raise BuildError(f"the {flavor} build's smoke test (llama-bench -p 64 -n 1) died with "
+                         f"{cpu_module().describe_exit(proc.returncode)}")
     if proc.returncode != 0:
         msg = (f"the {flavor} build's smoke test (llama-bench -p 64 -n 1) exited {proc.returncode}: "
                + (proc.stderr.strip().splitlines() or ["no output"])[-1])

@@ -12,6 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from clickpaca.paths import vendored_source
 from clickpaca.grammars import (
     JSON_OVERRIDES, GrammarEngine, GrammarError, allowed_ids, detect_format,
     fill_masks, is_allowed,
@@ -19,8 +20,7 @@ from clickpaca.grammars import (
 
 pytestmark = pytest.mark.model
 
-LLAMA_SRC = (Path.home() / ".cache" / "clickpaca" / "src" / "llama_cpp_python-0.3.36"
-             / "vendor" / "llama.cpp")
+LLAMA_SRC = vendored_source()
 GRAMMARS_DIR = LLAMA_SRC / "grammars"
 GBNF_FILES = sorted(GRAMMARS_DIR.glob("*.gbnf"))
 

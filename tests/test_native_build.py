@@ -183,3 +183,138 @@ def test_identity_from_the_git_metadata(tmp_path):
     assert nb.git_identity(tmp_path, {f"build_number.{commit}": "4094"})["build_number"] == 5308
     assert nb.git_identity(tmp_path / "nope")["commit"] == "unknown"
 
+
+
+# ------------------------------------------------------------------ CPUs (issue #23)
+
+FAKE_TOOL_C = """#include <signal.h>
+int main(void) {
+#ifdef CRASH
+    raise(SIGILL); /* what ggml's AMX path did on a CPU with AMX: tileloadd -> SIGILL */
+#endif
+    return 0;
+}
+"""
+
+
+def fake_tree(tmp_path: Path, crash: bool) -> Path:
+    """A tiny llama.cpp stand-in the real build step compiles in seconds: a libllama and
+    every tool; its llama-bench dies with SIGILL when `crash`."""
+    src = tmp_path / "fake-llama"
+    (src / "include").mkdir(parents=True)
+    (src / "include" / "llama.h").write_text("int llama_fake(void);\n")
+    (src / "llama.c").write_text("int llama_fake(void) { return 1; }\n")
+    (src / "tool.c").write_text(FAKE_TOOL_C)
+    tools = " ".join(nb.TOOLS)
+    (src / "CMakeLists.txt").write_text(
+        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+        "set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+        "add_library(llama SHARED llama.c)\n"
+        f"foreach(t {tools})\n  add_executable(${{t}} tool.c)\nendforeach()\n"
+        + ("target_compile_definitions(llama-bench PRIVATE CRASH=1)\n" if crash else ""))
+    return src
+
+
+def run_fake_build(tmp_path: Path, crash: bool) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    cache, builds = tmp_path / "cache", tmp_path / "builds"
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # the fake llama-bench never reads it
+    env = dict(os.environ, CLICKPACA_CACHE=str(cache), CLICKPACA_BUILDS=str(builds),
+               LLAMA_CPP_SRC=str(fake_tree(tmp_path, crash)), CLICKPACA_MODEL=str(model))
+    proc = subprocess.run([sys.executable, str(BUILD_PY), "mainline"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return proc, cache, builds
+
+
+def test_a_build_whose_smoke_test_dies_is_refused_in_one_line(tmp_path):
+    """The real build step on a tree whose llama-bench raises SIGILL: one error line naming
+    the signal, the CPU and the likely cause; nothing left that a later run takes as
+    finished, and no link to it."""
+    from clickpaca.cpu import cpu_name
+
+    proc, cache, builds = run_fake_build(tmp_path, crash=True)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[native] error:")]
+    assert len(errors) == 1, proc.stderr
+    line = errors[0]
+    assert "SIGILL (illegal instruction)" in line and cpu_name() in line, line
+    assert "AMX" in line and "remedy" in line, line
+    assert not [p for p in (cache / "builds").iterdir() if (p / ".complete").exists()]
+    assert not list((cache / "builds").iterdir()), "the failed build's tree was left in the cache"
+    assert not (builds / "mainline").exists()
+
+
+def test_a_build_whose_smoke_test_passes_records_its_cpu(tmp_path):
+    proc, cache, builds = run_fake_build(tmp_path, crash=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "smoke test passed" in proc.stderr
+    info = json.loads((builds / "mainline" / "build-info.json").read_text())
+    assert info["cpu"]["isa"] == nb.target_isa(nb.NO_AMX_FLAGS if nb.is_x86() else [])
+    assert info["cpu"]["amx"] is False and info["cpu"]["portable"] is False
+    if nb.is_x86():
+        assert not any(m.startswith("__AMX") for m in info["cpu"]["isa"])
+        assert "__SSE2__" in info["cpu"]["isa"]
+
+
+def missing_macro() -> str:
+    """An instruction-set macro whose instructions this CPU lacks."""
+    from clickpaca.cpu import CPUINFO_FLAG, cpu_flags
+
+    flags = cpu_flags() or set()
+    missing = [m for m, f in CPUINFO_FLAG.items() if f not in flags]
+    assert missing, "this CPU has every instruction set clickpaca knows"
+    return missing[-1]
+
+
+def test_a_cached_build_keyed_for_other_instructions_is_not_taken(monkeypatch):
+    """The key holds what -march=native resolves to: the cached build of this machine is
+    found, and the same cache seen from a CPU that resolves to more (or other) instructions
+    finds nothing, so that machine builds its own instead of dying on ours."""
+    cpu = nb.cpu_options(amx=False, portable=False)
+    here = nb.finished_pinned_build("mainline", "linux-cpu", cpu)
+    assert here is not None and here == cached_build()
+    real = nb.target_isa
+    monkeypatch.setattr(nb, "target_isa", lambda cflags, native=True: sorted([*real(cflags, native), missing_macro()]))
+    assert nb.finished_pinned_build("mainline", "linux-cpu", cpu) is None
+    # the other CPU choices are keyed apart too
+    monkeypatch.setattr(nb, "target_isa", real)
+    assert nb.finished_pinned_build("mainline", "linux-cpu", nb.cpu_options(amx=True, portable=False)) != here
+
+
+def test_loading_a_build_made_for_another_cpu_is_refused(tmp_path):
+    """A build linked from elsewhere (a network home, a copied cache) whose build-info says
+    it uses instructions this CPU lacks: refused at load in one line, before any call."""
+    real = cached_build()
+    fake = tmp_path / "builds" / "mainline"
+    fake.mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name != "build-info.json":
+            (fake / entry.name).symlink_to(entry)
+    info = json.loads((real / "build-info.json").read_text())
+    macro = missing_macro()
+    info["cpu"] = dict(info.get("cpu") or {}, isa=sorted([*info.get("cpu", {}).get("isa", []), macro]),
+                       built_on="Some Other CPU")
+    (fake / "build-info.json").write_text(json.dumps(info))
+    script = ("from clickpaca.native import load, NativeError\n"
+              "try:\n    load('mainline')\nexcept NativeError as e:\n    print(e)\n"
+              "else:\n    print('LOADED')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ, CLICKPACA_BUILDS=str(tmp_path / "builds")), timeout=60)
+    from clickpaca.cpu import CPUINFO_FLAG
+
+    out = proc.stdout.strip()
+    assert "LOADED" not in out and len(out.splitlines()) == 1, out
+    assert CPUINFO_FLAG[macro] in out and "Some Other CPU" in out and "make mainline" in out, out
+
+
+def test_the_pinned_source_is_found_through_the_build_not_the_default_cache(tmp_path):
+    """With CLICKPACA_CACHE pointing elsewhere (a second cache, an unwritable home) the tests
+    and the code still find the vendored tree the build was made from (issue #23 item 6):
+    one of the grammar tests that read llama.cpp's grammars/ runs that way."""
+    env = dict(os.environ, CLICKPACA_CACHE=str(tmp_path / "elsewhere"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "test_grammars.py"), "-k",
+                           "grammars_folder_found or llama_cpp_gbnf_compiles"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "error" not in proc.stdout.splitlines()[-1]

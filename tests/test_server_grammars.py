@@ -15,13 +15,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from clickpaca.paths import vendored_source
 
 pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "GRAMMARS.md"
-GRAMMARS_DIR = (Path.home() / ".cache" / "clickpaca" / "src" / "llama_cpp_python-0.3.36"
-                / "vendor" / "llama.cpp" / "grammars")
+GRAMMARS_DIR = vendored_source() / "grammars"
 
 SEEDS = (0, 1, 2)
 TEMP = 0.8

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import chat, core, deterministic, rpc, statedir
+from .. import chat, core, cpu, deterministic, rpc, statedir
 from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
@@ -59,6 +59,7 @@ class Runtime:
             flashAttn=req.flashAttn,
             deterministic=self.deterministic,
             kernels=kernels(model, ctx),
+            cpu=cpu_report(model),
             stateDir=str(self.states.root),
             cacheTypes=sorted(core.cache_types(model.nat)),
             model={"path": str(model.path), "description": model.description,
@@ -218,8 +219,26 @@ def kernels(model: core.Model, ctx: core.Context) -> dict[str, Any]:
     """The kernel paths in force, for `ready`: each changes results with batch shape or
     cell placement (docs/DETERMINISM.md)."""
     return {"flashAttn": ctx.flash_attn, "repack": model.repack,
+            "extraBufferTypes": extra_buffer_types(model.load_log),
             "kvLayout": "unified" if ctx.kv_unified else "per-sequence",
             "tiledMatmul": deterministic.tiled_matmul()}
+
+
+def extra_buffer_types(load_log: list[str]) -> list[str]:
+    """The CPU extra buffer types holding weights (CPU_REPACK, AMX, ...), as the model's
+    load logged them: the kernels that take over matrix products from the plain CPU path.
+    Empty with repack off (use_extra_bufts false), which deterministic mode sets."""
+    names = {name for name, kind in rpc.buffer_sizes(load_log) if kind == "model"}
+    return sorted(n for n in names if n == "AMX" or (n.startswith("CPU_") and n != "CPU_Mapped"))
+
+
+def cpu_report(model: core.Model) -> dict[str, Any]:
+    """For `ready`: this CPU, the instruction sets the build was compiled for, and its CPU
+    choices (AMX kept, portable variants): what decides which kernels exist at all."""
+    built = model.nat.info.get("cpu") or {}
+    return {"name": cpu.cpu_name(), "features": cpu.features(built.get("isa") or []),
+            "amx": bool(built.get("amx")), "portable": bool(built.get("portable")),
+            "builtOn": built.get("built_on")}
 
 
 def open_state_dir(root: str | None, allow_any_path: bool) -> statedir.StateDir:
