@@ -198,8 +198,9 @@ class Client:
         self.ready = self._wait_misc({"ready"}, timeout)
         return self.ready
 
-    def grammar(self, gid: str, text: str, timeout: float = 120) -> dict:
-        self.send({"type": "grammar", "id": gid, "grammar": text})
+    def grammar(self, gid: str, text: str, timeout: float = 120, **options: Any) -> dict:
+        """Register a grammar; options are the request's (lenient, numberDigits)."""
+        self.send({"type": "grammar", "id": gid, "grammar": text, **options})
         return self._wait_misc({"grammar_ready"}, timeout)
 
     def infer(self, seq_id: int, prompt: str, **params: Any) -> None:

@@ -74,7 +74,8 @@ def prepare(engine: Any, req: Request) -> Request:
             from .grammars import GrammarError
 
             try:
-                compiled = rt.grammars.compile(req.grammar)
+                compiled = rt.grammars.compile(req.grammar, lenient=req.lenient,
+                                               number_digits=req.numberDigits)
             except GrammarError as e:
                 compiled = e
             return dataclasses.replace(req, compiled=compiled)

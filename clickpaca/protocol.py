@@ -24,6 +24,7 @@ import numpy as np
 import orjson
 
 from .chat import Message, check_messages
+from .json_schema import NUMBER_DIGITS
 from .sampling import PROTOCOL_NAMES, SamplerParams
 from .sampling.params import MISSPELLINGS
 
@@ -39,6 +40,7 @@ MAX_JSON_DEPTH = 32
 MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenizing runs on the engine thread
 MAX_SCORE_BYTES = 4 << 20  # score text
 MAX_GRAMMAR_BYTES = 128 << 10  # grammar text (see grammars.py: LIMITS)
+MAX_NUMBER_DIGITS = 18  # integral digits of a bounded JSON number: 10**18 - 1 fits an i64
 MAX_THREADS = 512  # GGML_MAX_N_THREADS in ggml.h: the CPU threadpool's fixed arrays
 
 
@@ -390,7 +392,19 @@ class GrammarRequest(Request):
 
     id: str = wire(_grammar_id)
     grammar: str = wire(_str(True, MAX_GRAMMAR_BYTES))
+    # JSON schemas only (json_schema.py, docs/GRAMMARS.md): ignore the keywords llguidance
+    # does not implement, and bound typed numbers' integral digits (null: unbounded)
+    lenient: bool = wire(_bool, False)
+    numberDigits: int | None = wire(_opt(_int(1, MAX_NUMBER_DIGITS)), NUMBER_DIGITS)
     compiled: CompiledGrammar | GrammarError | None = _prepared()
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        # the same test as grammars.detect_format, which this module does not import
+        if not values["grammar"].lstrip().startswith("%json_schema"):
+            for name in ("lenient", "numberDigits"):
+                if name in obj and obj[name] is not False:  # lenient: false changes nothing
+                    raise ValueError(f"{name}: applies to JSON schemas (%json_schema) only")
 
 
 @_request("infer")
@@ -593,8 +607,12 @@ def ready_event(**fields: Any) -> dict:
 
 
 @_event("grammar_ready")
-def grammar_ready_event(grammar_id: str) -> dict:
-    return {"type": "grammar_ready", "id": grammar_id}
+def grammar_ready_event(grammar_id: str, ignored: list[str] | None = None) -> dict:
+    """A grammar registered; with `lenient`, ``ignored`` lists the schema keywords dropped."""
+    ev: dict[str, Any] = {"type": "grammar_ready", "id": grammar_id}
+    if ignored is not None:
+        ev["ignored"] = list(ignored)
+    return ev
 
 
 @_event("token")

@@ -47,13 +47,14 @@ class Handlers:
             raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
                                 "limit (re-use an id to replace one)")
         try:
-            compiled = req.compiled or self.rt.grammars.compile(req.grammar)
+            compiled = req.compiled or self.rt.grammars.compile(
+                req.grammar, lenient=req.lenient, number_digits=req.numberDigits)
             if isinstance(compiled, GrammarError):  # compiled by the reader (prepare.py)
                 raise compiled
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
         session.grammars[req.id] = compiled
-        session.send(grammar_ready_event(req.id))
+        session.send(grammar_ready_event(req.id, compiled.ignored if req.lenient else None))
 
     # ------------------------------------------------------------ sequences that run
 
