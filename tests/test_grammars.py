@@ -593,3 +593,87 @@ def test_widen_forced_adds_the_shorter_spellings_the_matcher_accepts(engine, mod
         assert m.fork().consume(t)
     one = engine.compile('root ::= "7"').new_matcher()
     assert one.widen_forced(one.mask()) is None  # one byte: no shorter spelling
+
+
+# ----------------------------------------------------------------------------- GBNF as llama.cpp
+
+
+def accepts(model, compiled, text: str, tokens: tuple = ()) -> bool:
+    m = compiled.new_matcher()
+    ids = list(tokens) + model.tokenize(text, False, False).tolist() if text else list(tokens)
+    return m.consume_many(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("gbnf, good, bad", [
+    ("root ::= ( [x]* )*", ["", "x", "xx"], ["y", "xy"]),
+    ('root ::= ("a"?)+', ["", "a", "aaaa"], ["b", "ab"]),
+    ('root ::= ("a"+)?', ["", "a", "aaaa"], ["b"]),
+    ('root ::= ("a"{2}){3}', ["aaaaaa"], ["aaaaa", "aaaaaaa", ""]),
+    ('root ::= ([ab]+)+ "c"', ["ac", "abbac"], ["c", "ab", "abca"]),
+    ('root ::= "a"{0,5000}', ["", "a" * 5001], ["b"]),  # llama.cpp: above 2000 = no maximum
+])
+def test_nested_quantifiers_behave_as_in_llama_cpp(engine, model, gbnf, good, bad):
+    g = engine.compile(gbnf)
+    assert all(accepts(model, g, s) for s in good)
+    assert not any(accepts(model, g, s) for s in bad)
+
+
+def test_token_references(engine, model):
+    """<[id]>, !<[id]> and <text> (one token, special tokens parsed) as llama.cpp reads them."""
+    sot, eot = (int(model.tokenize(t, False, True)[0]) for t in ("<start_of_turn>", "<end_of_turn>"))
+    g = engine.compile(f"root ::= <start_of_turn> body <[{eot}]>\nbody ::= (!<[{eot}]>)*")
+    m = g.new_matcher()
+    assert m.consume_many([sot] + model.tokenize("user says hi", False, False).tolist() + [eot])
+    assert m.is_stopped()
+    m = g.new_matcher()
+    assert not m.consume(eot)  # the first token must be <start_of_turn>
+    with pytest.raises(GrammarError, match="not one"):
+        engine.compile("root ::= <hello world>")
+
+
+def test_gbnf_repetition_limit(engine):
+    with pytest.raises(GrammarError, match="limit is 2000"):
+        engine.compile('root ::= "a"{2001}')
+
+
+def test_left_recursion_compiles(engine, model):
+    """llama.cpp refuses left recursion; llguidance's Earley parser takes it (documented)."""
+    g = engine.compile('root ::= expr\nexpr ::= expr "+" num | num\nnum ::= [0-9]')
+    assert accepts(model, g, "1+2+3") and not accepts(model, g, "1+")
+
+
+# ----------------------------------------------------------------------------- schema options
+
+
+@pytest.mark.parametrize("schema, digits, good, bad", [
+    ({"type": "integer"}, 16, ["0", "-7", "9" * 16, "1" + "0" * 16], ["1" * 17, "-" + "1" * 17]),
+    ({"type": "integer"}, 3, ["999", "-999"], ["1000", "-1000"]),
+    ({"type": "integer"}, None, ["9" * 40], ["1.5"]),
+    ({"type": "number"}, 16, ["1.5", "9" * 16 + ".5", "0." + "3" * 10], ["1" * 17, "0." + "3" * 11, "1e5"]),
+    ({"type": "number"}, None, ["0." + "3" * 30, "1e5"], []),
+    ({"type": "integer", "minimum": 2}, 16, ["1234567890000000"], ["12345678900000000"]),
+])
+def test_json_numbers_bounded_by_default(engine, model, schema, digits, good, bad):
+    g = engine.compile("%json_schema " + json.dumps(schema), number_digits=digits)
+    assert all(accepts(model, g, s) for s in good), [s for s in good if not accepts(model, g, s)]
+    assert not any(accepts(model, g, s) for s in bad), [s for s in bad if accepts(model, g, s)]
+
+
+def test_bounded_and_unbounded_compilations_are_cached_apart(engine):
+    text = '%json_schema {"type": "integer"}'
+    assert engine.compile(text) is engine.compile(text, number_digits=16)
+    assert engine.compile(text, number_digits=None) is not engine.compile(text)
+
+
+def test_lenient_ignores_and_reports_unimplemented_keywords(engine, model):
+    schema = {"type": "array", "uniqueItems": True, "maxItems": 3,
+              "items": {"type": "integer", "minimum": 0, "maximum": 9, "if": {"minimum": 5},
+                        "then": {"multipleOf": 2}}}
+    text = "%json_schema " + json.dumps(schema)
+    with pytest.raises(GrammarError, match="Unimplemented keys"):
+        engine.compile(text)
+    g = engine.compile(text, lenient=True)
+    assert g.ignored == ["if", "then", "uniqueItems"]
+    assert accepts(model, g, "[7, 7]")  # uniqueItems and if/then are not enforced
+    assert engine.compile('%json_schema {"type": "integer"}', lenient=True).ignored == []
+    assert engine.compile('%json_schema {"type": "integer"}').ignored == []

@@ -350,35 +350,39 @@ DOC_CHECKS = {
 }
 
 
-def test_doc_session(server):
-    """The ndjson session at the top of docs/GRAMMARS.md, sent line by line."""
-    block = re.search(r"```ndjson\n(.*?)\n```", DOC.read_text(), re.S).group(1)
-    expected, actual = [], []
-    for line in block.splitlines():
-        if line.startswith("> "):
-            req = json.loads(line[2:])
-            server.send(req)
-            if req["type"] == "grammar":
-                actual.append(server.next_misc())
-            else:
-                tokens, final = server.collect(req["seq_id"])
-                actual += tokens + [final]
-        elif line.startswith("< "):
-            expected.append(json.loads(line[2:].replace(", ...}", "}")))
-    i = 0
-    for exp in expected:
-        assert i < len(actual), (exp, actual)
-        if exp["type"] == "token":  # stands for every token event of the sequence
-            assert actual[i]["type"] == "token", actual[i]
-            while actual[i]["type"] == "token":
-                assert all(actual[i][k] == v for k, v in exp.items()), (exp, actual[i])
-                i += 1
-            continue
-        assert all(actual[i].get(k) == v for k, v in exp.items()), (exp, actual[i])
-        i += 1
-    assert i == len(actual)
-    text = "".join(ev["piece"] for ev in actual if ev["type"] == "token")
-    assert re.fullmatch(r"The answer is (yes|no)\.", text), text
+def test_doc_sessions(server):
+    """The ndjson sessions of docs/GRAMMARS.md, sent line by line: the first (a grammar and
+    an infer), then the lenient schema's."""
+    blocks = re.findall(r"```ndjson\n(.*?)\n```", DOC.read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        expected, actual = [], []
+        for line in block.splitlines():
+            if line.startswith("> "):
+                req = json.loads(line[2:])
+                server.send(req)
+                if req["type"] == "grammar":
+                    actual.append(server.next_misc())
+                else:
+                    tokens, final = server.collect(req["seq_id"])
+                    actual += tokens + [final]
+            elif line.startswith("< "):
+                expected.append(json.loads(line[2:].replace(", ...}", "}")))
+        i = 0
+        for exp in expected:
+            assert i < len(actual), (exp, actual)
+            if exp["type"] == "token":  # stands for every token event of the sequence
+                assert actual[i]["type"] == "token", actual[i]
+                while actual[i]["type"] == "token":
+                    assert all(actual[i][k] == v for k, v in exp.items()), (exp, actual[i])
+                    i += 1
+                continue
+            assert all(actual[i].get(k) == v for k, v in exp.items()), (exp, actual[i])
+            i += 1
+        assert i == len(actual)
+        if any(ev["type"] == "token" for ev in actual):
+            text = "".join(ev["piece"] for ev in actual if ev["type"] == "token")
+            assert re.fullmatch(r"The answer is (yes|no)\.", text), text
 
 
 def test_doc_has_the_tested_examples():
@@ -740,3 +744,67 @@ def test_invalid_grammar_keeps_the_previous_one_of_its_id(server):
                                             temperature=TEMP, seed=1)])[0]
     assert_done(final, "grammar")
     assert text == "kept"
+
+
+# ============================================================================ schema options
+
+
+INT_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+
+
+def test_json_numbers_are_bounded_unless_lifted(server):
+    """With the digit 7 forced, the model writes 7s as long as the grammar allows: 16 by
+    default, 3 with numberDigits 3, and until maxTokens with numberDigits null."""
+    text = schema_text(INT_SCHEMA)
+    register(server, "n-default", text)
+    assert server.grammar("n-3", text, numberDigits=3) == {"type": "grammar_ready", "id": "n-3"}
+    assert server.grammar("n-free", text, numberDigits=None) == {"type": "grammar_ready",
+                                                                  "id": "n-free"}
+    force = [{"token": DIGIT["7"], "bias": FORCE}]
+    outs = run_jobs(server, [dict(prompt=chat("A number as JSON."), grammar_id=g, maxTokens=40,
+                                  temperature=0, logit_bias=force)
+                             for g in ("n-default", "n-3", "n-free")])
+    (t16, _, f16), (t3, _, f3), (tfree, toks, ffree) = outs
+    assert_done(f16, "grammar", t16)
+    assert t16 == '{"n": ' + "7" * 16 + "}"
+    assert_done(f3, "grammar", t3)
+    assert t3 == '{"n": 777}'
+    assert_done(ffree, "max_tokens", tfree)
+    assert re.fullmatch(r'\{"n": 7{20,}', tfree), tfree
+
+
+def test_number_options_are_refused_outside_json_schemas(server):
+    for field, value in (("numberDigits", 8), ("lenient", True)):
+        server.send({"type": "grammar", "id": "opt", "grammar": 'root ::= "a"', field: value})
+        ev = server.next_misc()
+        assert ev["type"] == "error" and ev["request"] == "grammar", ev
+        assert ev["message"] == f"{field}: applies to JSON schemas (%json_schema) only", ev
+    server.send({"type": "grammar", "id": "opt", "grammar": '%json_schema {}', "numberDigits": 0})
+    ev = server.next_misc()
+    assert ev["type"] == "error" and ev["message"].startswith("numberDigits: must be >= 1"), ev
+    assert server.grammar("opt", 'root ::= "a"', lenient=False) == {"type": "grammar_ready",
+                                                                    "id": "opt"}
+
+
+UNIQUE = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+          "uniqueItems": True, "minItems": 1, "maxItems": 3}
+
+
+def test_lenient_schema_registers_and_reports_what_it_ignored(server):
+    text = schema_text(UNIQUE)
+    server.send({"type": "grammar", "id": "strict", "grammar": text})
+    ev = server.next_misc()
+    assert ev["type"] == "error" and 'Unimplemented keys: ["uniqueItems"]' in ev["message"], ev
+    ev = server.grammar("lenient", text, lenient=True)
+    assert ev == {"type": "grammar_ready", "id": "lenient", "ignored": ["uniqueItems"]}
+    clean = {k: v for k, v in UNIQUE.items() if k != "uniqueItems"}
+    outs = run_jobs(server, [dict(prompt=chat("Three digits as a JSON array."),
+                                  grammar_id="lenient", maxTokens=30, temperature=TEMP, seed=seed)
+                             for seed in SEEDS])
+    for seed, (out, _, final) in zip(SEEDS, outs):
+        assert_done(final, "grammar", (seed, out))
+        check_json(out, clean)
+    # a schema with nothing to ignore reports an empty list
+    assert server.grammar("lenient-int", schema_text({"type": "integer"}), lenient=True) == {
+        "type": "grammar_ready", "id": "lenient-int", "ignored": []}
