@@ -224,15 +224,16 @@ def calls(text: str, names: set[str]) -> list[Call]:
 
 
 def string_constants(text: str) -> dict[str, list[tuple[str, Parts]]]:
-    """`const std::string NAME = <string expr>;` per enclosing function: [(NAME, value)]."""
+    """`[const] std::string|auto NAME = <string expr>;` per enclosing test_* function:
+    [(NAME, value)]."""
     toks = lex(text)
     within = _enclosing(toks)
     out: dict[str, list[tuple[str, Parts]]] = {}
-    for k in range(len(toks) - 4):
-        a, b, c, d = toks[k:k + 4]
-        if (a.value == "const" and b.value == "std::string" and c.kind == "ident"
-                and d.value == "="):
-            value = _Reader(toks, k + 4).value()
+    for k in range(len(toks) - 3):
+        b, c, d = toks[k:k + 3]
+        if (b.value in ("std::string", "auto") and c.kind == "ident" and d.value == "="
+                and within[k].startswith("test_") and toks[k + 3].kind == "str"):
+            value = _Reader(toks, k + 3).value()
             out.setdefault(within[k], []).append((c.value, value))
     return out
 
