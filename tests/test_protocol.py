@@ -46,7 +46,7 @@ DEFAULTS = {
              "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None,
              "deterministic": False, "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0,
              "outputLocal": False},
-    "grammar": {},
+    "grammar": {"lenient": False, "numberDigits": 16},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS},
     "score": {"window": None, "perToken": False},
@@ -246,6 +246,9 @@ BAD = [
     ("infer", "prompt", "x" * ((1 << 20) + 1), "limit"), ("prefill", "prompt", "é" * (1 << 19) + "x", "limit"),
     ("score", "text", "x" * ((4 << 20) + 1), "limit"), ("grammar", "grammar", "x" * ((128 << 10) + 1), "limit"),
     ("init", "nCtx", 63, ">= nSeqMax"),
+    ("grammar", "lenient", 1, "true or false"), ("grammar", "lenient", True, "JSON schemas"),
+    ("grammar", "numberDigits", 0, ">= 1"), ("grammar", "numberDigits", 19, "<= 18"),
+    ("grammar", "numberDigits", 16, "JSON schemas"),  # the minimal grammar is GBNF
     ("infer", "messages", [{"role": "user", "content": "x" * ((1 << 20) + 1)}], "limit"),
     # quit
     ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
