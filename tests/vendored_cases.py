@@ -269,13 +269,13 @@ class ParserCase:
     elements: list[tuple[str, Any]] = field(default_factory=list)
 
 
-def tests_dir(src: Path) -> Path:
+def suite_dir(src: Path) -> Path:
     return src / "tests"
 
 
 def string_cases(src: Path, source: str) -> list[StringCase]:
     """The test_grammar / test_schema calls of test-grammar-<source>.cpp."""
-    text = (tests_dir(src) / f"test-grammar-{source}.cpp").read_text()
+    text = (suite_dir(src) / f"test-grammar-{source}.cpp").read_text()
     out = []
     for c in calls(text, {"test_grammar", "test_schema"}):
         desc, grammar, passing, failing = c.args
@@ -292,7 +292,7 @@ def _text(parts: Parts) -> str:
 
 def parser_cases(src: Path) -> list[ParserCase]:
     """The verify_failure / verify_parsing calls of test-grammar-parser.cpp."""
-    text = (tests_dir(src) / "test-grammar-parser.cpp").read_text()
+    text = (suite_dir(src) / "test-grammar-parser.cpp").read_text()
     out = []
     for c in calls(text, {"verify_failure", "verify_parsing"}):
         if c.name == "verify_failure":
@@ -314,7 +314,7 @@ def count_calls(src: Path, file: str, names: set[str]) -> int:
     cases `calls` must find."""
     pattern = re.compile(r"(?<![A-Za-z_0-9])(?<!void )(" + "|".join(sorted(names)) + r")\s*\(")
     return sum(len(pattern.findall(line))
-               for line in (tests_dir(src) / file).read_text().splitlines()
+               for line in (suite_dir(src) / file).read_text().splitlines()
                if not line.lstrip().startswith("//") and "fprintf" not in line)
 
 
