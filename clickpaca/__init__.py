@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .client import Client, ServerError  # noqa: E402
+from .client import Client, ServerError, ServerGone  # noqa: E402
 
-__all__ = ["Client", "ServerError", "__version__"]
+__all__ = ["Client", "ServerError", "ServerGone", "__version__"]

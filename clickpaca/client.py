@@ -48,6 +48,11 @@ class ServerError(RuntimeError):
         self.event = event
 
 
+class ServerGone(ServerError, ConnectionError):
+    """The connection ended: the server exited, was killed, or closed the socket. Also a
+    ConnectionError, so code that treats a broken pipe as the end still does."""
+
+
 class Client:
     def __init__(self, rfile: BinaryIO, wfile: BinaryIO, proc: subprocess.Popen | None = None,
                  sock: socketlib.socket | None = None) -> None:
@@ -167,20 +172,23 @@ class Client:
         return orjson.loads(line)
 
     def send(self, request: dict) -> None:
-        self.wfile.write(orjson.dumps(request) + b"\n")
-        self.wfile.flush()
+        self.send_raw(orjson.dumps(request) + b"\n")
 
     def send_raw(self, line: bytes) -> None:
         """Send bytes as they are (several request lines in one write, robustness tests)."""
-        self.wfile.write(line)
-        self.wfile.flush()
+        try:
+            self.wfile.write(line)
+            self.wfile.flush()
+        except OSError as e:
+            self.closed.wait(timeout=15)  # the reader learns how the server ended
+            raise ServerGone(self._end or {"type": "closed", "message": f"the server is gone ({e})"}) from None
 
     def next_misc(self, timeout: float | None = 120) -> dict:
         return self.misc.get(timeout=timeout)
 
     def _wait_misc(self, types: set[str], timeout: float) -> dict:
         if self._end is not None and self.misc.empty():
-            raise ServerError(self._end)
+            raise ServerGone(self._end)
         while True:
             ev = self.misc.get(timeout=timeout)
             if ev["type"] in types:
@@ -189,7 +197,7 @@ class Client:
                 raise ServerError(ev)
             if ev["type"] == "closed":
                 self.misc.put(ev)  # every later reader learns it too
-                raise ServerError(ev)
+                raise ServerGone(ev)
 
     # ------------------------------------------------------------ requests
 
@@ -228,12 +236,12 @@ class Client:
         ServerError if the connection ends first (the server died or went away)."""
         q = self._queues[seq_id]
         if self._end is not None and q.empty():
-            raise ServerError(self._end)
+            raise ServerGone(self._end)
         while True:
             ev = q.get(timeout=timeout)
             if ev["type"] == "closed":
                 q.put(ev)  # a later read of this sequence learns it too
-                raise ServerError(ev)
+                raise ServerGone(ev)
             yield ev
             if ev["type"] in END_TYPES:
                 return
@@ -263,12 +271,12 @@ class Client:
         """asyncio version of `stream`: `async for ev in client.astream(0): ...`."""
         q = self._queues[seq_id]
         if self._end is not None and q.empty():
-            raise ServerError(self._end)
+            raise ServerGone(self._end)
         while True:
             ev = await asyncio.to_thread(q.get, True, timeout)
             if ev["type"] == "closed":
                 q.put(ev)
-                raise ServerError(ev)
+                raise ServerGone(ev)
             yield ev
             if ev["type"] in END_TYPES:
                 return

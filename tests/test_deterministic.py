@@ -95,8 +95,8 @@ def cold(det):
 def test_ready_reports_the_mode_and_the_kernel_paths(det):
     r = det.ready
     assert r["deterministic"] is True
-    assert r["kernels"] == {"flashAttn": False, "repack": False, "kvLayout": "per-sequence",
-                            "tiledMatmul": False}
+    assert r["kernels"] == {"flashAttn": False, "repack": False, "extraBufferTypes": [],
+                            "kvLayout": "per-sequence", "tiledMatmul": False}
     assert r["flashAttn"] == "off" and r["kvUnified"] is False
     assert r["nCtxPerSeq"] == 2048 // 8
 

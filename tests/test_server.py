@@ -37,7 +37,25 @@ def test_ready_reports_the_context(server):
     assert r["build"] == TEST_BUILD
     # the kernel paths in force: flash attention's "auto" resolved (on, on this CPU build)
     assert r["deterministic"] is False
-    assert r["kernels"] == {"flashAttn": True, "repack": True, "kvLayout": "unified", "tiledMatmul": True}
+    kernels = dict(r["kernels"])
+    extra = kernels.pop("extraBufferTypes")
+    assert kernels == {"flashAttn": True, "repack": True, "kvLayout": "unified", "tiledMatmul": True}
+    # the repacked weights sit in llama.cpp's CPU_REPACK buffer (its Q4_K kernels need AVX2);
+    # AMX is compiled out of the default build (issue #23), so its buffer type never appears
+    assert "AMX" not in extra and r["cpu"]["amx"] is False
+    if "avx2" in r["cpu"]["features"]:
+        assert extra == ["CPU_REPACK"], extra
+
+
+def test_ready_reports_the_cpu_and_the_build_s_instruction_sets(server):
+    from clickpaca.cpu import cpu_flags, cpu_name
+
+    c = server.ready["cpu"]
+    assert c["name"] == cpu_name() and c["portable"] is False
+    flags = cpu_flags()
+    if flags is not None:  # a native build uses what this CPU has, and nothing it lacks
+        assert c["features"] and set(c["features"]) <= flags, set(c["features"]) - flags
+        assert not any(f.startswith("amx") for f in c["features"])
 
 
 def test_greedy_equals_llama_completion(server, model_path):

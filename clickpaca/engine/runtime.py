@@ -14,6 +14,7 @@ from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
 from ..native import NativeError, load
+from ..rpc.devices import buffer_sizes
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
 
 
@@ -228,7 +229,7 @@ def extra_buffer_types(load_log: list[str]) -> list[str]:
     """The CPU extra buffer types holding weights (CPU_REPACK, AMX, ...), as the model's
     load logged them: the kernels that take over matrix products from the plain CPU path.
     Empty with repack off (use_extra_bufts false), which deterministic mode sets."""
-    names = {name for name, kind in rpc.buffer_sizes(load_log) if kind == "model"}
+    names = {name for name, kind in buffer_sizes(load_log) if kind == "model"}
     return sorted(n for n in names if n == "AMX" or (n.startswith("CPU_") and n != "CPU_Mapped"))
 
 
