@@ -20,7 +20,7 @@ Formats, detected from the first non-blank characters of the text:
 `compile()` validates completely before returning (llguidance does not raise on bad
 grammars: the matcher is built, checked with ``is_error()``, and its first mask is
 computed), so a grammar either compiles or raises `GrammarError` carrying llguidance's
-own message. Compiled grammars are cached by text (LRU).
+own message. Compiled grammars are cached by text and options (LRU).
 
 JSON whitespace (options chosen here)
 -------------------------------------
