@@ -604,7 +604,8 @@ def backend_dl(cpu: dict | None) -> bool:
 def arrange_backend_modules(out: Path, src: Path, amx: bool) -> dict:
     """A GGML_BACKEND_DL build's run-time modules: AMX variants left out of lib/ unless
     `amx` (ggml's AMX path dies with SIGILL on the pinned source, #23; the loader then picks
-    the best variant left), and each module linked into bin/ as well, where ggml looks for
+    the best variant left; NO_AMX_FLAGS do not help here: a variant's own -mamx-* come after
+    them on its compile line), and each module linked into bin/ as well, where ggml looks for
     them when a tool calls ggml_backend_load_all(). Returns what build-info.json records."""
     declared = cpu_variant_features(src)
     lib = out / "lib"
