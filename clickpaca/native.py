@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,19 @@ class Lib:
     def __init__(self, lib: Any, ffi: Any, build: str, version: str) -> None:
         self.__dict__["_lib"] = lib
         self.__dict__["_where"] = (ffi, build, version)
+        # A PORTABLE build's backend modules (load_backends): ggml-cpu's and ggml-rpc's own
+        # functions live there, not in anything libllama links.
+        self.__dict__["_modules"] = []
 
     def __getattr__(self, name: str) -> Any:
         ffi, build, version = self.__dict__["_where"]
-        try:
-            value = getattr(self.__dict__["_lib"], name)
-        except (AttributeError, ffi.error):
+        for lib in (self.__dict__["_lib"], *self.__dict__["_modules"]):
+            try:
+                value = getattr(lib, name)
+                break
+            except (AttributeError, ffi.error):
+                continue
+        else:
             raise MissingFunction(
                 f"build {build!r} (llama.cpp {version}) has no {name}: this version cannot do "
                 "what was asked; use a newer build (see docs/UPGRADING.md)") from None
@@ -61,6 +69,16 @@ class Native:
     lib: Any
     info: dict
     stamp: dict
+    #: backend name -> the module file ggml loaded it from, for a build that loads its
+    #: backends at run time (PORTABLE=1); empty for a native build (linked in).
+    backends: dict = field(default_factory=dict)
+
+    @property
+    def cpu_variant(self) -> str | None:
+        """The CPU variant ggml picked for this CPU (`haswell`, `zen4`, ...), or None for
+        a build with its CPU backend linked in."""
+        m = re.match(r"libggml-cpu-([\w.]+)\.so$", Path(self.backends.get("CPU", "")).name)
+        return m.group(1) if m else None
 
 
 _loaded: dict[str, Native] = {}
@@ -88,8 +106,40 @@ def load(name: str = "mainline") -> Native:
         if name in _loaded:
             return _loaded[name]
         nat = _load(name)
+        if (nat.info.get("cpu") or {}).get("backend_modules"):
+            load_backends(nat)
         _loaded[name] = nat
         return nat
+
+
+_LOADED_BACKEND = re.compile(r"loaded (\S+) backend from (.+?)\s*$")
+
+
+def load_backends(nat: Native) -> None:
+    """Load a PORTABLE build's backend modules from its lib/ (ggml picks the best CPU
+    variant this CPU runs) before anything asks for a device: llama_backend_init would
+    otherwise search the Python executable's directory and the working directory, and
+    find none. Which module each backend came from is read from ggml's load log; their
+    functions (ggml_backend_cpu_*, ggml_backend_rpc_*) become reachable through nat.lib."""
+    sink = log_sink(nat)
+    sink.captured.clear()
+    sink.capture = True
+    try:
+        nat.lib.ggml_backend_load_all_from_path(str(nat.build_dir / "lib").encode())
+    finally:
+        sink.capture = False
+    for line in sink.captured:
+        m = _LOADED_BACKEND.search(line)
+        if m:
+            nat.backends[m.group(1)] = m.group(2)
+    sink.captured.clear()
+    if "CPU" not in nat.backends:
+        raise NativeError(f"build {nat.name!r} loads its CPU backend at run time, and none of "
+                          f"{', '.join(nat.info['cpu']['backend_modules'])} in {nat.build_dir / 'lib'} "
+                          f"loaded on this CPU: rebuild with `PORTABLE=1 make mainline`")
+    for path in nat.backends.values():
+        # the same file again: the dynamic linker hands back the handle ggml already holds
+        nat.lib.__dict__["_modules"].append(nat.ffi.dlopen(path))
 
 
 def _load(name: str) -> Native:

@@ -55,6 +55,13 @@ COMPAT_RECIPE = "2"
 # Sapphire Rapids class CPUs (issue #23, docs/DETERMINISM.md): compiled out unless AMX=1.
 NO_AMX_FLAGS = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
 # Instruction-set macros a compiler predefines for its target: what a native build uses.
+# A GGML_BACKEND_DL build (PORTABLE=1) has no CPU code in libggml: ggml loads one
+# libggml-<backend>[-<variant>].so per backend at run time, from the directory it is given
+# (clickpaca: lib/) or else the executable's (the tools: bin/). libggml-base is not one.
+BACKEND_MODULE = re.compile(r"^libggml-(?!base\b)[\w.-]+\.so$")
+CPU_VARIANT = re.compile(r"^libggml-cpu-([\w.]+)\.so$")
+# ggml's CMakeLists.txt declares each CPU variant as `ggml_add_cpu_backend_variant(name FEATURE ...)`.
+VARIANT_DECL = re.compile(r"\bggml_add_cpu_backend_variant\(\s*([\w.]+)([^)]*)\)")
 ISA_MACRO = re.compile(
     r"#define (__(?:SSE\w*|SSSE3|AVX\w*|AMX\w*|F16C|FMA4?|BMI2?|POPCNT|LZCNT|MOVBE|PCLMUL|AES"
     r"|SHA|GFNI|VAES|VPCLMULQDQ|ARM_NEON|ARM_FEATURE_\w+)__)\b")
@@ -500,7 +507,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
             tools = {t: t for t in TOOLS}
         run_streamed(["cmake", "--build", str(out / "cmake"), "-j", str(jobs),
                       "--target", "llama", *tools.values()], env, logfile)
-        assemble(out, src, tools)
+        modules = assemble(out, src, tools, cpu)
         try:
             smoke(out, flavor, smoke_model, jobs, strict=flavor != "compat")
         except BuildError:
@@ -516,7 +523,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
             "tools": sorted(tools),
             "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "cflags": cpu["cflags"],
                     "cmake": cpu["cmake"], "isa": isa, "machine": platform.machine(),
-                    "built_on": cpu_model_name()},
+                    "built_on": cpu_model_name(), **modules},
             "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
             "llama_h_sha256": header_sha,
             "libllama_sha256": sha256_file(out / "lib" / "libllama.so"),
@@ -581,8 +588,50 @@ def shared_libraries(cmake_dir: Path) -> list[Path]:
     return list(found.values())
 
 
-def assemble(out: Path, src: Path, tools: dict[str, str]) -> None:
-    """lib/ (shared libraries), bin/ (native tools), include/ (the headers bindgen reads)."""
+def cpu_variant_features(src: Path) -> dict[str, list[str]]:
+    """ggml's CPU variants (GGML_CPU_ALL_VARIANTS) and the features each is compiled for,
+    as the source tree's ggml/src/CMakeLists.txt declares them (every architecture's)."""
+    cmake = src / "ggml" / "src" / "CMakeLists.txt"
+    text = cmake.read_text(errors="replace") if cmake.exists() else ""
+    return {m.group(1): m.group(2).split() for m in VARIANT_DECL.finditer(text)}
+
+
+def backend_dl(cpu: dict | None) -> bool:
+    """Whether the build loads its backends at run time (GGML_BACKEND_DL: PORTABLE=1)."""
+    return "-DGGML_BACKEND_DL=ON" in ((cpu or {}).get("cmake") or [])
+
+
+def arrange_backend_modules(out: Path, src: Path, amx: bool) -> dict:
+    """A GGML_BACKEND_DL build's run-time modules: AMX variants left out of lib/ unless
+    `amx` (ggml's AMX path dies with SIGILL on the pinned source, #23; the loader then picks
+    the best variant left; NO_AMX_FLAGS do not help here: a variant's own -mamx-* come after
+    them on its compile line), and each module linked into bin/ as well, where ggml looks for
+    them when a tool calls ggml_backend_load_all(). Returns what build-info.json records."""
+    declared = cpu_variant_features(src)
+    lib = out / "lib"
+    variants, left_out = {}, {}
+    for so in sorted(lib.iterdir()):
+        m = CPU_VARIANT.match(so.name)
+        if m is None:
+            continue
+        feats = declared.get(m.group(1), [])
+        if not amx and any(f.startswith("AMX") for f in feats):
+            so.unlink()
+            left_out[m.group(1)] = "uses AMX (" + " ".join(f for f in feats if f.startswith("AMX")) + "); AMX=1 keeps it"
+        else:
+            variants[m.group(1)] = feats
+    modules = sorted(so.name for so in lib.iterdir() if BACKEND_MODULE.match(so.name))
+    if not any(CPU_VARIANT.match(n) or n == "libggml-cpu.so" for n in modules):
+        raise BuildError(f"the build loads its backends at run time but produced no CPU backend in {lib}")
+    for name in modules:
+        os.symlink(Path("..") / "lib" / name, out / "bin" / name)
+    return {"backend_modules": modules, "variants": variants, "variants_left_out": left_out}
+
+
+def assemble(out: Path, src: Path, tools: dict[str, str], cpu: dict | None = None) -> dict:
+    """lib/ (shared libraries), bin/ (native tools), include/ (the headers bindgen reads);
+    for a build that loads its backends at run time (`cpu` PORTABLE), its modules
+    (arrange_backend_modules, whose record is returned; {} otherwise)."""
     cmake_dir = out / "cmake"
     cbin = cmake_dir / "bin"
     (out / "lib").mkdir()
@@ -604,6 +653,7 @@ def assemble(out: Path, src: Path, tools: dict[str, str]) -> None:
             shutil.copy2(h, out / "include" / h.name)
     if not (out / "lib" / "libllama.so").exists():
         raise BuildError(f"the build produced no libllama.so under {cmake_dir}")
+    return arrange_backend_modules(out, src, bool(cpu["amx"])) if backend_dl(cpu) else {}
 
 
 def default_smoke_model() -> Path | None:

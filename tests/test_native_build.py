@@ -318,3 +318,68 @@ def test_the_pinned_source_is_found_through_the_build_not_the_default_cache(tmp_
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "error" not in proc.stdout.splitlines()[-1]
+
+
+# ------------------------------------------------------------------ PORTABLE=1 (issue #23)
+
+def pinned_source() -> Path:
+    return Path(json.loads((cached_build() / "build-info.json").read_text())["source_dir"])
+
+
+def test_the_cpu_variants_are_read_from_the_pinned_source():
+    """GGML_CPU_ALL_VARIANTS' x86 variants as ggml's CMakeLists.txt declares them: the
+    baseline has no feature, haswell is AVX2 without AVX-512, and only sapphirerapids
+    carries AMX (the path that dies with SIGILL, #23)."""
+    v = nb.cpu_variant_features(pinned_source())
+    assert v["x64"] == []
+    assert {"AVX2", "FMA", "F16C", "BMI2"} <= set(v["haswell"]) and "AVX512" not in v["haswell"]
+    assert "AVX512" in v["skylakex"] and "AVX512_BF16" in v["zen4"]
+    assert [name for name, feats in v.items() if any(f.startswith("AMX") for f in feats)] == ["sapphirerapids"]
+
+
+def fake_portable_lib(out: Path, names: list[str]) -> None:
+    (out / "lib").mkdir(parents=True)
+    (out / "bin").mkdir()
+    for name in names:
+        (out / "lib" / name).write_bytes(b"\x7fELF")
+
+
+PORTABLE_LIBS = ["libggml-base.so", "libggml-base.so.0", "libggml.so", "libllama.so",
+                 "libggml-cpu-x64.so", "libggml-cpu-haswell.so", "libggml-cpu-zen4.so",
+                 "libggml-cpu-sapphirerapids.so", "libggml-rpc.so"]
+
+
+def test_a_portable_build_leaves_the_amx_variant_out_and_links_its_modules_into_bin(tmp_path):
+    out = tmp_path / "out"
+    fake_portable_lib(out, PORTABLE_LIBS)
+    rec = nb.arrange_backend_modules(out, pinned_source(), amx=False)
+    assert not (out / "lib" / "libggml-cpu-sapphirerapids.so").exists()
+    assert set(rec["variants"]) == {"x64", "haswell", "zen4"}
+    assert "AMX_TILE" in rec["variants_left_out"]["sapphirerapids"]
+    assert rec["backend_modules"] == ["libggml-cpu-haswell.so", "libggml-cpu-x64.so",
+                                      "libggml-cpu-zen4.so", "libggml-rpc.so"]
+    for name in rec["backend_modules"]:  # where ggml_backend_load_all looks for a tool's
+        link = out / "bin" / name
+        assert os.readlink(link) == f"../lib/{name}" and link.resolve() == (out / "lib" / name).resolve()
+    assert not (out / "bin" / "libggml-base.so").exists() and not (out / "bin" / "libllama.so").exists()
+
+
+def test_amx_1_keeps_the_amx_variant(tmp_path):
+    out = tmp_path / "out"
+    fake_portable_lib(out, PORTABLE_LIBS)
+    rec = nb.arrange_backend_modules(out, pinned_source(), amx=True)
+    assert "sapphirerapids" in rec["variants"] and rec["variants_left_out"] == {}
+    assert (out / "bin" / "libggml-cpu-sapphirerapids.so").exists()
+
+
+def test_a_portable_build_without_a_cpu_backend_is_an_error(tmp_path):
+    out = tmp_path / "out"
+    fake_portable_lib(out, ["libggml-base.so", "libggml.so", "libllama.so", "libggml-rpc.so"])
+    with pytest.raises(nb.BuildError, match="no CPU backend"):
+        nb.arrange_backend_modules(out, pinned_source(), amx=False)
+
+
+def test_only_portable_builds_arrange_backend_modules():
+    assert nb.backend_dl(nb.cpu_options(amx=False, portable=True))
+    assert not nb.backend_dl(nb.cpu_options(amx=False, portable=False))
+    assert not nb.backend_dl(None)

@@ -239,6 +239,7 @@ def cpu_report(model: core.Model) -> dict[str, Any]:
     built = model.nat.info.get("cpu") or {}
     return {"name": cpu.cpu_name(), "features": cpu.features(built.get("isa") or []),
             "amx": bool(built.get("amx")), "portable": bool(built.get("portable")),
+            "variant": model.nat.cpu_variant,
             "builtOn": built.get("built_on")}
 
 
