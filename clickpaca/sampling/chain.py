@@ -371,7 +371,8 @@ class SequenceSampler:
         words = as_words(allowed_bitmask, self._n_vocab) if allowed_bitmask is not None else None
         view = RowView(row)
         hist = self.penalty_window() if p.penalties_active else _NO_HIST
-        ctx = StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed)
+        ctx = StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed,
+                          self._n_vocab)
         cand = apply_chain(row, p, words, view=view, timings=timings, ctx=ctx)
         if cand.empty_step is not None:
             return SampleResult(-1, True, _reason(cand.empty_step))

@@ -158,12 +158,15 @@ class StepContext:
     hist: (ids sorted, counts) of the penalty window; history: every token of the
     sequence's context, in order (a list; do not change it); rest_mass: for the first
     truncation on a superset, the mass left out (see ``cut``); vocab: the model's
-    vocabulary helper or None (steps that need token text); the sequence's step states
-    and random streams (``state``, ``uniform``)."""
+    vocabulary helper or None (steps that need token text); n_vocab: the vocabulary
+    size (0 when unknown); the sequence's step states and random streams (``state``,
+    ``uniform``)."""
 
-    __slots__ = ("hist", "history", "rest_mass", "vocab", "states", "streams", "seed", "used")
+    __slots__ = ("hist", "history", "rest_mass", "vocab", "n_vocab", "states", "streams", "seed", "used")
 
-    def __init__(self, hist=None, history=(), vocab=None, states=None, streams=None, seed: int = 0):
+    def __init__(self, hist=None, history=(), vocab=None, states=None, streams=None, seed: int = 0,
+                 n_vocab: int = 0):
+        self.n_vocab = n_vocab
         self.hist = hist if hist is not None else _NO_HIST
         self.history = history
         self.rest_mass = 0.0
