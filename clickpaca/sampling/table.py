@@ -331,6 +331,8 @@ register_chain_param(Param("n_probs", "nProbs", 0, integer(0), ("n_probs",),
                            "when > 0 (<= 100), token events carry log-probabilities (below)"))
 register_chain_param(Param("samplers", "samplers", None, _norm_samplers, (), "order of the steps (below)",
                            shown="full chain"))
+register_chain_param(Param("trace", "trace", False, R.boolean, (),
+                           "token events carry what every step did (below); costs a few full-row passes per step"))
 
 # Snapshots of the built-in rows (the registry itself is live: ``registry.steps()``).
 STEPS: tuple[Step, ...] = R.steps()
