@@ -6,7 +6,9 @@ truncation and has no superset hook. Ours: the step's definition (steps.py / dry
 on (ids, float64 logits). llama.cpp's: ``llama_sampler_apply`` through the bindings on
 a fresh ``llama_token_data_array`` per call (the copy of the row into it is included,
 as in llama.cpp's own test-sampling.cpp bench; the copy alone is measured too, and the
-ratio is ours / (llama.cpp's - the copy)). Thread CPU time per call, best round.
+ratio is ours / (llama.cpp's - the copy)). Also a whole sample call of a chain of just
+that step (``chain_us``): how the chain runs it, through the step's superset hook when
+it has one, plus the draw. Thread CPU time per call, best round.
 """
 
 from __future__ import annotations
@@ -45,6 +47,26 @@ def _cases(n_vocab: int, hist: list[int]) -> dict[str, tuple[Callable, tuple]]:
         "mirostat": (lambda i, l: S.mirostat(i, l, 10.0, 100, n_vocab), ("mirostat", n_vocab, 1, 5.0, 0.1, 100)),
         "mirostat_v2": (lambda i, l: S.mirostat_v2(i, l, 10.0), ("mirostat_v2", 1, 5.0, 0.1)),
     }
+
+
+#: step -> the params that turn it on, alone in ``samplers`` (the chain's way of running it)
+CHAIN_PARAMS = {
+    "top_k": {"top_k": 40}, "top_p": {"top_p": 0.95}, "min_p": {"min_p": 0.05},
+    "temperature": {"temperature": 0.7},
+    "penalties": {"penalty_repeat": 1.1, "penalty_freq": 0.1, "penalty_present": 0.1},
+    "dry": {"dry_multiplier": 0.8, "dry_sequence_breakers": ()}, "top_n_sigma": {"top_n_sigma": 1.0},
+    "typical_p": {"typical_p": 0.9}, "xtc": {"xtc_probability": 1.0, "xtc_threshold": 0.1},
+    "dynatemp": {"temperature": 0.7, "dynatemp_range": 0.5}, "mirostat": {"mirostat": 1},
+    "mirostat_v2": {"mirostat": 2},
+}
+
+
+def _chain(name: str, row: np.ndarray, hist: list[int]) -> Callable[[], Any]:
+    """One sample call of a chain of just this step (its superset hook used if it has one)."""
+    from ..sampling import SamplerParams, SequenceSampler
+
+    s = SequenceSampler(SamplerParams(samplers=[name], seed=0, **CHAIN_PARAMS[name]), row.size, hist)
+    return lambda: s.sample(row)
 
 
 def _best(f: Callable[[], Any], repeats: int, rounds: int) -> float:
@@ -97,9 +119,12 @@ def step_costs(nat: Any | None, n_vocab: int = 262_144, repeats: int = 5, rounds
             c = _best(apply, repeats, rounds)
             lib.llama_sampler_free(smpl)
         net = None if c is None else max(c - copy_us, 1.0)
-        out[name] = {"ours_us": round(o, 1), "llama_us": None if c is None else round(c, 1),
+        ch = _best(_chain(name, row, hist), repeats, rounds)
+        out[name] = {"ours_us": round(o, 1), "chain_us": round(ch, 1),
+                     "chain_ratio": None if net is None else round(ch / net, 2),
+                     "llama_us": None if c is None else round(c, 1),
                      "llama_net_us": None if net is None else round(net, 1),
                      "ratio": None if net is None else round(o / net, 2)}
-    out["(array fill)"] = {"ours_us": None, "llama_us": None if copy_us is None else round(copy_us, 1),
+    out["(array fill)"] = {"ours_us": None, "chain_us": None, "chain_ratio": None, "llama_us": None if copy_us is None else round(copy_us, 1),
                            "llama_net_us": None, "ratio": None}
     return out
