@@ -296,7 +296,8 @@ def xtc(ids: np.ndarray, logits: np.ndarray, probability: float, threshold: floa
     above = int(np.count_nonzero(np.logical_and.accumulate(prob >= threshold)))
     if above < 2:
         return ids, logits
-    keep = order[above - 1:]
+    keep = np.ones(ids.size, bool)  # a mask keeps the set's own order (the draw sorts by id)
+    keep[order[: above - 1]] = False
     return ids[keep], logits[keep]
 
 
