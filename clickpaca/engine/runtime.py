@@ -14,8 +14,9 @@ from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
 from ..native import NativeError, load
-from ..rpc.devices import buffer_sizes
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
+from ..rpc.devices import buffer_sizes
+from ..sampling.vocab import Vocab
 
 
 # outputLocal: the vocabulary projection's weights (a model's own output matrix, or the
@@ -40,6 +41,7 @@ class Runtime:
         self.batch = core.Batch(model.nat, ctx.n_batch)
         self._warm_up()
         self.grammars = GrammarEngine.start(model)
+        self.vocab = Vocab(model)  # for sampler steps that read token text (DRY), built on first use
         self.masks = MaskAhead(np.zeros((ctx.n_seq_max, (model.n_vocab + 31) // 32), dtype=np.int32))
         self.ready_event: dict[str, Any] = ready_event(
             nVocab=model.n_vocab,
