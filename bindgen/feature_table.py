@@ -41,7 +41,8 @@ def render_pair(table: dict, old: dict, new: dict) -> list[str]:
         for label, r in ((version_label(old).split(" ")[0], x), (version_label(new).split(" ")[0], y)):
             if r["status"] != "works":
                 lines += textwrap.wrap(f"{r['feature']} on {label}: {_short(r)}", WIDTH,
-                                       initial_indent="  ", subsequent_indent="      ")
+                                       initial_indent="  ", subsequent_indent="      ",
+                                       break_on_hyphens=False)
     return lines
 
 

@@ -252,4 +252,4 @@ def by_features(entries: list[dict], manifests: dict[str, dict], ol: str, nl: st
         elif back is not None and all(r[1] is back for r in rows) and checked(back) \
                 and not features.lacking(back, have[side]):
             o["handled"] = True
-            o["action"] = f"features.py {back.name!r}: used only where that is absent"
+            o["action"] = f"features.py {back.name!r}: used only where that feature is absent"

@@ -148,7 +148,8 @@ def render_text(rep: dict[str, Any], full: bool = False) -> str:
                 if rep["ours"] else "nothing affected")]
     for o in sorted(rep["ours"], key=lambda o: o["handled"]):  # what needs doing first
         lines += textwrap.wrap(f"{'=' if o['handled'] else '!'} {o['name']}: {o['status']} -> {o['action']}",
-                               WIDTH, initial_indent="  ", subsequent_indent="      ")
+                               WIDTH, initial_indent="  ", subsequent_indent="      ",
+                               break_on_hyphens=False)
     lines += feature_table.render_pair(rep["features"], rep["from"], rep["to"])
     llama, internals = rep["api"]["llama"], rep["api"]["internals"]
     n = _count(llama)

@@ -149,10 +149,10 @@ def _native_has(nat: Any, name: str) -> bool:
                 t = ffi.typeof(text)
             except Exception:  # noqa: BLE001 - cffi's errors for an unknown type vary
                 continue
-            if not dot:
-                return True
-            fields = getattr(t, "fields", None)  # None: only declared, an opaque struct
-            return fields is not None and field in dict(fields)
+            if t.kind not in ("struct", "union"):
+                return not dot  # a typedef (a callback type); no fields
+            fields = t.fields  # None: undeclared or opaque, as cffi takes an unknown struct
+            return fields is not None and (not dot or field in dict(fields))
         return False
     return hasattr(nat.lib, name)  # a function, constant or enum value (native.Lib)
 
