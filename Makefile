@@ -61,10 +61,13 @@ model: venv
 
 ## test: the whole test suite (README, second command). Tests of the turboquant library
 ## itself run in their own process: two builds cannot share one process (same sonames).
+## Then `make test-compat` on the oldest and a middle llama.cpp (COMPAT_CI; docs/UPGRADING.md).
+COMPAT_CI ?= 0.3.2 0.3.16
 test: setup turboquant peer
 	$(PY) -m bindgen
 	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
 	$(PY) -m pytest -m "not turboquant" $(PYTEST_ARGS)
+	@for v in $(COMPAT_CI); do $(MAKE) --no-print-directory test-compat COMPAT_VERSION=$$v || exit 1; done
 
 ## test-tq: the server test suite again, on the turboquant build with turbo cache types
 test-tq: setup turboquant
@@ -72,8 +75,8 @@ test-tq: setup turboquant
 	CLICKPACA_TEST_BUILD=turboquant CLICKPACA_TEST_CACHE_K=q8_0 CLICKPACA_TEST_CACHE_V=turbo3 \
 		$(PY) -m pytest tests/test_server*.py $(PYTEST_ARGS)
 
-## test-compat: build an older llama.cpp from an older sdist (any from 0.3.2 on), generate its
-## bindings, smoke-test them and `clickpaca serve` on it (works, or refuses by name)
+## test-compat: build an older llama.cpp (the library only) from an older sdist (any from 0.3.2
+## on), generate its bindings, smoke-test them and `clickpaca serve` on it (works, or refuses by name)
 test-compat: setup
 	$(PY) native/build.py compat --sdist-version $(COMPAT_VERSION) --preset $(PRESET)
 	$(PY) -m bindgen builds/compat-$(COMPAT_VERSION) --against builds/mainline
