@@ -246,7 +246,7 @@ def by_features(entries: list[dict], manifests: dict[str, dict], ol: str, nl: st
         need, back = rows[0]
         if need is not None and all(r[0] is need for r in rows) and checked(need) \
                 and features.lacking(need, have[side]):
-            o["handled"] = True
+            o["handled"], o["proposal"] = True, o["action"]  # (kept: a fallback to add instead)
             o["action"] = (f"features.py {need.name!r}: {need.refused} refused on {side}" if need.refuses
                            else f"features.py {need.name!r}: on {side}, {need.without}")
         elif back is not None and all(r[1] is back for r in rows) and checked(back) \
