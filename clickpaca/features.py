@@ -59,7 +59,7 @@ FEATURES: tuple[Feature, ...] = (
             (*MEMORY_API, "llama_model_n_swa"),
             field="build", refused="init"),
     # -- optional: only the option that needs it is refused
-    Feature("rpc", "RPC workers holding part of the model (docs/SCALE-OUT.md)",
+    Feature("rpc", "RPC workers holding part of the model",
             ("ggml_backend_rpc_init", "ggml_backend_rpc_add_server", "RPC_PROTO_MAJOR_VERSION",
              "RPC_PROTO_MINOR_VERSION", "RPC_PROTO_PATCH_VERSION", "ggml_backend_reg_dev_get",
              "ggml_backend_reg_dev_count", "ggml_backend_free", "llama_model_params.devices",
