@@ -12,7 +12,7 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-tq test-compat bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-tq test-compat compat-run bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -61,10 +61,13 @@ model: venv
 
 ## test: the whole test suite (README, second command). Tests of the turboquant library
 ## itself run in their own process: two builds cannot share one process (same sonames).
+## Then `make test-compat` on the oldest and a middle llama.cpp (COMPAT_CI; docs/UPGRADING.md).
+COMPAT_CI ?= 0.3.2 0.3.16
 test: setup turboquant peer
 	$(PY) -m bindgen
 	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
 	$(PY) -m pytest -m "not turboquant" $(PYTEST_ARGS)
+	@for v in $(COMPAT_CI); do $(MAKE) --no-print-directory compat-run COMPAT_VERSION=$$v || exit 1; done
 
 ## test-tq: the server test suite again, on the turboquant build with turbo cache types
 test-tq: setup turboquant
@@ -72,9 +75,12 @@ test-tq: setup turboquant
 	CLICKPACA_TEST_BUILD=turboquant CLICKPACA_TEST_CACHE_K=q8_0 CLICKPACA_TEST_CACHE_V=turbo3 \
 		$(PY) -m pytest tests/test_server*.py $(PYTEST_ARGS)
 
-## test-compat: build an older llama.cpp from an older sdist (any from 0.3.2 on), generate its
-## bindings, smoke-test them and `clickpaca serve` on it (works, or refuses by name)
+## test-compat: build an older llama.cpp (the library only) from an older sdist (any from 0.3.2
+## on), generate its bindings, smoke-test them and `clickpaca serve` on it (works, or refuses by name)
 test-compat: setup
+	@$(MAKE) --no-print-directory compat-run
+# compat-run: test-compat without setting up first (make test has set up already)
+compat-run:
 	$(PY) native/build.py compat --sdist-version $(COMPAT_VERSION) --preset $(PRESET)
 	$(PY) -m bindgen builds/compat-$(COMPAT_VERSION) --against builds/mainline
 	COMPAT_BUILD=builds/compat-$(COMPAT_VERSION) $(PY) -m pytest tests/compat -q $(PYTEST_ARGS)

@@ -190,7 +190,8 @@ def ours(old: dict, new: dict, usage: Usage) -> tuple[list[dict], dict[str, int]
         prefix = _common_prefix(values) if len(values) > 1 else ""
         add("enum value", f"{'enum ' if whole else ''}{enum} ({', '.join(v[len(prefix):] for v in values)})",
             f"absent in {label}", places,
-            f"{places_text(places)}: do not offer {'them' if len(values) > 1 else 'it'} there")
+            f"{places_text(places)}: do not offer {'them' if len(values) > 1 else 'it'} there",
+            values=sorted(values))
 
     for name, places in sorted(usage.types.items()):
         if name in old.get("callbacks", {}) or name in new.get("callbacks", {}):
@@ -221,4 +222,34 @@ def ours(old: dict, new: dict, usage: Usage) -> tuple[list[dict], dict[str, int]
                         if near and _similar(field, near) >= 0.75 else "")
                 add("field", full, f"absent in {label}{hint}", places,
                     f"{places_text(places)}: skip it there or refuse the option by name")
+    by_features(out, {ol: old, nl: new}, ol, nl, usage)
     return out, counts
+
+
+def by_features(entries: list[dict], manifests: dict[str, dict], ol: str, nl: str, usage: Usage) -> None:
+    """Mark as handled what the feature table (clickpaca/features.py) covers on the version
+    that differs, where our code checks that feature (usage.features): a name a feature
+    needs, where the feature is refused or falls back (the code using the name never runs
+    there), and a name only a feature's fallback uses, where the feature is available."""
+    from clickpaca import features
+
+    def checked(f) -> bool:
+        return f.name in usage.features or (f.refuses and "check_init" in usage.features)
+
+    have = {label: features.for_manifest(m) for label, m in manifests.items()}
+    for o in entries:
+        if o["handled"]:
+            continue
+        side = nl if o["status"].endswith(f" in {nl}") or f" in {nl} " in o["status"] else ol
+        names = o.get("values") or [o["name"]]
+        rows = [features.row_of(n) for n in names]
+        need, back = rows[0]
+        if need is not None and all(r[0] is need for r in rows) and checked(need) \
+                and features.lacking(need, have[side]):
+            o["handled"], o["proposal"] = True, o["action"]  # (kept: a fallback to add instead)
+            o["action"] = (f"features.py {need.name!r}: {need.refused} refused on {side}" if need.refuses
+                           else f"features.py {need.name!r}: on {side}, {need.without}")
+        elif back is not None and all(r[1] is back for r in rows) and checked(back) \
+                and not features.lacking(back, have[side]):
+            o["handled"] = True
+            o["action"] = f"features.py {back.name!r}: used only where that feature is absent"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from . import feature_table
 from .apidiff import compare, ordered, version_label
 from .impact import ours
 from .usage import Usage, scan
@@ -34,6 +35,7 @@ def build_report(old: dict | None, new: dict, usage: Usage | None = None) -> dic
     usage = usage or scan()
     mine, counts = ours(old, new, usage)
     return {"from": old["stamp"], "to": new["stamp"], "ours": mine, "checked": counts,
+            "features": {"from": feature_table.rows(old), "to": feature_table.rows(new)},
             "api": compare(old, new)}
 
 
@@ -146,7 +148,9 @@ def render_text(rep: dict[str, Any], full: bool = False) -> str:
                 if rep["ours"] else "nothing affected")]
     for o in sorted(rep["ours"], key=lambda o: o["handled"]):  # what needs doing first
         lines += textwrap.wrap(f"{'=' if o['handled'] else '!'} {o['name']}: {o['status']} -> {o['action']}",
-                               WIDTH, initial_indent="  ", subsequent_indent="      ")
+                               WIDTH, initial_indent="  ", subsequent_indent="      ",
+                               break_on_hyphens=False)
+    lines += feature_table.render_pair(rep["features"], rep["from"], rep["to"])
     llama, internals = rep["api"]["llama"], rep["api"]["internals"]
     n = _count(llama)
     lines.append(f"llama API: {n['added']} added, {n['removed']} removed, {n['renamed']} renamed, "

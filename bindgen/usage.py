@@ -11,7 +11,10 @@ list that goes stale. The scan reads every module of the package with `ast`:
   names, kept only where they name a field of a record the code uses (`p.n_ctx = ...` on
   the struct llama_context_default_params returns);
 * `hasattr(x, "NAME")` and the `if` / conditional expression around it: code there runs
-  only where NAME exists (or does not), which the report shows as handled.
+  only where NAME exists (or does not), which the report shows as handled;
+* the feature checks (clickpaca/features.py): `features.available / require / lacking`
+  with a feature's name, and `features.check_init` (every feature that refuses an option):
+  the report counts a name of such a feature as handled where the feature is absent.
 
 Each use keeps its place as `file:line` relative to the package (e.g. core.py:303).
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "clickpaca"
 FFI_TYPE_CALLS = {"new", "cast", "from_buffer", "callback", "typeof", "sizeof", "offsetof",
                   "new_handle"}
+FEATURE_CHECKS = {"available", "require", "lacking", "check_init"}
 API_NAME = re.compile(r"^(llama|ggml|gguf|LLAMA|GGML|GGUF)_[A-Za-z0-9_]+$")
 C_WORDS = {"const", "volatile", "unsigned", "signed", "struct", "union", "enum"}
 
@@ -43,6 +47,8 @@ class Usage:
     # places inside an `if`/conditional expression that tests hasattr(...): code that runs
     # only on the versions that have (or lack) something
     guarded: set[str] = field(default_factory=set)
+    # features.py rows the code checks by name ("check_init": every refusing row) -> places
+    features: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
 def _ends_in(node: ast.AST, name: str) -> bool:
@@ -88,6 +94,14 @@ def scan_source(text: str, where: str, usage: Usage) -> None:
                 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
             usage.guards[node.args[1].value].append(f"{where}:{node.lineno}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and _ends_in(node.func.value, "features") and node.func.attr in FEATURE_CHECKS:
+            place = f"{where}:{node.lineno}"
+            strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if node.func.attr == "check_init":
+                usage.features["check_init"].append(place)
+            elif strings:
+                usage.features[strings[0]].append(place)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and _ends_in(node.func.value, "ffi"):
             strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             place = f"{where}:{node.lineno}"
@@ -104,7 +118,7 @@ def scan(package: Path = PACKAGE) -> Usage:
     usage = Usage()
     for path in sorted(package.rglob("*.py")):
         scan_source(path.read_text(), str(path.relative_to(package)), usage)
-    for kind in (usage.symbols, usage.types, usage.attrs, usage.guards):
+    for kind in (usage.symbols, usage.types, usage.attrs, usage.guards, usage.features):
         for places in kind.values():
             places.sort(key=_place_order)
     return usage

@@ -8,6 +8,7 @@ native/build.py does) and of our turboquant patch set applied to the current pin
 
     python -m bindgen.versions                 # every version: one line each
     python -m bindgen.versions 0.3.16 0.3.36   # the change report from 0.3.16 to 0.3.36
+    python -m bindgen.versions --features      # the feature table of every version (Markdown)
 
 Only the headers and the vendored tree's git metadata (commit, build number) are taken
 out of the archive: a few MB out of 50-80, cached under $CLICKPACA_CACHE/headers/.
@@ -150,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                     "two: the change report from the first to the second)")
     ap.add_argument("--full", action="store_true", help="list ggml/gguf and offset-only changes too")
     ap.add_argument("--json", action="store_true", help="the report as JSON")
+    ap.add_argument("--features", action="store_true",
+                    help="the feature table (clickpaca/features.py) of the versions, as Markdown")
     args = ap.parse_args(argv)
     from .report import build_report, render_text
+    if args.features:
+        from .feature_table import markdown
+        print(markdown({v: manifest_of(v)[0] for v in args.versions or VERSIONS}))
+        return 0
     if len(args.versions) == 2:
         old, _ = manifest_of(args.versions[0])
         new, _ = manifest_of(args.versions[1])

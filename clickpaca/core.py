@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import features
 from .native import Native, load, log_sink
 
 GGUF_MAGIC = b"GGUF"
@@ -84,12 +85,17 @@ class Model(_Owned):
         self.nat = nat or load(build)
         sink = log_sink(self.nat)
         ffi, lib = self.nat.ffi, self.nat.lib
+        features.require(self.nat, "vocab-api")  # FeatureMissing naming what it lacks
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_extra_bufts = repack
-        self.repack = repack
+        if features.available(self.nat, "repack-off"):
+            params.use_extra_bufts = repack
+        elif not repack:
+            features.require(self.nat, "repack-off")
+        self.repack = repack  # without the field: llama.cpp repacks wherever it can
         if devices is not None:
+            features.require(self.nat, "rpc")
             params.devices = devices
         if tensor_split is not None:
             n = int(lib.llama_max_devices())
@@ -98,6 +104,7 @@ class Model(_Owned):
             split = ffi.new("float[]", list(tensor_split) + [0.0] * (n - len(tensor_split)))
             params.tensor_split = split  # read during the load only
         if cpu_tensors is not None:
+            features.require(self.nat, "output-local")
             overrides = ffi.new("struct llama_model_tensor_buft_override[2]")  # NULL-terminated
             pattern = ffi.new("char[]", cpu_tensors.encode())
             overrides[0].pattern = pattern
@@ -285,11 +292,6 @@ class Batch:
 
 # ------------------------------------------------------------------ context
 
-# What Context needs beyond decoding: per-sequence memory (absent in b5308, there by b6170).
-MEMORY_API = ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp",
-              "llama_memory_seq_keep", "llama_memory_seq_pos_max", "llama_memory_seq_pos_min",
-              "llama_memory_clear")
-
 # (b6170 and before name the class llama_kv_cache_unified in this log line)
 _KV_SIZE_RE = re.compile(r"llama_kv_cache(?:_unified)?: size = +([0-9.]+) MiB")
 # How llama.cpp resolved flashAttn "auto" (b11312: "resolve_fused_ops: Flash Attention
@@ -330,10 +332,13 @@ class Context(_Owned):
                                    f"{nat.name!r}; this build offers {sorted(types)}")
         if flash_attn not in ("auto", "on", "off"):
             raise ContextError(f"flashAttn: must be one of ['auto', 'off', 'on'], got {flash_attn!r}")
-        missing = [f for f in MEMORY_API if not hasattr(lib, f)]
-        if missing:
-            raise ContextError(f"build {nat.name!r} lacks llama.cpp's sequence memory API "
-                               f"({', '.join(missing)}), which clickpaca needs")
+        try:  # per-sequence memory: absent in b5308, there by b6170 (features.py)
+            features.require(nat, "memory-api")
+            for value, feature in ((kv_unified, "kv-streams"), (swa_full, "swa-small")):
+                if not value:  # False needs the field; True is what builds without it do
+                    features.require(nat, feature)
+        except features.FeatureMissing as e:
+            raise ContextError(str(e)) from None
         p = lib.llama_context_default_params()
         p.n_ctx = n_ctx
         p.n_batch = n_batch
@@ -344,15 +349,15 @@ class Context(_Owned):
         p.n_threads_batch = threads
         p.type_k = types[type_k]
         p.type_v = types[type_v]
-        if hasattr(p, "flash_attn_type"):
+        if features.available(nat, "flash-attn-auto"):
             p.flash_attn_type = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                                  "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         else:  # older llama.cpp: a bool and no automatic choice; auto is its default, off
             p.flash_attn = flash_attn == "on"
-        for field, value in (("kv_unified", kv_unified), ("swa_full", swa_full)):
-            if not hasattr(p, field):
-                raise ContextError(f"build {nat.name!r} has no llama_context_params.{field}")
-            setattr(p, field, value)
+        if features.available(nat, "kv-streams"):
+            p.kv_unified = kv_unified
+        if features.available(nat, "swa-small"):
+            p.swa_full = swa_full
         p.no_perf = True
         if eval_callback is not None:
             p.cb_eval = eval_callback
@@ -376,7 +381,7 @@ class Context(_Owned):
         self.n_seq_max = lib.llama_n_seq_max(self.ptr)
         # llama_n_ctx_seq came after b6170; before it, a unified cache gave every sequence
         # the whole context and separate streams an equal share.
-        self.n_ctx_seq = (lib.llama_n_ctx_seq(self.ptr) if hasattr(lib, "llama_n_ctx_seq")
+        self.n_ctx_seq = (lib.llama_n_ctx_seq(self.ptr) if features.available(nat, "n-ctx-seq")
                           else self.n_ctx if kv_unified else self.n_ctx // self.n_seq_max)
         self.n_threads = threads
         self.type_k, self.type_v = type_k, type_v

@@ -9,7 +9,7 @@ through the top-level CMakeLists.txt and CMakePresets.json.
 
     python3 native/build.py mainline [--preset linux-cpu]
     python3 native/build.py turboquant
-    python3 native/build.py compat --sdist-version 0.3.16
+    python3 native/build.py compat --sdist-version 0.3.16 [--tools]
 
 Result: builds/<flavor> in the checkout, a link to
 $CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
@@ -400,7 +400,7 @@ def target_isa(cflags: list[str], native: bool = True) -> list[str]:
 
 def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra: list[str],
               compat_stamp: list | None = None, cpu: dict | None = None,
-              isa: list[str] | None = None) -> str:
+              isa: list[str] | None = None, compat_tools: bool = True) -> str:
     """The cache key: everything that decides what a build produces, including the
     instruction sets it was compiled for (`isa`) and the CPU choices (`cpu`)."""
     fields = {
@@ -414,7 +414,9 @@ def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra:
     if compat_stamp is not None:
         # Compat-only recipe, keyed apart from mainline/turboquant: targets found by
         # configuring, libraries collected wherever the tree puts them, real stamp.
-        fields.update(targets="configured", compat_recipe=COMPAT_RECIPE, stamp=compat_stamp)
+        # Library only unless the tools are asked for (what the serve smoke needs).
+        fields.update(targets="configured" if compat_tools else ["llama"],
+                      compat_recipe=COMPAT_RECIPE, stamp=compat_stamp)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -450,7 +452,8 @@ def link_build(name: str, out: Path) -> None:
 
 
 def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
-          cpu: dict | None = None, smoke_model: Path | None = None) -> Path:
+          cpu: dict | None = None, smoke_model: Path | None = None,
+          compat_tools: bool = False) -> Path:
     cpu = cpu or cpu_from_env()
     out = finished_pinned_build(flavor, preset, cpu)
     if out is not None:
@@ -458,18 +461,22 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         link_build(flavor, out)
         return out
     with cache_lock(flavor):
-        return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model)
+        return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools)
 
 
 def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
-                 cpu: dict | None = None, smoke_model: Path | None = None) -> Path:
+                 cpu: dict | None = None, smoke_model: Path | None = None,
+                 compat_tools: bool = False) -> Path:
+    """`compat_tools`: a compat build also builds the native tools its tree defines;
+    without, it is the library alone (all the bindings and the serve smoke need, and
+    about a third less to compile)."""
     cpu = cpu or cpu_from_env()
     source = resolve_source(flavor, sdist_version)
     src: Path = source["src"]
     extra: list[str] = []
     if flavor == "compat":
         # Older trees: common/ wanted CURL by default. Which tools exist is found after
-        # configuring (configured_targets); none is required for the library smoke test.
+        # configuring (configured_targets); none is required for the bindings' smoke test.
         extra = ["-DLLAMA_CURL=OFF"]
     pfiles = patch_files("turboquant") if flavor == "turboquant" else []
     pdigest = patches_digest(pfiles) if pfiles else ""
@@ -480,7 +487,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
     compat = [source["commit"], source["build_number"]] if flavor == "compat" else None
     isa = build_cpu(preset, cpu)
     key = build_key(flavor, preset, source["digest"], pdigest, extra, compat_stamp=compat,
-                    cpu=cpu, isa=isa)
+                    cpu=cpu, isa=isa, compat_tools=compat_tools)
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     done = out / ".complete"
     if done.exists():
@@ -499,7 +506,10 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
                       f"-DLLAMA_BUILD_NUMBER={source['build_number']}",
                       f"-DLLAMA_BUILD_COMMIT={source['commit']}", *extra, *cpu["cmake"]],
                      env, logfile)
-        if flavor == "compat":
+        if flavor == "compat" and not compat_tools:
+            tools = {}
+            log(f"{flavor}: library only (--tools also builds the native tools the tree defines)")
+        elif flavor == "compat":
             tools = tools_in(configured_targets(out / "cmake"))
             log(f"{flavor}: tools this tree defines under preset {preset}: "
                 f"{', '.join(tools) or 'none (library only)'}")
@@ -668,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("flavor", choices=["mainline", "turboquant", "compat"])
     ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
     ap.add_argument("--sdist-version", help="compat: the llama-cpp-python sdist version")
+    ap.add_argument("--tools", action="store_true",
+                    help="compat: also the native tools the tree defines (default: the library only)")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--amx", action="store_true", default=os.environ.get("AMX", "0") == "1",
                     help="keep ggml's AMX kernels (AMX=1; known to die with SIGILL on the pinned source)")
@@ -679,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.smoke_model or default_smoke_model()
     try:
         build(args.flavor, args.preset, args.sdist_version, args.jobs,
-              cpu_options(args.amx, args.portable), model)
+              cpu_options(args.amx, args.portable), model, compat_tools=args.tools)
     except BuildError as e:
         log(f"error: {e}")
         return 1

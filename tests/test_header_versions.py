@@ -10,11 +10,15 @@ through pip into the build cache (about 240 MB the first time, then cached).
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
-from bindgen import report, versions
+from bindgen import feature_table, report, versions
 from bindgen.usage import scan
+from clickpaca import features
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler (gcc)")
 
@@ -53,9 +57,10 @@ def test_upgrade_report_fits_one_screen_and_leads_with_our_code(manifests):
     rep = report.build_report(manifests["0.3.16"][0], manifests["0.3.36"][0])
     text = report.render_text(rep)
     lines = text.splitlines()
-    # 55 lines: 50 until clickpaca's RPC code (rpc/devices.py) added its two entries
-    # (b6170 lacks ggml_backend_rpc_add_server and the device argument of ggml_backend_rpc_init)
-    assert len(lines) <= 55 and max(map(len, lines)) <= 100, (len(lines), max(map(len, lines)))
+    # 62 lines: 50 until clickpaca's RPC code (rpc/devices.py) added its two entries
+    # (b6170 lacks ggml_backend_rpc_add_server and the device argument of ggml_backend_rpc_init),
+    # and the feature table's block (four lines for its three features that differ, #31)
+    assert len(lines) <= 64 and max(map(len, lines)) <= 100, (len(lines), max(map(len, lines)))
     assert lines[0].startswith("Change report: b6170 (compat 4227c9be4, sdist 0.3.16) -> b11312")
     places = scan().symbols["llama_n_ctx_seq"]
     ours = next(o for o in rep["ours"] if o["name"] == "llama_n_ctx_seq")
@@ -72,4 +77,39 @@ def test_report_from_0_3_9_names_every_missing_function_we_call(manifests):
     reported = {o["name"] for o in rep["ours"] if o["kind"] == "function"}
     assert missing and missing <= reported
     rm = next(o for o in rep["ours"] if o["name"] == "llama_memory_seq_rm")
-    assert "llama_kv_self_seq_rm" in rm["action"]
+    # handled (init refused there, features.py), and the fallback one could add instead kept
+    assert rm["handled"] and rm["action"] == "features.py 'memory-api': init refused on b5308"
+    assert "llama_kv_self_seq_rm" in rm["proposal"]
+
+
+@pytest.mark.parametrize("version", [*versions.VERSIONS[:-1], versions.TURBOQUANT])
+def test_everything_our_code_uses_that_differs_is_handled(manifests, version):
+    """The rule of docs/UPGRADING.md on every pinned version: what our code uses that the
+    version lacks or changed has a fallback or a row in the feature table (which refuses
+    the option that needs it, by name). An unhandled entry here is a call that would fail
+    on that version with an AttributeError or worse."""
+    rep = report.build_report(manifests[version][0], manifests["0.3.36"][0])
+    assert [o["name"] for o in rep["ours"] if not o["handled"]] == []
+
+
+def test_every_name_in_the_feature_table_exists_somewhere(manifests):
+    """A misspelt name would make its feature look absent everywhere (mainline included)."""
+    mainline = features.for_manifest(manifests["0.3.36"][0])
+    for f in features.FEATURES:
+        assert features.lacking(f, mainline) == [], f.name
+        for n in f.fallback:
+            assert any(features.for_manifest(m)(n) for m, _ in manifests.values()), n
+
+
+def test_feature_table_of_the_pinned_versions(manifests):
+    """What each version serves, from its headers; docs/UPGRADING.md shows the same table."""
+    status = {v: {r["feature"]: r["status"] for r in feature_table.rows(manifests[v][0])}
+              for v in versions.VERSIONS}
+    assert status["0.3.36"] == {f.name: "works" for f in features.FEATURES}
+    assert {f for f, s in status["0.3.16"].items() if s != "works"} == {"rpc", "flash-attn-auto", "n-ctx-seq"}
+    assert status["0.3.16"]["rpc"] == "refused"
+    assert status["0.3.9"]["memory-api"] == "refused" and status["0.3.9"]["vocab-api"] == "works"
+    assert status["0.3.2"]["vocab-api"] == "refused"
+    table = feature_table.markdown({v: manifests[v][0] for v in versions.VERSIONS})
+    assert table in (ROOT / "docs" / "UPGRADING.md").read_text(), \
+        "docs/UPGRADING.md: paste `python -m bindgen.versions --features` again"

@@ -154,6 +154,18 @@ def test_tools_are_the_targets_the_configured_tree_defines():
     assert nb.tools_in(set(nb.TOOLS)) == {t: t for t in nb.TOOLS}
 
 
+def test_a_compat_build_is_the_library_alone_unless_tools_are_asked_for():
+    """Library-only and --tools compat builds are different cache entries; mainline's key
+    does not depend on the compat option."""
+    args = ("compat", "linux-cpu", "sdist:x", "", ["-DLLAMA_CURL=OFF"])
+    lib_only = nb.build_key(*args, compat_stamp=["c", 1], compat_tools=False)
+    with_tools = nb.build_key(*args, compat_stamp=["c", 1], compat_tools=True)
+    assert lib_only != with_tools
+    assert nb.build_key(*args, compat_stamp=["c", 1], compat_tools=False) == lib_only
+    main = ("mainline", "linux-cpu", "sdist:x", "", [])
+    assert nb.build_key(*main, compat_tools=False) == nb.build_key(*main, compat_tools=True)
+
+
 def test_libraries_are_found_wherever_the_tree_puts_them(tmp_path):
     cm = tmp_path / "cmake"
     for rel in ("llama.cpp/src/libllama.so", "llama.cpp/ggml/src/libggml.so",

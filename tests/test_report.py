@@ -166,3 +166,21 @@ def test_split_params_keeps_function_pointers_whole():
     assert apidiff.split_params("void f(int a, void (*cb)(int, float), char *s)") == \
         ["int a", "void (*cb)(int, float)", "char *s"]
     assert apidiff.split_params("int f(void)") == []
+
+
+def test_a_name_of_a_checked_feature_is_handled_where_the_feature_is_absent():
+    """clickpaca/features.py: `ggml_backend_rpc_add_server` belongs to feature "rpc"; where
+    our code checks that feature, its absence in b6170 is handled (rpcServers refused)."""
+    new = manifest(11312, {"ggml_backend_rpc_add_server": "void *ggml_backend_rpc_add_server(const char *)"})
+    old = manifest(6170, {}, flavor="compat")
+    use = "reg = lib.ggml_backend_rpc_add_server(b'h:1')\n"
+    unchecked = report.build_report(old, new, usage_of(use))
+    (entry,) = unchecked["ours"]
+    assert not entry["handled"]  # nothing in this code checks the feature
+    checked = report.build_report(old, new, usage_of("features.require(nat, 'rpc')\n" + use))
+    (entry,) = checked["ours"]
+    assert entry["handled"] and entry["action"] == "features.py 'rpc': rpcServers refused on b6170"
+    rows = {r["feature"]: r["status"] for r in checked["features"]["from"]}
+    assert rows["rpc"] == "refused" and rows["vocab-api"] == "refused"  # this tiny manifest lacks it
+    assert "rpc on b6170: rpcServers refused (lacks ggml_backend_rpc_init, " \
+           "ggml_backend_rpc_add_server, ...)" in report.render_text(checked)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import chat, core, cpu, deterministic, rpc, statedir
+from .. import chat, core, cpu, deterministic, features, rpc, statedir
 from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
@@ -99,6 +99,10 @@ class Runtime:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         except NativeError as e:
             raise ProtocolError(f"build: {e}", request="init") from None
+        try:  # what the request needs that this build lacks, by name, before loading anything
+            features.check_init(nat, req)
+        except features.FeatureMissing as e:
+            raise ProtocolError(str(e), request="init") from None
         workers, loss = open_workers(nat, req, types, on_worker_lost) if req.rpcServers else (None, None)
         try:
             model = core.Model(path, n_gpu_layers=req.nGpuLayers, nat=nat, repack=not det,

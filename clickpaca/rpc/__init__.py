@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from .. import features
 from .devices import RpcDevices, RpcUnavailable, device_rows
 from .loss import WorkerLoss
 from .wire import Endpoint, WorkerCheckError, check_worker, parse_endpoint
@@ -17,12 +18,9 @@ from .wire import Endpoint, WorkerCheckError, check_worker, parse_endpoint
 def protocol_version(nat) -> tuple[int, int, int]:
     """The RPC protocol this build speaks (ggml-rpc.h's macros, through the bindings)."""
     lib = nat.lib
-    missing = [n for n in ("ggml_backend_rpc_init", "ggml_backend_rpc_add_server", "RPC_PROTO_MAJOR_VERSION")
-               if not hasattr(lib, n)]
+    missing = features.lacking("rpc", features.for_native(nat))
     if missing:
-        raise RpcUnavailable(f"build {nat.name!r} has no usable RPC backend (its bindings lack "
-                             f"{', '.join(missing)}): build llama.cpp newer than b6170 with GGML_RPC=ON "
-                             "and run `make bindgen`")
+        raise RpcUnavailable(features.refusal("rpc", missing, nat.name).reason)
     return (int(lib.RPC_PROTO_MAJOR_VERSION), int(lib.RPC_PROTO_MINOR_VERSION),
             int(lib.RPC_PROTO_PATCH_VERSION))
 

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import features
 from .wire import Endpoint
 
 TCP_STATES = {1: "established", 7: "closed", 8: "close-wait"}  # linux/tcp_states.h
@@ -38,7 +39,7 @@ class Worker:
     endpoint: Endpoint
     text: str  # the endpoint exactly as ggml-rpc is given it (its dispatchers are keyed by it)
     version: tuple[int, int, int]
-    backend: Any = None  # the ggml_backend_t that holds the connection open
+    rpc_backend: Any = None  # the ggml_backend_t that holds the connection open
     fd: int | None = None  # the connection's socket (owned by ggml-rpc; never closed here)
     thread: int | None = None  # native id of its dispatcher thread
     devices: list = field(default_factory=list)  # ggml_backend_dev_t
@@ -138,15 +139,12 @@ class RpcDevices:
     def _open(self, text: str, ep: Endpoint, version: tuple[int, int, int]) -> Worker:
         ffi, lib = self.nat.ffi, self.nat.lib
         w = Worker(ep, text, version)
-        if not hasattr(lib, "ggml_backend_rpc_add_server"):
-            # llama.cpp b6170 (sdist 0.3.16) has neither it nor the device argument of
-            # ggml_backend_rpc_init; b11312 has both
-            raise RpcUnavailable(f"build {self.nat.name!r} predates ggml_backend_rpc_add_server, "
-                                 "which RPC workers need here")
+        # (features.py "rpc": b6170 has neither ggml_backend_rpc_add_server nor the device
+        # argument of ggml_backend_rpc_init; protocol_version refused such builds already)
         python_threads = {t.native_id for t in threading.enumerate()}
         before = _native_threads()
-        w.backend = lib.ggml_backend_rpc_init(text.encode(), 0)  # connects and says hello
-        if w.backend == ffi.NULL:
+        w.rpc_backend = lib.ggml_backend_rpc_init(text.encode(), 0)  # connects and says hello
+        if w.rpc_backend == ffi.NULL:
             raise RuntimeError(f"ggml-rpc could not open a backend on {text}")
         new = _native_threads() - before - python_threads
         w.thread = new.pop() if len(new) == 1 else None
@@ -201,9 +199,9 @@ class RpcDevices:
         """Release the held connections (after the model and context are freed)."""
         lib = self.nat.lib
         for w in self.workers:
-            if w.backend is not None:
-                lib.ggml_backend_free(w.backend)
-                w.backend = None
+            if w.rpc_backend is not None:
+                lib.ggml_backend_free(w.rpc_backend)
+                w.rpc_backend = None
 
 
 _LAYER_RE = re.compile(r"layer +(\d+) assigned to device (\S+?),")
@@ -240,8 +238,7 @@ def device_rows(nat, workers: RpcDevices | None, log_lines: list[str],
     while loading the model and creating the context. `output_layer`: the output layer's
     index when its weights were kept local (outputLocal): it is listed on the CPU."""
     ffi, lib = nat.ffi, nat.lib
-    if not all(hasattr(lib, f) for f in ("ggml_backend_dev_by_type", "ggml_backend_dev_memory",
-                                         "ggml_backend_dev_name", "ggml_backend_dev_description")):
+    if not features.available(nat, "device-rows"):
         return []  # an older llama.cpp without ggml's device API
     layers = assigned_layers(log_lines)
     if output_layer is not None:
