@@ -119,6 +119,7 @@ def measure(args: Any) -> dict[str, Any]:
                             rec[key] = float(kl_rows(kept[ref_role][i], a.logp).mean())
                     records.append(rec)
                 del answers
+            _partial(args, records, setups, lengths[:lengths.index(L) + 1], timings)
     finally:
         for x in models.values():
             x.close()
@@ -151,6 +152,20 @@ def measure(args: Any) -> dict[str, Any]:
                        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()},
             "rows": rows, "noise": noise_rows, "needle_records": records, "timings": timings,
             "samples": samples, "notes": notes, "machine_start": m0, "server_problems": []}
+
+
+def _partial(args: Any, records: list[dict[str, Any]], setups: list[tuple[str, Setup]], done: list[int],
+             timings: list[dict[str, Any]]) -> None:
+    """After each length: the table so far in OUT/kv-retrieval-partial.md (a long study that
+    is stopped keeps the lengths it finished; the store records the finished command only)."""
+    from pathlib import Path
+
+    rows, noise = summarize(records, setups, done)
+    out = {"params": {"ref": args.ref, "lengths": done}, "rows": rows, "noise": noise, "timings": timings}
+    p = Path(out_dir(args)) / "kv-retrieval-partial.md"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(f"lengths done: {done}\n\n{table(out)}\n")
+    progress(f"kv-retrieval: wrote {p}")
 
 
 def _row(recs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
