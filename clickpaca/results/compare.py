@@ -19,7 +19,8 @@ from . import paired
 from .store import ResultsStoreError, Store
 
 QUALITY_KEYS = {"model": "the model", "text_sha256": "the text", "ctx": "the window (--ctx)",
-                "chunks": "the number of windows", "tokens_sha256": "the tokens scored"}
+                "chunks": "the number of windows", "tokens_sha256": "the tokens scored",
+                "score_last": "the scored tail (--score-last)"}
 #: Parameters that do not change what a speed run measures.
 SPEED_IGNORED = {"what", "model", "out", "plot", "text"}
 

@@ -1,0 +1,273 @@
+"""`clickpaca kv-retrieval`: the setups, the measuring loop, the table, the plot, the store.
+
+Per haystack length: the haystack with its needles and the same-length control without
+them; every setup prefills the haystack once and asks every question through forks
+(runner.py). Setups, in order: the exact reference (f32 K/V, flash attention off:
+attention in f32), the cache types (the f16 default first: the base of the noise floor),
+the noise floor (the f16 default changed in one thing that should not matter, as
+`clickpaca ppl --noise`), and the control (the f16 default on the needle-free haystack:
+what the model answers without the fact, so that the needle is shown to be used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import core
+from ..bench.cachetypes import build_for, pair_name, parse_pair
+from ..bench.common import model_path, out_dir, png
+from ..bench.kl import attention
+from ..bench.report import emit, machine, plot_lines
+from ..bench.stats import parse_list, progress
+from ..bench.table import fmt, markdown
+from ..bench.texts import read_text
+from .haystack import assemble, depths, make_needles
+from .runner import Setup, run
+from .stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
+
+F32_REF = Setup("f32 (flash attention off)", "f32", "f32", flash_attn="off")
+BASE = Setup("f16")
+NOISE = (
+    Setup("prompt chunks of 64 (not 256)", chunk=64),
+    Setup("questions one per decode (not all forks in one)", solo=True),
+    Setup("cells after 100 of another sequence", offset=100),
+    Setup("flash attention off", flash_attn="off"),
+    Setup("weights not repacked", repack=False),
+)
+CONTROL = "f16, needles removed"
+
+
+def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str, Setup]]:
+    """(role, setup) in the order they run: ref, base, the other types, noise, control."""
+    if ref not in ("f16", "f32"):
+        raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
+    out: list[tuple[str, Setup]] = [("ref", F32_REF)] if ref == "f32" else []
+    types = [Setup(pair_name(k, v), k, v, flash_attn=attention(k, v)) for k, v in pairs]
+    if BASE in types:
+        types.remove(BASE)
+        out.append(("type", BASE))
+    else:
+        out.append(("base", Setup("f16 default")))
+    out += [("type", t) for t in types]
+    out += [("noise", n) for n in NOISE] if noise else []
+    out.append(("control", BASE))
+    return out
+
+
+def _breaks(model: core.Model, toks: np.ndarray) -> np.ndarray:
+    return np.array([model.token_to_piece(int(t), special=False).endswith(b"\n") for t in toks], dtype=bool)
+
+
+def measure(args: Any) -> dict[str, Any]:
+    path = model_path(args)
+    m0 = machine()
+    threads = getattr(args, "threads", None)
+    pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
+    lengths = parse_list(args.lengths, int)
+    build = "turboquant" if any(build_for(k, v) == "turboquant" for k, v in pairs) else "mainline"
+    setups = plan(pairs, args.ref, bool(args.noise))
+    text, text_path = read_text(args.text)
+    needles = make_needles(args.needles, args.seed)
+    models: dict[bool, core.Model] = {}
+    try:
+        models[True] = m = core.Model(path, build=build)
+        if any(not s.repack for _, s in setups):
+            models[False] = core.Model(path, build=build, repack=False)
+        filler = m.tokenize(text, add_special=True, parse_special=False)
+        if max(lengths) > len(filler):
+            raise ValueError(f"--lengths: the text has {len(filler)} tokens, fewer than {max(lengths)}")
+        breaks = _breaks(m, filler[:max(lengths)])
+        filler = filler[:max(lengths)]
+        tok = lambda s: m.tokenize(s, add_special=False, parse_special=False)  # noqa: E731
+        n_tok = [tok(n.fact + "\n") for n in needles]
+        qa = [(tok("\n\n" + n.question), tok(n.answer)) for n in needles]
+        split = [n.kind for n, (q, a) in zip(needles, qa)
+                 if not np.array_equal(tok("\n\n" + n.question + n.answer), np.concatenate([q, a]))]
+        max_new = max(len(a) for _, a in qa) + 2
+        limit = m.n_ctx_train
+        for L in lengths:
+            if L + sum(len(q) + max_new for q, _ in qa) + 128 > limit:
+                raise ValueError(f"--lengths: {L} with its questions exceeds the model's context ({limit})")
+        records: list[dict[str, Any]] = []
+        timings: list[dict[str, Any]] = []
+        for L in lengths:
+            hay, starts = assemble(filler, breaks, n_tok, depths(len(needles)), L)
+            control, _ = assemble(filler, breaks, [], [], L)
+            kept: dict[str, list] = {}
+            for role, s in setups:
+                progress(f"kv-retrieval: {L} tokens, {s.name if role != 'control' else CONTROL} "
+                         f"({time.strftime('%H:%M:%S', time.gmtime())} UTC)")
+                answers, t = run(models[s.repack], s, control if role == "control" else hay, qa, max_new, threads)
+                name = CONTROL if role == "control" else s.name
+                timings.append({"setup": name, "length": L, **t})
+                if role in ("ref", "base") or (role == "type" and s == BASE):
+                    kept[role if role == "ref" else "base"] = [a.logp for a in answers]
+                for i, (n, a) in enumerate(zip(needles, answers)):
+                    text_out = m.detokenize(a.greedy)
+                    rec = {"setup": name, "role": role, "cache": s.pair if role != "noise" else "f16/f16",
+                           "length": L, "needle": i, "kind": n.kind, "depth": starts[i] / L,
+                           "answer": n.answer.strip(), "greedy": text_out, "exact": exact_match(text_out, n.answer),
+                           "answer_logp": a.answer_logp, "answer_tokens": len(a.logp)}
+                    for ref_role, key in (("ref", "kl_f32"), ("base", "kl_f16")):
+                        if ref_role in kept and role != "control":
+                            rec[key] = float(kl_rows(kept[ref_role][i], a.logp).mean())
+                    records.append(rec)
+                del answers
+            _partial(args, records, setups, lengths[:lengths.index(L) + 1], timings)
+    finally:
+        for x in models.values():
+            x.close()
+    rows, noise_rows = summarize(records, setups, lengths)
+    for r in rows + noise_rows:
+        r["build"] = build
+    samples: dict[str, dict[str, list]] = {}
+    for r in records:
+        d = samples.setdefault(r["setup"], {})
+        for k in ("answer_logp", "exact", "kl_f32", "kl_f16"):
+            if k in r:
+                d.setdefault(k, []).append(float(r[k]))
+    notes = [f"haystack: {text_path} from its start, {len(needles)} needles at depths "
+             f"{', '.join(f'{d:.2f}' for d in depths(len(needles)))} (after the nearest line break); "
+             "each haystack prefilled once per setup, every question through a fork of it",
+             "answer log-prob: teacher-forced, summed over the answer's tokens (nats); accuracy: the greedy "
+             "answer starts with the expected one; KL: mean over the answer's positions of KL(P_ref || P)",
+             "intervals: 95% percentile bootstrap across needles; Δ vs f16 paired needle by needle",
+             f"control: {CONTROL}: the f16 default on a haystack of the same length without the needles"]
+    if noise_rows:
+        notes.append("noise floor: the f16 default changed in one thing that should not matter; a type stands "
+                     "above the noise when its KL vs f16 and its |Δ log-prob| exceed every noise row's and "
+                     "its Δ interval excludes zero")
+    if split:
+        notes.append(f"question and answer tokenize differently joined than apart for: {', '.join(split)} "
+                     "(the answer is scored as tokenized apart)")
+    return {"params": {"cache": [pair_name(k, v) for k, v in pairs], "lengths": lengths, "needles": len(needles),
+                       "seed": args.seed, "ref": args.ref, "noise": bool(args.noise), "text": text_path,
+                       "model": path, "build": build, "threads": threads or os.cpu_count(),
+                       "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()},
+            "rows": rows, "noise": noise_rows, "needle_records": records, "timings": timings,
+            "samples": samples, "notes": notes, "machine_start": m0, "server_problems": []}
+
+
+def _partial(args: Any, records: list[dict[str, Any]], setups: list[tuple[str, Setup]], done: list[int],
+             timings: list[dict[str, Any]]) -> None:
+    """After each length: the table so far in OUT/kv-retrieval-partial.md (a long study that
+    is stopped keeps the lengths it finished; the store records the finished command only)."""
+    from pathlib import Path
+
+    rows, noise = summarize(records, setups, done)
+    out = {"params": {"ref": args.ref, "lengths": done}, "rows": rows, "noise": noise, "timings": timings}
+    p = Path(out_dir(args)) / "kv-retrieval-partial.md"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(f"lengths done: {done}\n\n{table(out)}\n")
+    progress(f"kv-retrieval: wrote {p}")
+
+
+def _row(recs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Summary of one setup at one length (or all lengths) against the base's same needles."""
+    acc = [float(r["exact"]) for r in recs]
+    lp = [r["answer_logp"] for r in recs]
+    out: dict[str, Any] = {"needles": len(recs), "accuracy": mean_ci(acc), "answer_logp": mean_ci(lp)}
+    if base and base is not recs:
+        out["dlogp"] = paired_diff([r["answer_logp"] for r in base], lp)
+        out["dacc"] = paired_diff([float(r["exact"]) for r in base], acc)
+    for k in ("kl_f32", "kl_f16"):
+        if all(k in r for r in recs) and recs:
+            out[k] = mean_ci([r[k] for r in recs])
+    return out
+
+
+def summarize(records: list[dict[str, Any]], setups: list[tuple[str, Setup]],
+              lengths: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows: every non-noise setup per length and over all lengths, noise rows per length)."""
+    def of(name: str, L: int | None) -> list[dict[str, Any]]:
+        return [r for r in records if r["setup"] == name and (L is None or r["length"] == L)]
+
+    base_name = next(s.name for role, s in setups if role in ("base",) or (role == "type" and s == BASE))
+    rows, noise = [], []
+    for L in lengths + [None]:
+        base = of(base_name, L)
+        nrows = []
+        for role, s in setups:
+            if role != "noise" or L is None:
+                continue
+            r = {"source": s.name, "length": L, **_row(of(s.name, L), base)}
+            nrows.append(r)
+        fl = floor(nrows)
+        noise += nrows
+        for role, s in setups:
+            if role == "noise":
+                continue
+            name = CONTROL if role == "control" else s.name
+            r = {"cache": name, "role": role, "length": L if L is not None else "all",
+                 "build": None, **_row(of(name, L), base)}
+            if role == "type" and s != BASE and L is not None:
+                r["above_noise"] = above_noise(r, fl)
+            if L is not None:
+                r["floor"] = fl
+            rows.append(r)
+    return rows, noise
+
+
+def _ci(d: dict[str, Any] | None, digits: int = 3) -> str:
+    if not d or d.get("mean") is None:
+        return "-"
+    return f"{fmt(d['mean'], digits)} [{fmt(d['ci'][0], digits)}, {fmt(d['ci'][1], digits)}]"
+
+
+def table(out: dict[str, Any]) -> str:
+    ref = out["params"]["ref"] == "f32"
+    head = ["K/V", "length", "needles", "accuracy", "answer log-prob", "Δ log-prob vs f16", "Δ accuracy vs f16"]
+    head += ["KL vs f32"] if ref else []
+    head += ["KL vs f16", "above noise"]
+    body = []
+    for r in out["rows"]:
+        row = [r["cache"], r["length"], r["needles"], _ci(r["accuracy"], 2), _ci(r["answer_logp"]),
+               _ci(r.get("dlogp")), _ci(r.get("dacc"), 2)]
+        row += [_ci(r.get("kl_f32"))] if ref else []
+        row += [_ci(r.get("kl_f16")), r.get("above_noise")]
+        body.append(tuple(row))
+    text = markdown(head, body, align="l" + "r" * (len(head) - 1))
+    if out["noise"]:
+        text += "\n\nNoise floor (the f16 default changed in one thing):\n\n" + markdown(
+            ["changed", "length", "accuracy", "Δ log-prob vs f16", "Δ accuracy", "KL vs f16"],
+            [(r["source"], r["length"], _ci(r["accuracy"], 2), _ci(r.get("dlogp")), _ci(r.get("dacc"), 2),
+              _ci(r.get("kl_f16"))) for r in out["noise"]], align="lrrrrr")
+    t = {}
+    for x in out.get("timings") or []:
+        t.setdefault(x["length"], []).append(x["prefill_s"])
+    if t:
+        text += "\n\nPrefill seconds per setup (median, min-max): " + "; ".join(
+            f"{L}: {np.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for L, v in t.items())
+    return text
+
+
+def plot(out: dict[str, Any], args: Any) -> None:
+    lengths = out["params"]["lengths"]
+    for key, name, label in (("accuracy", "kv-retrieval-accuracy", "exact-match accuracy"),
+                             ("answer_logp", "kv-retrieval-logp", "answer log-probability (nats)")):
+        series = {}
+        for r in out["rows"]:
+            if r["length"] == "all":
+                continue
+            xs, ys = series.setdefault(r["cache"], ([], []))
+            xs.append(r["length"])
+            ys.append(r[key]["mean"])
+        plot_lines(png(args, name), {k: v for k, v in series.items() if len(v[0]) == len(lengths)},
+                   "haystack length (tokens)", label, f"Retrieval: {label} per cache type", logx=True)
+
+
+def run_kv_retrieval(args: argparse.Namespace) -> int:
+    from ..results import recording
+
+    with recording("kv-retrieval", args):
+        out = measure(args)
+        emit(out_dir(args), "kv-retrieval", out, table(out), "Retrieval from a held haystack per KV cache type")
+        if args.plot:
+            plot(out, args)
+    return 0

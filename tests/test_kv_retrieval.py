@@ -1,0 +1,113 @@
+"""kv-retrieval's pure parts: needles, haystack assembly, the per-needle statistics, the
+plan of setups. No model (the real run is tests/test_kv_retrieval_real.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clickpaca.retrieval.command import BASE, F32_REF, NOISE, plan
+from clickpaca.retrieval.haystack import assemble, depths, make_needles
+from clickpaca.retrieval.stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
+
+
+def test_needles_are_reproducible_distinct_and_answerable():
+    a, b = make_needles(9, seed=3), make_needles(9, seed=3)
+    assert a == b
+    assert make_needles(9, seed=4) != a
+    assert len({n.subject for n in a}) == 9
+    assert [n.kind for n in a[:3]] == ["passkey", "name", "number"]
+    for n in a:
+        assert n.answer.startswith(" ") and n.answer.strip() in n.fact
+        assert n.subject in n.question and n.answer.strip() not in n.question
+    with pytest.raises(ValueError, match="needles"):
+        make_needles(0)
+
+
+def test_depths_are_spread_inside_the_haystack():
+    assert depths(4) == [0.125, 0.375, 0.625, 0.875]
+
+
+def _filler(n):
+    toks = np.arange(1000, 1000 + n, dtype=np.int32)
+    breaks = np.zeros(n, dtype=bool)
+    breaks[9::10] = True  # every tenth token ends a line
+    return toks, breaks
+
+
+def test_assemble_places_needles_after_line_breaks_at_their_depths():
+    filler, breaks = _filler(500)
+    needles = [np.full(5, -1, np.int32), np.full(3, -2, np.int32)]
+    hay, starts = assemble(filler, breaks, needles, [0.7, 0.2], 200)
+    assert len(hay) == 200
+    for s, nd in zip(starts, needles):
+        assert np.array_equal(hay[s:s + len(nd)], nd)
+        assert breaks[hay[s - 1] - 1000]  # the token before the needle ends a line
+    assert starts[1] < starts[0]
+    assert abs(starts[1] / 200 - 0.2) < 0.06 and abs(starts[0] / 200 - 0.7) < 0.06
+    rest = hay[hay >= 1000]
+    assert np.array_equal(rest, filler[:192])  # the filler in order, nothing lost or repeated
+
+
+def test_assemble_without_needles_is_the_same_length_control():
+    filler, breaks = _filler(500)
+    hay, starts = assemble(filler, breaks, [], [], 200)
+    assert starts == [] and np.array_equal(hay, filler[:200])
+
+
+def test_assemble_refuses_a_filler_too_short_and_bad_depths():
+    filler, breaks = _filler(100)
+    with pytest.raises(ValueError, match="filler"):
+        assemble(filler, breaks, [], [], 200)
+    with pytest.raises(ValueError, match="depth"):
+        assemble(filler, breaks, [np.zeros(2, np.int32)], [1.5], 50)
+
+
+def test_exact_match_needs_the_whole_answer_and_no_run_on():
+    assert exact_match(" 48213.", " 48213")
+    assert exact_match("48213\n", " 48213")
+    assert not exact_match(" 482139", " 48213")
+    assert not exact_match(" 4821", " 48213")
+    assert exact_match(" Miriam Castell, who", " Miriam Castell")
+    assert not exact_match(" Miriam Castellan", " Miriam Castell")
+
+
+def test_kl_rows_is_zero_for_equal_rows_and_positive_otherwise():
+    lp = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]], dtype=np.float32))
+    assert np.allclose(kl_rows(lp, lp), 0)
+    other = np.log(np.full((2, 3), 1 / 3, dtype=np.float32))
+    assert (kl_rows(lp, other) > 0).all()
+
+
+def test_paired_diff_cancels_needle_difficulty():
+    base = np.array([-1.0, -20.0, -3.0, -15.0, -0.5, -8.0])
+    d = paired_diff(base, base - 0.1)
+    assert d["mean"] == pytest.approx(-0.1)
+    assert d["ci"][0] == pytest.approx(-0.1) and d["ci"][1] == pytest.approx(-0.1)
+    unpaired = mean_ci(base - 0.1)
+    assert unpaired["ci"][1] - unpaired["ci"][0] > 1  # the spread across needles, which pairing removes
+
+
+def test_above_noise_needs_kl_and_logprob_beyond_every_noise_row():
+    noise = [{"kl_f16": {"mean": 0.01}, "dlogp": {"mean": -0.05}, "dacc": {"mean": 0.0}},
+             {"kl_f16": {"mean": 0.02}, "dlogp": {"mean": 0.08}, "dacc": {"mean": -0.125}}]
+    fl = floor(noise)
+    assert fl == {"kl": 0.02, "dlogp": 0.08, "dacc": 0.125}
+    big = {"kl_f16": {"mean": 0.5}, "dlogp": {"mean": -2.0, "ci": [-3.0, -1.0]}}
+    assert above_noise(big, fl) is True
+    assert above_noise({**big, "dlogp": {"mean": -0.07, "ci": [-0.1, -0.04]}}, fl) is False
+    assert above_noise({**big, "dlogp": {"mean": -2.0, "ci": [-4.0, 0.5]}}, fl) is False
+    assert above_noise({**big, "kl_f16": {"mean": 0.015}}, fl) is False
+    assert above_noise(big, floor([])) is None
+
+
+def test_plan_orders_reference_base_types_noise_control():
+    p = plan([("q8_0", "q8_0"), ("f16", "f16"), ("turbo3", "turbo3")], "f32", True)
+    roles = [r for r, _ in p]
+    assert p[0] == ("ref", F32_REF) and p[1] == ("type", BASE)
+    assert [s.name for _, s in p[2:4]] == ["q8_0", "turbo3"]
+    assert [s for r, s in p if r == "noise"] == list(NOISE)
+    assert roles[-1] == "control"
+    p = plan([("q4_0", "q4_0")], "f16", False)
+    assert [r for r, _ in p] == ["base", "type", "control"]
+
