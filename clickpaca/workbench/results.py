@@ -22,6 +22,7 @@ class Generation:
       its n best alternatives ({token, piece, logprob}); None without nProbs.
     steered_logprobs/steered_top: the same in the distribution actually sampled from.
     stop_reason: as in the `done` event; None when the request ended in an error.
+    steps_ms: CPU time of the user-defined steps (clickpaca.usersteps) by name, from `done`.
     ttft_ms: time from sending the request to the arrival of its first token, measured
       on the client (None without a token); wall_ms: to the arrival of its end.
     error: the server's message when the request ended in an `error` event.
@@ -48,6 +49,7 @@ class Generation:
     eval_tps: float | None = None
     ttft_ms: float | None = None
     wall_ms: float | None = None
+    steps_ms: dict[str, float] | None = None
     error: str | None = None
 
     @property
@@ -76,7 +78,7 @@ class Generation:
             g.error = final.get("message") or "error"
         else:
             for k in ("stop_reason", "stop", "tokens_prompt", "tokens_reused", "tokens_predicted",
-                      "prompt_ms", "eval_ms", "prompt_tps", "eval_tps"):
+                      "prompt_ms", "eval_ms", "prompt_tps", "eval_tps", "steps_ms"):
                 setattr(g, k, final.get(k))
         if t_sent is not None:
             if toks and "_t" in toks[0]:
@@ -98,6 +100,8 @@ class Generation:
             "text", "stop_reason", "tokens_prompt", "tokens_reused", "tokens_predicted", "prompt_ms",
             "eval_ms", "prompt_tps", "eval_tps", "ttft_ms", "wall_ms", "error")})
         row["mean_logprob"] = (sum(self.logprobs) / len(self.logprobs)) if self.logprobs else None
+        for name, ms in (self.steps_ms or {}).items():
+            row[f"step_ms:{name}"] = ms
         return row
 
 
