@@ -161,6 +161,7 @@ def test_numpy_scalars_accepted():
 )
 def test_request_round_trip(temperature, top_k, top_p, min_p, repeat, freq, present, last_n, bias, seed,
                             n_probs, samplers, grammar):
-    p = SamplerParams(temperature, top_k, top_p, min_p, repeat, freq, present, last_n, bias, seed, n_probs,
-                      (("grammar",) if grammar else ()) + tuple(samplers))
+    p = SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat,
+                      penalty_freq=freq, penalty_present=present, penalty_last_n=last_n, logit_bias=bias,
+                      seed=seed, n_probs=n_probs, samplers=(("grammar",) if grammar else ()) + tuple(samplers))
     assert SamplerParams.from_request(p.to_request()) == p

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clickpaca.sampling import DEFAULT_SAMPLERS, SamplerParams
+from clickpaca.sampling.registry import StepContext
 from clickpaca.sampling.table import (ALIASES, BY_NAME, CONSTRAINT, ELEMENTWISE, EMPTY_REASONS, SCALE,
                                       STEP_NAMES, STEPS, TRUNCATION)
 
@@ -72,7 +73,7 @@ def test_off_means_identity(step, params, seed):
     hist = history(seed, params)
     if not step.off(params, hist[0].size > 0):
         return
-    out_ids, out_logits = step.run(ids, logits, params, hist)
+    out_ids, out_logits = step.run(ids, logits, params, StepContext(hist))
     assert np.array_equal(out_ids, ids) and np.array_equal(out_logits, logits)
 
 
@@ -83,7 +84,7 @@ def test_no_truncation_keeps_every_candidate(step, params, seed):
     ids, logits = candidates(seed)
     if step.kind == ELEMENTWISE or step.truncates(params, ids.size):
         return  # elementwise steps may ban (logit_bias): checked below
-    out_ids, _ = step.run(ids, logits, params, history(seed, params))
+    out_ids, _ = step.run(ids, logits, params, StepContext(history(seed, params)))
     assert sorted(out_ids.tolist()) == sorted(ids.tolist())
 
 
@@ -93,9 +94,9 @@ def test_no_truncation_keeps_every_candidate(step, params, seed):
 def test_elementwise_changes_only_what_it_touches(step, params, seed):
     ids, logits = candidates(seed)
     hist = history(seed, params)
-    touched = step.touches(params, hist)
+    touched = step.touches(params, StepContext(hist))
     assert np.array_equal(touched, np.unique(touched))  # sorted, unique
-    out_ids, out_logits = step.run(ids, logits, params, hist)
+    out_ids, out_logits = step.run(ids, logits, params, StepContext(hist))
     before = dict(zip(ids.tolist(), logits.tolist()))
     after = dict(zip(out_ids.tolist(), out_logits.tolist()))
     untouched = set(before) - set(touched.tolist())
@@ -106,3 +107,15 @@ def test_elementwise_changes_only_what_it_touches(step, params, seed):
         return
     assert untouched <= set(after)
     assert all(after[t] == before[t] for t in untouched)
+
+
+def test_docs_table_is_generated_from_the_rows():
+    from pathlib import Path
+
+    from clickpaca.sampling import registry
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text(encoding="utf-8")
+    block = doc.split("<!-- sampler-table:start -->\n", 1)[1].split("\n<!-- sampler-table:end -->", 1)[0]
+    assert block == registry.docs_table()
+    for p in registry.all_params():
+        assert f"| `{p.wire}` |" in block

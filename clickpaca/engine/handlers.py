@@ -63,7 +63,7 @@ class Handlers:
         seqs.check_id(seq_id, "infer")
         held = self._held_or_free(session, seq_id, "infer")
         try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
-            sampler = SequenceSampler(req.params, rt.model.n_vocab)
+            sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.vocab)
         except SamplerParamError as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
         compiled = None

@@ -14,6 +14,7 @@ from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
 from ..native import NativeError, load
+from ..sampling.vocab import Vocab
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
 
 
@@ -39,6 +40,7 @@ class Runtime:
         self.batch = core.Batch(model.nat, ctx.n_batch)
         self._warm_up()
         self.grammars = GrammarEngine.start(model)
+        self.vocab = Vocab(model)  # for sampler steps that read token text (DRY), built on first use
         self.masks = MaskAhead(np.zeros((ctx.n_seq_max, (model.n_vocab + 31) // 32), dtype=np.int32))
         self.ready_event: dict[str, Any] = ready_event(
             nVocab=model.n_vocab,

@@ -16,14 +16,16 @@ from .candidates import Candidates, Dense, gather, raw_logprobs
 from .cut import RowView
 from .params import SamplerParams
 from .steps import FORCE
-from .table import BY_NAME, ELEMENTWISE, EMPTY_REASONS, TRUNCATION, Step
+from . import registry as R
+from .registry import ELEMENTWISE, SCALE, TRUNCATION, Step, StepContext
+from .table import EMPTY_REASONS
 
-__all__ = ["Candidates", "SampleResult", "SequenceSampler", "apply_chain", "EMPTY_REASONS"]
+__all__ = ["Candidates", "SampleResult", "SequenceSampler", "StepContext", "apply_chain", "EMPTY_REASONS"]
 
 #: With a grammar allowing at most this many tokens, the allowed ids are listed outright.
 EXPLICIT_MAX = 4096
 
-_LOGIT_BIAS, _TEMPERATURE = BY_NAME["logit_bias"], BY_NAME["temperature"]
+_LOGIT_BIAS, _TEMPERATURE = R.step("logit_bias"), R.step("temperature")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +59,19 @@ def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tup
     """(active steps, index of the first truncating one or None), cached: params are
     frozen and the answer depends only on them, on whether there is a penalty history
     and on how many tokens the grammar allows (the same every tick without a grammar).
-    Active: the listed steps minus those that are identities for these params."""
-    active = [step for step in map(BY_NAME.__getitem__, p.steps) if not step.off(p, has_hist)]
+    Active: the listed steps minus those that are identities for these params. The first
+    "truncating" step is the first that the implicit fast path cannot carry: one that
+    may drop candidates, or a general step (which may use every candidate)."""
+    active = [step for step in map(R.by_name().__getitem__, p.steps) if not step.off(p, has_hist)]
     if p.temperature <= 0 and _TEMPERATURE in active:
         # Greedy: every truncation keeps the canonical first candidate, so one that runs
         # before greedy with no elementwise step after it cannot change the result.
         t = active.index(_TEMPERATURE)
         last_elementwise = max((i for i, s in enumerate(active) if s.kind == ELEMENTWISE), default=-1)
         active = [s for i, s in enumerate(active)
-                  if not (s.kind == TRUNCATION and last_elementwise < i < t)]
-    first = next((i for i, s in enumerate(active) if s.truncates(p, n_allowed)), None)
+                  if not (s.kind == TRUNCATION and not s.stateful and last_elementwise < i < t)]
+    first = next((i for i, s in enumerate(active)
+                  if s.kind not in (ELEMENTWISE, TRUNCATION, SCALE) or s.truncates(p, n_allowed)), None)
     return tuple(active), first
 
 
@@ -77,7 +82,8 @@ _NO_LOGITS = np.empty(0, np.float64)
 
 def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None = None,
                 hist: tuple[np.ndarray, np.ndarray] = _NO_HIST, *, view: RowView | None = None,
-                timings: dict | None = None, explicit_max: int = EXPLICIT_MAX) -> Candidates:
+                timings: dict | None = None, explicit_max: int = EXPLICIT_MAX,
+                ctx: StepContext | None = None) -> Candidates:
     """Run the sampler chain on one raw logits row; return the candidates to sample from.
 
     Default order: grammar -> logit bias -> repetition penalties -> top-k -> min-p ->
@@ -86,7 +92,9 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     ``words`` (uint32 bitmask words, see ``bitmask.as_words``) is given: a hard
     constraint no other step may override. ``hist`` is (ids sorted, counts) of the
     penalty window. ``view`` lets the caller reuse the row's column maxima (and tests
-    shape them); ``explicit_max`` (tests) moves the explicit-grammar threshold.
+    shape them); ``explicit_max`` (tests) moves the explicit-grammar threshold. ``ctx``
+    (``SequenceSampler`` passes one) carries the history, step states and random
+    streams; without it, ``hist`` alone and fresh ones.
 
     The result is exactly that of running the ``steps`` functions in order over the
     whole vocabulary, without doing so. Up to the first truncating step the steps are
@@ -94,11 +102,15 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     only a small set T of tokens. Every truncation keeps an upper set, so its result
     over the whole row equals its result over T (adjusted) united with a large enough
     upper set of the raw tokens outside T (rescaled by temperature), which
-    ``cut.upper_ids`` finds from column maxima. Top-p needs the total mass, so it
+    ``cut.upper_ids`` finds from column maxima (the step's ``cut`` hook). A first
+    truncating step without a hook, or a general step, gets every candidate instead. Top-p needs the total mass, so it
     costs one exp over the row when it is the first truncation. From the first
     truncation on, the steps run on the small explicit set. With no truncation at all,
     the untouched tokens stay implicit (``candidates.Dense``). The row is never written.
     """
+    if ctx is None:
+        ctx = StepContext(hist)
+    hist = ctx.hist
     tick = time.thread_time_ns if timings is not None else None
     t0 = tick() if tick else 0
 
@@ -122,7 +134,7 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
 
     def run(steps, ids, logits, t0):
         for step in steps:
-            ids, logits = step.run(ids, logits, params, hist)
+            ids, logits = step.run(ids, logits, params, ctx)
             if tick:
                 t0 = lap(step.name, t0)
             if ids.size == 0:
@@ -144,7 +156,7 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     tail = () if first is None else active[first:]
 
     # T: the tokens the elementwise steps touch, and their values after the prefix steps.
-    touched_sets = [step.touches(params, hist) for step in prefix if step.touches is not None]
+    touched_sets = [step.touches(params, ctx) for step in prefix if step.touches is not None]
     if len(touched_sets) > 1:
         touched = np.concatenate(touched_sets)
         touched.sort()
@@ -157,7 +169,7 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     if tick:
         t0 = lap("cut", t0)
     for step in prefix:
-        t_ids, t_logits = step.run(t_ids, t_logits, params, hist)
+        t_ids, t_logits = step.run(t_ids, t_logits, params, ctx)
         if tick:
             t0 = lap(step.name, t0)
     if _LOGIT_BIAS in prefix:
@@ -175,6 +187,13 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     if first is None:
         return Candidates(t_ids, t_logits, dense=Dense(view, tau, words, frac, touched, n_dense))
 
+    if tail[0].cut is None:
+        # No superset hook: the step sees every candidate (correct, just slower).
+        ids = Dense(view, tau, words, frac, touched, n_dense).ids()
+        if tick:
+            t0 = lap("cut", t0)
+        return run(tail, np.concatenate((ids, t_ids)), np.concatenate((gather(row, ids, tau), t_logits)), t0)
+
     # The first truncation: its row says how to find a superset of what it keeps.
     ids, rest_mass = tail[0].cut(view, params, tau, words, frac, touched, t_logits)
     ids = ids.astype(np.int32)
@@ -186,7 +205,9 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     else:
         u_ids, u_logits = ids, gather(row, ids, tau)
     if rest_mass:  # the step needs the mass left out (top-p): run it here with that mass
-        u_ids, u_logits = tail[0].run(u_ids, u_logits, params, hist, rest_mass)
+        ctx.rest_mass = rest_mass
+        u_ids, u_logits = tail[0].run(u_ids, u_logits, params, ctx)
+        ctx.rest_mass = 0.0
         if tick:
             t0 = lap(tail[0].name, t0)
         tail = tail[1:]
@@ -205,9 +226,16 @@ class SequenceSampler:
 
     Randomness: each ``sample`` call draws exactly one uniform number, whatever the params
     (greedy included), so the k-th sampled token always uses the k-th draw of the stream.
+    A step that needs randomness (XTC) draws from a stream of its own, seeded from the
+    same seed (``StepContext.uniform``), so it never shifts the final draw's stream.
+
+    Step state: the states of stateful steps (mirostat's mu) live here, one per step,
+    made on first use; ``fork`` deep-copies them with the RNG streams. ``vocab`` is
+    handed to the steps that need token text (DRY's sequence breakers).
     """
 
-    def __init__(self, params: SamplerParams, n_vocab: int, prompt_tokens: Iterable[int] = ()):
+    def __init__(self, params: SamplerParams, n_vocab: int, prompt_tokens: Iterable[int] = (),
+                 vocab=None):
         self._n_vocab = int(n_vocab)
         self._params = params.validate(self._n_vocab)
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -215,6 +243,9 @@ class SequenceSampler:
         self._history: list[int] = []
         self._counts: dict[int, int] = {}
         self._hist_arrays = None
+        self._states: dict = {}
+        self._streams: dict = {}
+        self._vocab = vocab
         self.extend(prompt_tokens)
 
     # -- state -----------------------------------------------------------------------
@@ -236,6 +267,11 @@ class SequenceSampler:
     def history(self) -> tuple[int, ...]:
         return tuple(self._history)
 
+    @property
+    def states(self) -> dict:
+        """The stateful steps' states by step name (made on first use)."""
+        return self._states
+
     def set_params(self, params: SamplerParams) -> None:
         """Switch params mid-sequence. The RNG stream continues unless the new params
         name a different seed, which restarts it from that seed."""
@@ -244,6 +280,7 @@ class SequenceSampler:
         if params.seed is not None and params.seed != self._seed:
             self._seed = params.seed
             self._rng = np.random.default_rng(self._seed)
+            self._streams = {}
         if params.penalty_last_n != old.penalty_last_n:
             self._recount()
 
@@ -256,12 +293,16 @@ class SequenceSampler:
         other._history = list(self._history)
         other._counts = dict(self._counts)
         other._hist_arrays = self._hist_arrays
+        other._states = copy.deepcopy(self._states)
+        other._vocab = self._vocab
         if seed is None:
             other._seed = self._seed
             other._rng = copy.deepcopy(self._rng)
+            other._streams = copy.deepcopy(self._streams)
         else:
             other._seed = int(seed)
             other._rng = np.random.default_rng(other._seed)
+            other._streams = {}
         return other
 
     def _window(self) -> int:
@@ -330,7 +371,9 @@ class SequenceSampler:
         words = as_words(allowed_bitmask, self._n_vocab) if allowed_bitmask is not None else None
         view = RowView(row)
         hist = self.penalty_window() if p.penalties_active else _NO_HIST
-        cand = apply_chain(row, p, words, hist, view=view, timings=timings)
+        ctx = StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed,
+                          self._n_vocab)
+        cand = apply_chain(row, p, words, view=view, timings=timings, ctx=ctx)
         if cand.empty_step is not None:
             return SampleResult(-1, True, _reason(cand.empty_step))
         t0 = time.thread_time_ns() if timings is not None else 0
@@ -341,6 +384,9 @@ class SequenceSampler:
             t0 = t1
         if tok < 0:
             return SampleResult(-1, True, _reason("sample"))
+        for step in ctx.used:  # stateful steps that ran learn the drawn token (mirostat)
+            if step.sampled is not None:
+                step.sampled(self._states[step.name], tok, p)
         if p.n_probs <= 0:
             return SampleResult(tok, n_candidates=cand.size)
         lp, top = raw_logprobs(view, tok, p.n_probs)

@@ -1,30 +1,18 @@
-"""The sampler steps, one row each: the one place that says what a step is.
+"""The built-in sampler steps: one registry row each (``registry`` says what a row holds).
 
-A row names the step (and the spelling a client may also use in ``samplers``), says
-what kind of step it is, when it is an identity for the given params (the chain skips
-it then), when it truncates, how it runs from the params (``steps`` holds the
-definitions), which tokens it touches when elementwise, how the chain finds a superset
-of what it keeps without scanning the row when it is the first truncation, and what
-an empty candidate set after it means. ``params`` validates ``samplers`` against these
-rows and ``chain`` composes them; adding a step is one definition in ``steps`` and one
-row here.
-
-Kinds:
-- constraint: the grammar. Always first when the caller passes a bitmask, never run by
-  name: the chain lists or counts the allowed tokens instead.
-- elementwise: changes the logits of a small, known set of tokens (``touches``) and
-  leaves every other token as it is.
-- truncation: keeps an upper set of the current candidates (all tokens at or above
-  some logit), so ``cut`` can find a superset of it from the row's column maxima.
-- scale: temperature. Divides every logit; at t <= 0 it is greedy, a truncation to the
-  first candidate in canonical order.
+Each row names the step, its kind and wire parameters (checks, defaults, misspellings,
+meaning), when it is an identity for the given params (the chain skips it then), when
+it truncates, how it runs from the params (``steps`` holds the definitions), which
+tokens it touches when elementwise, how the chain finds a superset of what it keeps
+without scanning the row when it is the first truncation, and what an empty candidate
+set after it means. Adding a step is one definition in ``steps`` and one
+``register(Step(...))`` here (or anywhere: see ``registry``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -32,54 +20,94 @@ from . import steps as S
 from .bitmask import allows
 from .candidates import dense_exp, gather
 from .cut import RowView, isin_sorted, upper_ids
+from .registry import (CONSTRAINT, ELEMENTWISE, GENERAL, SCALE, TRUNCATION, Param, SamplerParamError, Step,
+                       aliases, integer, is_int, is_real, real, register, register_chain_param, to_float)
+from . import registry as R
 
 if TYPE_CHECKING:
     from .params import SamplerParams
 
 __all__ = ["Step", "STEPS", "STEP_NAMES", "BY_NAME", "ALIASES", "EMPTY_REASONS",
-           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE"]
+           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL"]
 
-CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE = "constraint", "elementwise", "truncation", "scale"
-
-#: (ids sorted, counts) of the penalty window.
-Hist = tuple[np.ndarray, np.ndarray]
 #: (view, params, tau, words, frac, touched, touched logits) -> (ids, rest_mass)
 Cut = Callable[[RowView, "SamplerParams", float, "np.ndarray | None", float, np.ndarray, np.ndarray],
                tuple[np.ndarray, float]]
 
 
-def _never(p: "SamplerParams", n_allowed: int) -> bool:
-    return False
+# ------------------------------------------------------------------ parameter checks of their own
 
 
-@dataclass(frozen=True, eq=False)
-class Step:
-    """One sampler step.
+def _norm_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
+    """Accept the protocol's list of {"token": id, "bias": x} objects, {id: bias} (ids may
+    be decimal strings, as JSON object keys are) or a list of [id, bias] pairs; return
+    sorted (id, bias) pairs. Duplicates are an error rather than silently summed or
+    overwritten."""
+    if v is None:
+        return ()
+    if isinstance(v, Mapping):
+        items = list(v.items())
+    elif isinstance(v, (list, tuple)):
+        items = []
+        for pair in v:
+            if isinstance(pair, Mapping):
+                if set(pair) != {"token", "bias"}:
+                    raise SamplerParamError(name, f"entries must be {{\"token\": id, \"bias\": x}}, got {pair!r}")
+                items.append((pair["token"], pair["bias"]))
+                continue
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise SamplerParamError(name, f"list entries must be [tokenId, bias] pairs, got {pair!r}")
+            items.append((pair[0], pair[1]))
+    else:
+        raise SamplerParamError(name, f"must be an object {{tokenId: bias}} or a list of [tokenId, bias], got {type(v).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if isinstance(key, str):
+            s = key.strip()
+            if not (s.isascii() and s.isdigit()):
+                raise SamplerParamError(name, f"token id must be a non-negative integer, got {key!r}")
+            tok = int(s)
+        elif is_int(key):
+            tok = int(key)
+        else:
+            raise SamplerParamError(name, f"token id must be an integer, got {key!r}")
+        if tok < 0:
+            raise SamplerParamError(name, f"token id must be >= 0, got {tok}")
+        if not is_real(bias):
+            raise SamplerParamError(name, f"bias for token {tok} must be a number, got {bias!r}")
+        b = to_float(bias)
+        if math.isnan(b):
+            raise SamplerParamError(name, f"bias for token {tok} must not be NaN")
+        if tok in out:
+            raise SamplerParamError(name, f"token {tok} given more than once")
+        out[tok] = b
+    return tuple(sorted(out.items()))
 
-    name: the canonical name (in ``samplers``, timings and empty reasons).
-    kind: CONSTRAINT, ELEMENTWISE, TRUNCATION or SCALE (see the module docstring).
-    run(ids, logits, params, hist): the step over a candidate set (None: not run by name).
-    off(params, has_hist): True when the step is an identity for these params.
-    alias: another spelling accepted in ``samplers`` (camelCase, as the protocol's fields).
-    truncates(params, n_allowed): True when it may drop candidates out of n_allowed.
-    touches(params, hist): ELEMENTWISE only: the sorted ids whose logits it may change.
-    cut: TRUNCATION and SCALE: when this step is the first truncation, the ids of a
-      superset of what it keeps among the allowed raw tokens outside ``touched``, and the
-      mass (relative to the largest candidate) of those tokens left out; a non-zero mass
-      is passed to ``run`` as a fifth argument.
-    empty: why the candidate set is empty when this step emptied it (None: the generic
-      "no candidate left after <name>").
-    """
 
-    name: str
-    kind: str
-    run: Callable | None
-    off: Callable[["SamplerParams", bool], bool]
-    alias: str | None = None
-    truncates: Callable[["SamplerParams", int], bool] = _never
-    touches: Callable[["SamplerParams", Hist], np.ndarray] | None = None
-    cut: Cut | None = None
-    empty: str | None = None
+
+def _norm_samplers(name: str, v: Any) -> tuple[str, ...]:
+    """A list of step names (or aliases), each at most once, the grammar only first;
+    None (the default) is every registered step in the default order."""
+    if v is None:
+        return tuple(s.name for s in R.steps())
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise SamplerParamError(name, f"must be a list of step names, got {v!r}")
+    known = aliases()
+    out = []
+    for s in v:
+        canon = known.get(s) if isinstance(s, str) else None
+        if canon is None:
+            raise SamplerParamError(name, f"unknown step {s!r}; known: {', '.join(x.name for x in R.steps())}")
+        if canon in out:
+            raise SamplerParamError(name, f"step {canon!r} listed more than once")
+        out.append(canon)
+    if "grammar" in out and out[0] != "grammar":
+        raise SamplerParamError(name, "'grammar' must come first: the grammar is always applied before every other step")
+    return tuple(out)
+
+
+def _seed(name: str, v: Any) -> int | None:
+    return None if v is None else integer(0)(name, v)
 
 
 # ------------------------------------------------------------------ cuts (first truncation)
@@ -141,49 +169,75 @@ def _nucleus_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: flo
     return upper_ids(view, view.n, words, frac, touched), 0.0
 
 
-# ------------------------------------------------------------------ the table
+# ------------------------------------------------------------------ the rows
 
-#: Every step, in the default order.
-STEPS: tuple[Step, ...] = (
-    Step("grammar", CONSTRAINT, run=None, off=lambda p, has_hist: True,
-         empty="the grammar allows no token"),
-    Step("logit_bias", ELEMENTWISE, alias="logitBias",
-         run=lambda ids, logits, p, hist: S.logit_bias(ids, logits, *p.bias_arrays),
-         off=lambda p, has_hist: not p.logit_bias,
-         touches=lambda p, hist: p.bias_arrays[0],
-         empty="logit_bias bans every token still allowed"),
-    Step("penalties", ELEMENTWISE,
-         run=lambda ids, logits, p, hist: S.penalties(ids, logits, *hist, p.penalty_repeat,
-                                                      p.penalty_freq, p.penalty_present),
-         off=lambda p, has_hist: not has_hist or not p.penalties_active,
-         touches=lambda p, hist: hist[0]),
-    Step("top_k", TRUNCATION, alias="topK",
-         run=lambda ids, logits, p, hist: S.top_k(ids, logits, p.top_k),
-         off=lambda p, has_hist: p.top_k <= 0,
-         truncates=lambda p, n_allowed: 0 < p.top_k < n_allowed,
-         cut=_upper_k(lambda p: p.top_k)),
-    Step("min_p", TRUNCATION, alias="minP",
-         run=lambda ids, logits, p, hist: S.min_p(ids, logits, p.min_p),
-         off=lambda p, has_hist: p.min_p <= 0,
-         truncates=lambda p, n_allowed: p.min_p > 0,
-         cut=_min_p_cut),
-    Step("top_p", TRUNCATION, alias="topP",
-         run=lambda ids, logits, p, hist, rest_mass=0.0: S.top_p(ids, logits, p.top_p, rest_mass),
-         off=lambda p, has_hist: p.top_p >= 1,
-         truncates=lambda p, n_allowed: p.top_p < 1,
-         cut=_nucleus_cut),
-    Step("temperature", SCALE, alias="temp",
-         run=lambda ids, logits, p, hist: S.temperature(ids, logits, p.temperature),
-         off=lambda p, has_hist: p.temperature == 1.0,
-         truncates=lambda p, n_allowed: p.temperature <= 0,
-         cut=_upper_k(lambda p: 1)),  # greedy: the canonical first candidate
-)
+register(Step("grammar", CONSTRAINT, run=None, off=lambda p, has_hist: True,
+              empty="the grammar allows no token"))
+register(Step(
+    "logit_bias", ELEMENTWISE, alias="logitBias",
+    params=(Param("logit_bias", "logit_bias", (), _norm_bias, ("logitBias",),
+                  "list of `{\"token\": id, \"bias\": x}`; `-1e9` bans, `+1e9` forces", shown="none"),),
+    run=lambda ids, logits, p, ctx: S.logit_bias(ids, logits, *p.bias_arrays),
+    off=lambda p, has_hist: not p.logit_bias,
+    touches=lambda p, ctx: p.bias_arrays[0],
+    empty="logit_bias bans every token still allowed"))
+register(Step(
+    "penalties", ELEMENTWISE,
+    params=(Param("penalty_repeat", "penaltyRepeat", 1.0, real(0.0, None, lo_open=True),
+                  ("repeat_penalty", "penalty_repeat"),
+                  "llama.cpp semantics: a positive logit is divided by it, a negative one multiplied"),
+            Param("penalty_freq", "penaltyFreq", 0.0, real(), ("frequency_penalty", "penalty_freq"),
+                  "subtracted once per occurrence"),
+            Param("penalty_present", "penaltyPresent", 0.0, real(), ("presence_penalty", "penalty_present"),
+                  "subtracted once if present"),
+            Param("penalty_last_n", "penaltyLastN", 64, integer(-1), ("repeat_last_n", "penalty_last_n"),
+                  "how many of the latest context tokens (prompt included) the penalties look at; "
+                  "-1 = whole context, 0 = off")),
+    run=lambda ids, logits, p, ctx: S.penalties(ids, logits, *ctx.hist, p.penalty_repeat,
+                                                p.penalty_freq, p.penalty_present),
+    off=lambda p, has_hist: not has_hist or not p.penalties_active,
+    touches=lambda p, ctx: ctx.hist[0]))
+register(Step(
+    "top_k", TRUNCATION, alias="topK",
+    params=(Param("top_k", "topK", 40, integer(0), ("top_k",), "1 = greedy, 0 = off"),),
+    run=lambda ids, logits, p, ctx: S.top_k(ids, logits, p.top_k),
+    off=lambda p, has_hist: p.top_k <= 0,
+    truncates=lambda p, n_allowed: 0 < p.top_k < n_allowed,
+    cut=_upper_k(lambda p: p.top_k)))
+register(Step(
+    "min_p", TRUNCATION, alias="minP",
+    params=(Param("min_p", "minP", 0.0, real(0.0, 1.0), ("min_p",), "0 = off"),),
+    run=lambda ids, logits, p, ctx: S.min_p(ids, logits, p.min_p),
+    off=lambda p, has_hist: p.min_p <= 0,
+    truncates=lambda p, n_allowed: p.min_p > 0,
+    cut=_min_p_cut))
+register(Step(
+    "top_p", TRUNCATION, alias="topP",
+    params=(Param("top_p", "topP", 0.95, real(0.0, 1.0), ("top_p",), "1 = off"),),
+    run=lambda ids, logits, p, ctx: S.top_p(ids, logits, p.top_p, ctx.rest_mass),
+    off=lambda p, has_hist: p.top_p >= 1,
+    truncates=lambda p, n_allowed: p.top_p < 1,
+    cut=_nucleus_cut))
+register(Step(
+    "temperature", SCALE, alias="temp",
+    params=(Param("temperature", "temperature", 0.7, real(), ("temp",), "<= 0 is greedy"),),
+    run=lambda ids, logits, p, ctx: S.temperature(ids, logits, p.temperature),
+    off=lambda p, has_hist: p.temperature == 1.0,
+    truncates=lambda p, n_allowed: p.temperature <= 0,
+    cut=_upper_k(lambda p: 1)))  # greedy: the canonical first candidate
 
+register_chain_param(Param("seed", "seed", None, _seed, (), "per-sequence RNG seed: same seed + same input = same output",
+                           shown="random"))
+register_chain_param(Param("n_probs", "nProbs", 0, integer(0), ("n_probs",),
+                           "when > 0 (<= 100), token events carry log-probabilities (below)"))
+register_chain_param(Param("samplers", "samplers", None, _norm_samplers, (), "order of the steps (below)",
+                           shown="full chain"))
+
+# Snapshots of the built-in rows (the registry itself is live: ``registry.steps()``).
+STEPS: tuple[Step, ...] = R.steps()
 STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
 BY_NAME: dict[str, Step] = {s.name: s for s in STEPS}
 #: Accepted spellings in ``samplers`` -> canonical step name.
-ALIASES: dict[str, str] = {**{s.name: s.name for s in STEPS},
-                           **{s.alias: s.name for s in STEPS if s.alias}}
+ALIASES: dict[str, str] = aliases()
 #: Why a candidate set became empty, by what emptied it ("sample": nothing drawable).
-EMPTY_REASONS: dict[str, str] = {**{s.name: s.empty for s in STEPS if s.empty},
-                                 "sample": "no candidate has a finite logit"}
+EMPTY_REASONS: dict[str, str] = R.empty_reasons()

@@ -1,0 +1,371 @@
+"""The step registry: one row per sampler step owns everything about it.
+
+A row (``Step``) names the step, says its kind, its wire parameters (``Param``: name,
+check, default, misspellings, meaning), whether it keeps per-sequence state, when it is
+an identity, when it truncates, which tokens it touches when elementwise, and an
+optional superset hook (``cut``) for the fast path. ``SamplerParams`` (params.py), the
+protocol's checks and misspelling hints, the accepted ``samplers`` names and the
+docs/PROTOCOL.md sampler table are all derived from the rows, so adding a step is one
+function (the definition, usually in ``steps``) and one ``register`` call:
+
+    register(Step("my_step", GENERAL, run=my_step_run,
+                  params=(Param("my_x", "myX", 0.0, real(0, 1), doc="0 = off"),),
+                  off=lambda p, has_hist: p.my_x == 0))
+
+A step with no ``cut`` runs on the full candidate set when it is the first step that
+is not elementwise: correct, only slower. Randomness comes from ``StepContext.uniform``,
+a stream of the sequence's own seed; state from ``StepContext.state``.
+
+Kinds:
+- constraint: the grammar. Always first when the caller passes a bitmask, never run by
+  name: the chain lists or counts the allowed tokens instead.
+- elementwise: changes the logits of a small, known set of tokens (``touches``) and
+  leaves every other token as it is (it may drop some of them: bans).
+- truncation: keeps an upper set of the current candidates (all tokens at or above
+  some logit); with ``cut``, the chain finds a superset of it from column maxima.
+  Before greedy, a stateless truncation cannot change the result and is skipped.
+- scale: temperature. Divides every logit; at t <= 0 it is greedy, a truncation to the
+  first candidate in canonical order.
+- general: anything else (may drop any candidates, move any logits, draw random
+  numbers or keep state). Runs on every candidate its place in the chain sees.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .params import SamplerParams
+
+__all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "steps", "step", "by_name", "version", "docs_table",
+           "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "choice_strings",
+           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS"]
+
+CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL = (
+    "constraint", "elementwise", "truncation", "scale", "general")
+KINDS = (CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL)
+
+
+class SamplerParamError(ValueError):
+    """A bad sampler parameter. ``field`` is the protocol name, ``reason`` the why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+# ------------------------------------------------------------------ parameter checks
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def to_float(v: numbers.Real) -> float:
+    """float(v); an integer beyond the float range (only in-process: JSON numbers that
+    large arrive as inf and are refused by the parser) becomes +-inf, not OverflowError."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def real(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[str, Any], float]:
+    """A check: a finite real in [lo, hi] (or (lo, hi] with lo_open), returned as float."""
+    def check(name: str, v: Any) -> float:
+        if not is_real(v):
+            raise SamplerParamError(name, f"must be a number, got {v!r}")
+        x = to_float(v)
+        if not math.isfinite(x):
+            raise SamplerParamError(name, f"must be finite, got {x!r}")
+        bad_lo = lo is not None and (x <= lo if lo_open else x < lo)
+        if bad_lo and hi is None:
+            raise SamplerParamError(name, f"must be {'>' if lo_open else '>='} {lo:g}, got {x!r}")
+        if bad_lo or (hi is not None and x > hi):
+            lo_s = "-inf" if lo is None else f"{lo:g}"
+            raise SamplerParamError(name, f"must be in {'(' if lo_open else '['}{lo_s}, {hi:g}], got {x!r}")
+        return x
+    check.range = (lo, hi, lo_open)  # for the docs table
+    return check
+
+
+def integer(lo: int, hi: int | None = None) -> Callable[[str, Any], int]:
+    """A check: an integer >= lo (and <= hi)."""
+    def check(name: str, v: Any) -> int:
+        if not is_int(v):
+            raise SamplerParamError(name, f"must be an integer, got {v!r}")
+        x = int(v)
+        if x < lo:
+            raise SamplerParamError(name, f"must be >= {lo}, got {x}")
+        if hi is not None and x > hi:
+            raise SamplerParamError(name, f"must be <= {hi}, got {x}")
+        return x
+    return check
+
+
+def choice_strings(max_n: int, max_len: int) -> Callable[[str, Any], tuple[str, ...]]:
+    """A check: a list of at most max_n non-empty strings of at most max_len characters,
+    returned as a tuple (hashable)."""
+    def check(name: str, v: Any) -> tuple[str, ...]:
+        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+            raise SamplerParamError(name, f"must be a list of strings, got {v!r}")
+        if len(v) > max_n:
+            raise SamplerParamError(name, f"at most {max_n} strings, got {len(v)}")
+        for s in v:
+            if not isinstance(s, str) or not s:
+                raise SamplerParamError(name, f"entries must be non-empty strings, got {s!r}")
+            if len(s) > max_len:
+                raise SamplerParamError(name, f"entries must be at most {max_len} characters, got {len(s)}")
+        return tuple(v)
+    return check
+
+
+@dataclass(frozen=True)
+class Param:
+    """One wire parameter of a step (or of the chain).
+
+    field: the attribute on SamplerParams (snake_case); wire: the protocol name (in every
+    error message); default; check(wire, value) -> normalised value or SamplerParamError;
+    misspellings: names a client may send by mistake (llama-server's), answered with a
+    hint; doc: the meaning, for the docs table."""
+
+    field: str
+    wire: str
+    default: Any
+    check: Callable[[str, Any], Any]
+    misspellings: tuple[str, ...] = ()
+    doc: str = ""
+    shown: str | None = None  # the default as the docs table shows it (None: the value)
+
+
+# ------------------------------------------------------------------ what a step sees
+
+
+class StepContext:
+    """What a step may use besides (ids, logits) and the params, for one sample call.
+
+    hist: (ids sorted, counts) of the penalty window; history: every token of the
+    sequence's context, in order (a list; do not change it); rest_mass: for the first
+    truncation on a superset, the mass left out (see ``cut``); vocab: the model's
+    vocabulary helper or None (steps that need token text); n_vocab: the vocabulary
+    size (0 when unknown); the sequence's step states and random streams (``state``,
+    ``uniform``)."""
+
+    __slots__ = ("hist", "history", "rest_mass", "vocab", "n_vocab", "states", "streams", "seed", "used")
+
+    def __init__(self, hist=None, history=(), vocab=None, states=None, streams=None, seed: int = 0,
+                 n_vocab: int = 0):
+        self.n_vocab = n_vocab
+        self.hist = hist if hist is not None else _NO_HIST
+        self.history = history
+        self.rest_mass = 0.0
+        self.vocab = vocab
+        self.states = {} if states is None else states
+        self.streams = {} if streams is None else streams
+        self.seed = seed
+        self.used: list[Step] = []
+
+    def state(self, step: "Step", params: "SamplerParams") -> Any:
+        """The sequence's state of a stateful step (made on first use by ``step.state``)."""
+        st = self.states.get(step.name)
+        if st is None:
+            st = self.states[step.name] = step.state(params)
+        if step not in self.used:
+            self.used.append(step)
+        return st
+
+    def uniform(self, step: "Step") -> float:
+        """One uniform draw in [0, 1) from the step's own stream of the sequence's seed:
+        seeded runs stay reproducible, and the stream the final draw uses is not shifted."""
+        g = self.streams.get(step.name)
+        if g is None:
+            g = self.streams[step.name] = np.random.default_rng([self.seed, zlib.crc32(step.name.encode())])
+        return float(g.random())
+
+
+_NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
+
+
+def _never(p: "SamplerParams", n_allowed: int) -> bool:
+    return False
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One sampler step (see the module docstring for kinds).
+
+    name: the canonical name (in ``samplers``, timings, traces and empty reasons).
+    run(ids, logits, params, ctx): the step over a candidate set (None: not run by name).
+    off(params, has_hist): True when the step is an identity for these params.
+    params: its wire parameters (``Param``), checked and defaulted by SamplerParams.
+    alias: another spelling accepted in ``samplers`` (camelCase, as the protocol's fields).
+    truncates(params, n_allowed): True when it may drop candidates out of n_allowed.
+    touches(params, ctx): ELEMENTWISE only: the sorted int32 ids whose logits it may change.
+    cut: the optional superset hook: when this step is the first truncation, the ids of a
+      superset of what it keeps among the allowed raw tokens outside ``touched``, and the
+      mass (relative to the largest candidate) of those left out, which the chain puts in
+      ``ctx.rest_mass`` for ``run``. Without it the step runs on the full candidate set.
+    state(params): makes the per-sequence state of a stateful step (None: stateless). The
+      state is copied with the sequence (fork) and must deep-copy.
+    sampled(state, token, params): after a token is drawn from a chain in which the step
+      ran (mirostat's mu update).
+    empty: why the candidate set is empty when this step emptied it (None: the generic
+      "no candidate left after <name>").
+    doc: a line for the docs table.
+    """
+
+    name: str
+    kind: str
+    run: Callable | None
+    off: Callable[["SamplerParams", bool], bool]
+    params: tuple[Param, ...] = ()
+    alias: str | None = None
+    truncates: Callable[["SamplerParams", int], bool] = _never
+    touches: Callable[["SamplerParams", StepContext], np.ndarray] | None = None
+    cut: Callable | None = None
+    state: Callable[["SamplerParams"], Any] | None = None
+    sampled: Callable[[Any, int, "SamplerParams"], None] | None = None
+    empty: str | None = None
+    doc: str = ""
+
+    @property
+    def stateful(self) -> bool:
+        return self.state is not None
+
+
+# ------------------------------------------------------------------ the registry
+
+_STEPS: list[Step] = []
+_CHAIN_PARAMS: list[Param] = []
+_version = [0]  # bumped at every registration (params.py caches on it)
+
+
+def _check_new(names: set[str], p: Param) -> None:
+    taken = {q.field for q in all_params()} | {q.wire for q in all_params()}
+    if p.field in taken or p.wire in taken:
+        raise ValueError(f"parameter {p.field!r} / {p.wire!r} is already registered")
+    names.add(p.field)
+
+
+def register(step: Step, *, before: str | None = None) -> Step:
+    """Add a step to the registry: at the end of the default order, or just before the
+    step named ``before``. Its name, alias and parameter names must be new."""
+    if step.kind not in KINDS:
+        raise ValueError(f"unknown kind {step.kind!r}; known: {', '.join(KINDS)}")
+    spellings = aliases()
+    for s in (step.name, step.alias):
+        if s is not None and s in spellings:
+            raise ValueError(f"step name {s!r} is already registered")
+    if step.kind == ELEMENTWISE and step.touches is None:
+        raise ValueError(f"{step.name}: an elementwise step must say which tokens it touches")
+    if (step.sampled is not None) and step.state is None:
+        raise ValueError(f"{step.name}: `sampled` needs a state")
+    seen: set[str] = set()
+    for p in step.params:
+        _check_new(seen, p)
+    if before is None:
+        _STEPS.append(step)
+    else:
+        _STEPS.insert([s.name for s in _STEPS].index(before), step)
+    _version[0] += 1
+    return step
+
+
+def unregister(name: str) -> Step:
+    """Remove a registered step (tests; a client-defined step going away)."""
+    i = [s.name for s in _STEPS].index(name)
+    _version[0] += 1
+    return _STEPS.pop(i)
+
+
+def register_chain_param(p: Param) -> Param:
+    """A parameter of the whole chain rather than of one step (seed, nProbs, samplers)."""
+    _check_new(set(), p)
+    _CHAIN_PARAMS.append(p)
+    _version[0] += 1
+    return p
+
+
+def version() -> int:
+    return _version[0]
+
+
+def steps() -> tuple[Step, ...]:
+    """Every step, in the default order."""
+    return tuple(_STEPS)
+
+
+_by_name: dict[int, dict[str, Step]] = {}
+
+
+def by_name() -> dict[str, Step]:
+    """Canonical name -> step (rebuilt after a registration)."""
+    d = _by_name.get(_version[0])
+    if d is None:
+        _by_name.clear()
+        d = _by_name[_version[0]] = {s.name: s for s in _STEPS}
+    return d
+
+
+def step(name: str) -> Step:
+    return by_name()[name]
+
+
+def chain_params() -> tuple[Param, ...]:
+    return tuple(_CHAIN_PARAMS)
+
+
+def all_params() -> tuple[Param, ...]:
+    """Every parameter: the steps' in step order, then the chain's."""
+    return tuple(p for s in _STEPS for p in s.params) + tuple(_CHAIN_PARAMS)
+
+
+def aliases() -> dict[str, str]:
+    """Accepted spellings in ``samplers`` -> canonical step name."""
+    out = {s.name: s.name for s in _STEPS}
+    out.update({s.alias: s.name for s in _STEPS if s.alias})
+    return out
+
+
+def empty_reasons() -> dict[str, str]:
+    """Why a candidate set became empty, by what emptied it ("sample": nothing drawable)."""
+    return {**{s.name: s.empty for s in _STEPS if s.empty}, "sample": "no candidate has a finite logit"}
+
+
+def docs_table() -> str:
+    """The docs/PROTOCOL.md table of the sampler fields, one row per parameter, from the rows."""
+    lines = ["| field | step | default | meaning |", "|---|---|---|---|"]
+    for s in _STEPS:
+        for p in s.params:
+            lines.append(f"| `{p.wire}` | {s.name} | {p.shown or _show(p.default)} | {p.doc} |")
+    for p in _CHAIN_PARAMS:
+        lines.append(f"| `{p.wire}` | (chain) | {p.shown or _show(p.default)} | {p.doc} |")
+    return "\n".join(lines)
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(f"`{x!r}`".replace("'", '"') if isinstance(x, str) else str(x) for x in v) + "]" if v else "[]"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":  # python -m clickpaca.sampling.registry: the docs table
+    import clickpaca.sampling.table  # noqa: F401  (the built-in rows, in the imported registry)
+    from clickpaca.sampling.registry import docs_table as _table
+
+    print(_table())
