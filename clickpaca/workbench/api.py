@@ -52,11 +52,13 @@ class Workbench:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def spawn(cls, *serve_args: str, env: dict | None = None, stderr: Any = None,
-              python: str | None = None, **init: Any) -> "Workbench":
+    def spawn(cls, *serve_args: str, steps: Sequence[str | os.PathLike] = (), env: dict | None = None,
+              stderr: Any = None, python: str | None = None, **init: Any) -> "Workbench":
         """Start `clickpaca serve ARGS` on stdio and initialise it with `init` (protocol
-        `init` fields: nCtx, nSeqMax, cacheTypeK, build, deterministic, modelPath, ...)."""
+        `init` fields: nCtx, nSeqMax, cacheTypeK, build, deterministic, modelPath, ...).
+        steps: files or modules of user-defined sampler steps (`serve --steps`)."""
         env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "passive"), **(env or {})}
+        serve_args = (*serve_args, *(a for s in steps for a in ("--steps", str(s))))
         client = EventClient.spawn(*serve_args, env=env, stderr=stderr, python=python or default_python())
         try:
             ready = client.init(**{k: v for k, v in init.items() if v is not None})
