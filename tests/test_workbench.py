@@ -155,26 +155,79 @@ def test_a_dead_server_raises():
 
 def test_sweep_pairs_and_records(results_store):
     prompts = ["The capital of France is", "Once upon a time, a fox", "Water boils at"]
-    res = Workbench.sweep({"f16": "f16", "q4_0": "q4_0"}, prompts, init={"nCtx": 2048, "nSeqMax": 4},
-                          temperature=0, maxTokens=12)
-    assert res.labels == ["f16", "q4_0"]
-    assert res.ready["q4_0"]["cacheTypeK"] == "q4_0" and res.ready["f16"]["cacheTypeV"] == "f16"
-    assert [p["index"] for p in res.pairs] == [0, 1, 2] and all(p["config"] == "q4_0" for p in res.pairs)
-    for p, a, b in zip(res.pairs, res.generations["f16"], res.generations["q4_0"]):
+    # cache types: examples/cache_divergence.py (tests/test_examples.py); here a mode
+    res = Workbench.sweep({"f16": "f16", "det": {"deterministic": True}}, prompts,
+                          init={"nCtx": 2048, "nSeqMax": 4}, temperature=0, maxTokens=12)
+    assert res.labels == ["f16", "det"]
+    assert res.ready["det"]["deterministic"] is True and res.ready["f16"]["deterministic"] is False
+    assert res.ready["det"]["kernels"]["kvLayout"] == "per-sequence"
+    assert [(p["config"], p["index"]) for p in res.pairs] == [("det", i) for i in range(3)]
+    for p in res.pairs:
+        a, b = res.generations["f16"][p["index"]], res.generations[p["config"]][p["index"]]
         div = p["first_divergence"]
         if div is None:
             assert a.tokens == b.tokens
         else:
             assert a.tokens[:div] == b.tokens[:div] and (div == len(a.tokens) or div == len(b.tokens)
                                                           or a.tokens[div] != b.tokens[div])
-    # both configs scored the same texts (the baseline's), token by token
-    for sa, sb in zip(res.scores["f16"], res.scores["q4_0"]):
+    # every config scored the same texts (the baseline's), token by token
+    for sa, sb in zip(res.scores["f16"], res.scores["det"]):
         assert sa.ok and sb.ok and sa.text == sb.text and sa.tokens == sb.tokens
     with Store() as store:
         run = store.run(res.run_id)
         assert run["command"] == "sweep" and run["status"] == "complete"
+        assert run["model_sha"] and run["provenance"]["git"]["commit"] and "mainline" in run["builds"]
         rep = compare(store, [str(res.run_id)])
     (pr,) = rep["pairs"]
-    assert pr["a"] == f"{res.run_id}:f16" and pr["b"] == f"{res.run_id}:q4_0" and pr["kind"] == "quality"
+    assert (pr["a"], pr["b"], pr["kind"]) == (f"{res.run_id}:f16", f"{res.run_id}:det", "quality")
     ppl = {r["cache"]: r["ppl"] for r in res.summary()}
-    assert pr["delta_ppl"] == pytest.approx(ppl["q4_0"] - ppl["f16"], rel=1e-4)
+    assert pr["delta_ppl"] == pytest.approx(ppl["det"] - ppl["f16"], rel=1e-4)
+
+
+def test_the_readme_snippet_runs():
+    """The README's Python snippet, as written there."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = re.findall(r"or from Python:\n\n```python\n(.*?)```", readme, flags=re.S)
+    assert "Workbench" in code
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(r"'.+' (max_tokens|eos) first token after \d+ ms", line)
+                                   for line in lines), lines
+
+
+def test_two_workbenches_on_one_socket_with_a_user_step(tmp_path):
+    """Workbench.connect: each client schedules over the slots it may use, on one shared
+    server that loaded a user step."""
+    from pathlib import Path
+
+    from test_socket import start_server, stop_server
+
+    path = tmp_path / "s.sock"
+    steps = Path(__file__).resolve().parent / "steps" / "user_steps.py"
+    proc = start_server(path, "--steps", str(steps), "--max-seqs-per-client", "3", nSeqMax=6)
+    try:
+        benches = [Workbench.connect(path, slots=3) for _ in range(2)]
+        out: dict[int, list] = {}
+
+        def run(k: int) -> None:
+            out[k] = benches[k].generate([f"Item {k}.{i}:" for i in range(7)], maxTokens=3, temperature=0,
+                                         samplers=["boost", "temperature"], boostToken=9079, boostBy=100)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for k in range(2):
+            assert [g.request["prompt"] for g in out[k]] == [f"Item {k}.{i}:" for i in range(7)]
+            assert all(g.ok and g.tokens == [9079] * 3 and g.steps_ms["boost"] > 0 for g in out[k])
+        for b in benches:
+            b.close()
+    finally:
+        stop_server(proc, path)

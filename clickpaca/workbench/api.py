@@ -156,14 +156,16 @@ class Workbench:
 
     @staticmethod
     def sweep(configs: Any, prompts: Sequence[Item], init: dict[str, Any] | None = None,
-              record: bool = True, progress: bool | None = None, **steering: Any) -> "SweepResult":
+              record: bool = True, progress: bool | None = None, steps: Sequence[str | os.PathLike] = (),
+              **steering: Any) -> "SweepResult":
         """The same prompts under several server configs, one server each, paired per
         prompt against the first and recorded in the results store (workbench/sweep.py).
         configs: cache type strings ("q8_0", "q8_0/q4_0"), dicts of init fields, or a
-        dict of label -> either; init: fields every server gets (nCtx, nSeqMax, ...)."""
+        dict of label -> either; init: fields every server gets (nCtx, nSeqMax, ...);
+        steps: user-defined steps every server loads (`serve --steps`)."""
         from .sweep import run_sweep
 
-        return run_sweep(configs, prompts, init=init, record=record, progress=progress, **steering)
+        return run_sweep(configs, prompts, init=init, record=record, progress=progress, steps=steps, **steering)
 
     # ------------------------------------------------------------ helpers
 

@@ -148,7 +148,7 @@ class SweepResult:
 
 def run_sweep(configs: Any, prompts: Sequence[Any], init: Mapping[str, Any] | None = None,
               record: bool = True, progress: bool | None = None, spawn_args: Sequence[str] = (),
-              **steering: Any) -> SweepResult:
+              steps: Sequence[Any] = (), **steering: Any) -> SweepResult:
     """Run `prompts` with `steering` on one server per config (see the module docstring)."""
     from .api import Workbench
 
@@ -161,7 +161,7 @@ def run_sweep(configs: Any, prompts: Sequence[Any], init: Mapping[str, Any] | No
         res = SweepResult(labels, cfgs, {}, {}, {})
         texts: list[str] | None = None
         for label in labels:
-            with Workbench.spawn(*spawn_args, **{**base, **cfgs[label]}) as wb:
+            with Workbench.spawn(*spawn_args, steps=steps, **{**base, **cfgs[label]}) as wb:
                 res.ready[label] = wb.ready
                 res.generations[label] = wb.generate(prompts, progress=progress, **steering)
                 if texts is None:
