@@ -230,6 +230,7 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sampler, "SYNTH_REPEATS", 5)
     monkeypatch.setattr(sampler, "REAL_ROWS", 4)
+    monkeypatch.setattr(sampler, "STEP_REPEATS", 1)
 
     out = sampler.run(_args(tmp_path, what="sampler", repeats=1))
     data = json.loads((tmp_path / "sampler.json").read_text())
@@ -240,6 +241,14 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
         assert r["steps_us"]
         assert r["real_rows"]["chain_cpu"] > 0  # the model loaded: real rows were measured
     assert (tmp_path / "sampler.png").stat().st_size > 0
+    from clickpaca.sampling import registry
+
+    named = {s.name for s in registry.steps() if s.run is not None} - {"logit_bias"}
+    assert named <= set(data["steps"])  # every llama.cpp step, beside llama.cpp's C sampler
+    for name in named:
+        v = data["steps"][name]
+        assert v["ours_us"] > 0 and v["llama_us"] > 0 and v["ratio"] > 0, (name, v)
+    assert "trace" in next(r for r in out["results"] if r["scenario"] == "trace")["steps_us"]
 
 
 @pytest.mark.model

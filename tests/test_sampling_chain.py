@@ -523,3 +523,65 @@ def test_sampler_state_api():
     assert f1.seed == 9 and [f1.sample(row).token for _ in range(5)] == [f2.sample(row).token for _ in range(5)]
     with pytest.raises(ValueError, match="shape"):
         s.sample(row[:-1])
+
+
+# ------------------------------------------------------------------ every registered step
+
+from clickpaca.sampling import registry as R  # noqa: E402
+from clickpaca.sampling.registry import StepContext  # noqa: E402
+
+ALL_STEPS = tuple(s.name for s in R.steps() if s.run is not None)
+
+
+def naive(row, params, allowed, history, hist):
+    """The rows' definitions run in order over the whole vocabulary (every step, off or
+    not: an off step is an identity), the grammar first."""
+    ids = np.arange(row.size, dtype=np.int32)
+    lg = np.fmax(row.astype(np.float64), -np.inf)
+    if allowed is not None:
+        ids, lg = ids[allowed], lg[allowed]
+    ctx = StepContext(hist, list(history), n_vocab=row.size, seed=7)
+    for name in params.steps:
+        if ids.size == 0:
+            return ids, lg, name
+        ids, lg = R.step(name).run(ids, lg, params, ctx)
+    return ids, lg, None
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_every_registered_step_through_the_fast_chain_equals_the_naive_run(data):
+    """Whatever the order, the chain's shortcuts (cuts, implicit rest, explicit grammar,
+    the full-set fallback of a step without a cut hook) give what running each step's
+    definition over the whole vocabulary gives."""
+    draw = data.draw
+    V = draw(st.integers(8, 300))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    row = make_row(rng, V, draw(st.sampled_from(["normal", "coarse", "peaked"])), draw(st.booleans()))
+    steps = list(draw(st.permutations(ALL_STEPS)))[: draw(st.integers(1, len(ALL_STEPS)))]
+    params = SamplerParams(
+        temperature=draw(st.sampled_from([0.0, 0.7, 1.0, 1.5])),
+        top_k=draw(st.sampled_from([0, 1, 5, 40])), top_p=draw(st.sampled_from([1.0, 0.9, 0.5])),
+        min_p=draw(st.sampled_from([0.0, 0.05])), penalty_repeat=draw(st.sampled_from([1.0, 1.3])),
+        logit_bias=draw(st.dictionaries(st.integers(0, V - 1), bias_values, max_size=4)),
+        dry_multiplier=draw(st.sampled_from([0.0, 0.8])), dry_allowed_length=draw(st.sampled_from([1, 2])),
+        dry_sequence_breakers=(), top_n_sigma=draw(st.sampled_from([-1.0, 1.0, 3.0])),
+        typical_p=draw(st.sampled_from([1.0, 0.9, 0.3])), xtc_probability=draw(st.sampled_from([0.0, 1.0])),
+        xtc_threshold=draw(st.sampled_from([0.05, 0.2])), dynatemp_range=draw(st.sampled_from([0.0, 0.5])),
+        mirostat=draw(st.sampled_from([0, 1, 2])), samplers=steps)
+    history = draw(st.lists(st.integers(0, min(V - 1, 6)), max_size=40))
+    density = draw(st.sampled_from([None, None, 0.03, 0.3, 1.0]))
+    allowed = None if density is None else rng.random(V) < density
+    words = None if allowed is None else as_words(mask_words(allowed), V)
+    hist = window_arrays(params, V, history) if params.penalties_active else (np.empty(0, np.int32), np.empty(0))
+    want_ids, want_lg, want_empty = naive(row, params, allowed, history, hist)
+    view = RowView(row, cols=draw(st.integers(1, 32)), dense_frac=draw(st.sampled_from([0.25, 2.0])))
+    ctx = StepContext(hist, list(history), n_vocab=V, seed=7)
+    cand = apply_chain(row, params, words, view=view, explicit_max=draw(st.sampled_from([0, 4096])), ctx=ctx)
+    if want_ids.size == 0:
+        assert cand.empty_step is not None
+        return
+    got_ids, got_lg = cand.materialize()
+    o, w = np.argsort(got_ids), np.argsort(want_ids)
+    assert got_ids[o].tolist() == want_ids[w].tolist(), params.steps
+    np.testing.assert_allclose(got_lg[o], want_lg[w], rtol=1e-12, atol=0)

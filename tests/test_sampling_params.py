@@ -17,7 +17,25 @@ def test_defaults():
     assert p.logit_bias == () and p.seed is None and p.n_probs == 0
     assert p.samplers == DEFAULT_SAMPLERS
     assert p.samplers[0] == "grammar"
-    assert p.steps == ("logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature")
+    assert p.steps == ("logit_bias", "penalties", "dry", "top_n_sigma", "top_k", "typical_p", "min_p", "top_p",
+                       "xtc", "temperature", "dynatemp", "mirostat", "mirostat_v2")
+    # llama.cpp's steps are all off by default: the default chain is what it was
+    assert (p.dry_multiplier, p.top_n_sigma, p.typical_p, p.xtc_probability, p.dynatemp_range, p.mirostat) == (
+        0.0, -1.0, 1.0, 0.0, 0.0, 0)
+    assert (p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n, p.dry_sequence_breakers) == (
+        1.75, 2, -1, ("\n", ":", '"', "*"))
+    assert (p.xtc_threshold, p.dynatemp_exponent, p.mirostat_tau, p.mirostat_eta) == (0.1, 1.0, 5.0, 0.1)
+
+
+def test_llama_cpp_steps_on_the_wire():
+    p = SamplerParams.from_request({
+        "dryMultiplier": 0.8, "dryBase": 2, "dryAllowedLength": 3, "dryPenaltyLastN": 128,
+        "drySequenceBreakers": ["\n", "###"], "topNSigma": 1.5, "typicalP": 0.9, "xtcProbability": 0.5,
+        "xtcThreshold": 0.2, "dynatempRange": 0.3, "dynatempExponent": 2, "mirostat": 2, "mirostatTau": 3,
+        "mirostatEta": 0.2, "samplers": ["dry", "topNSigma", "typicalP", "xtc", "dynaTemp", "mirostatV2"]})
+    assert p.dry_sequence_breakers == ("\n", "###") and p.dry_base == 2.0 and p.mirostat == 2
+    assert p.steps == ("dry", "top_n_sigma", "typical_p", "xtc", "dynatemp", "mirostat_v2")
+    assert SamplerParams.from_request(p.to_request()) == p
 
 
 def test_from_request_maps_camel_case():
@@ -96,6 +114,27 @@ BAD = [
     ({"samplers": ["top_k", "grammar"]}, "samplers", "'grammar' must come first"),
     ({"samplers": [1]}, "samplers", "unknown step"),
     ({"top_k": 5}, "top_k", "did you mean 'topK'"),
+    ({"dryMultiplier": -1}, "dryMultiplier", ">= 0"),
+    ({"dryBase": 0.5}, "dryBase", ">= 1"),
+    ({"dryAllowedLength": -1}, "dryAllowedLength", ">= 0"),
+    ({"dryPenaltyLastN": -2}, "dryPenaltyLastN", ">= -1"),
+    ({"drySequenceBreakers": "\n"}, "drySequenceBreakers", "list of strings"),
+    ({"drySequenceBreakers": [""]}, "drySequenceBreakers", "non-empty"),
+    ({"drySequenceBreakers": ["x" * 41]}, "drySequenceBreakers", "at most 40"),
+    ({"drySequenceBreakers": ["a"] * 65}, "drySequenceBreakers", "at most 64"),
+    ({"topNSigma": math.inf}, "topNSigma", "finite"),
+    ({"typicalP": 1.5}, "typicalP", "[0, 1]"),
+    ({"xtcProbability": -0.1}, "xtcProbability", "[0, 1]"),
+    ({"xtcThreshold": 2}, "xtcThreshold", "[0, 1]"),
+    ({"dynatempRange": -1}, "dynatempRange", ">= 0"),
+    ({"dynatempExponent": -1}, "dynatempExponent", ">= 0"),
+    ({"mirostat": 3}, "mirostat", "<= 2"),
+    ({"mirostat": 1.0}, "mirostat", "integer"),
+    ({"mirostatTau": -1}, "mirostatTau", ">= 0"),
+    ({"mirostatEta": "x"}, "mirostatEta", "number"),
+    ({"typ_p": 0.5}, "typ_p", "did you mean 'typicalP'"),
+    ({"dry_multiplier": 0.5}, "dry_multiplier", "did you mean 'dryMultiplier'"),
+    ({"mirostat_tau": 0.5}, "mirostat_tau", "did you mean 'mirostatTau'"),
     ({"repeat_penalty": 1.1}, "repeat_penalty", "did you mean 'penaltyRepeat'"),
 ]
 

@@ -251,3 +251,14 @@ def test_rowview_ge_and_upper_ids(seed, n, cols, coarse, data):
         outside = np.setdiff1d(np.flatnonzero(ok), got)
         assert outside.size == 0 or row[outside].max() < row[got].min()
     assert view.max() == row.max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), decimals=st.sampled_from([0, 1, 3]), n=st.integers(4097, 30000))
+def test_canonical_order_of_a_big_set_is_lexsorts(seed, decimals, n):
+    """The big-set path (unstable sort, then the runs of equal logits by id) is exact."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(200_000)[:n].astype(np.int32)
+    logits = np.round(rng.standard_normal(n) * 3, decimals)
+    logits[rng.integers(0, n, 20)] = -np.inf
+    assert np.array_equal(S.canonical_order(ids, logits), np.lexsort((ids, -logits)))

@@ -32,7 +32,25 @@ params_st = st.builds(
     penalty_present=st.sampled_from([0.0, -0.25]),
     penalty_last_n=st.sampled_from([0, 8, -1]),
     logit_bias=st.dictionaries(st.integers(0, V - 1), st.sampled_from([-1e9, -2.0, 3.0, 1e9]), max_size=4),
+    dry_multiplier=st.sampled_from([0.0, 0.8]),
+    dry_allowed_length=st.sampled_from([1, 2]),
+    dry_penalty_last_n=st.sampled_from([-1, 0, 16]),
+    dry_sequence_breakers=st.just(()),  # breakers need a vocabulary: tests/test_sampling_oracle.py
+    top_n_sigma=st.sampled_from([-1.0, 0.5, 2.0]),
+    typical_p=st.sampled_from([0.2, 0.9, 1.0]),
+    xtc_probability=st.sampled_from([0.0, 0.5, 1.0]),
+    xtc_threshold=st.sampled_from([0.05, 0.1, 0.6]),
+    dynatemp_range=st.sampled_from([0.0, 0.5]),
+    mirostat=st.sampled_from([0, 1, 2]),
+    mirostat_tau=st.sampled_from([1.0, 5.0]),
 )
+
+
+def ctx_for(seed: int, params: SamplerParams) -> StepContext:
+    """What SequenceSampler passes: the penalty window, a context history, the vocab size."""
+    rng = np.random.default_rng(seed + 2)
+    tokens = rng.integers(0, 6, rng.integers(0, 30)).tolist()  # few distinct ids: repeats happen
+    return StepContext(history(seed, params), tokens, n_vocab=V, seed=seed)
 
 
 def candidates(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +78,8 @@ def test_the_table_is_the_default_order_and_the_accepted_names():
     assert len({s.alias for s in STEPS if s.alias}) == sum(1 for s in STEPS if s.alias)
     for s in STEPS:
         assert (s.touches is not None) == (s.kind == ELEMENTWISE), s.name
-        assert (s.cut is not None) == (s.kind in (TRUNCATION, SCALE)), s.name
+        assert s.cut is None or s.kind in (TRUNCATION, SCALE), s.name  # a cut is optional
+        assert (s.sampled is None) or s.stateful, s.name
         assert (s.run is None) == (s.kind == CONSTRAINT), s.name
     assert set(EMPTY_REASONS) <= set(STEP_NAMES) | {"sample"}
 
@@ -73,7 +92,7 @@ def test_off_means_identity(step, params, seed):
     hist = history(seed, params)
     if not step.off(params, hist[0].size > 0):
         return
-    out_ids, out_logits = step.run(ids, logits, params, StepContext(hist))
+    out_ids, out_logits = step.run(ids, logits, params, ctx_for(seed, params))
     assert np.array_equal(out_ids, ids) and np.array_equal(out_logits, logits)
 
 
@@ -84,7 +103,7 @@ def test_no_truncation_keeps_every_candidate(step, params, seed):
     ids, logits = candidates(seed)
     if step.kind == ELEMENTWISE or step.truncates(params, ids.size):
         return  # elementwise steps may ban (logit_bias): checked below
-    out_ids, _ = step.run(ids, logits, params, StepContext(history(seed, params)))
+    out_ids, _ = step.run(ids, logits, params, ctx_for(seed, params))
     assert sorted(out_ids.tolist()) == sorted(ids.tolist())
 
 
@@ -94,9 +113,9 @@ def test_no_truncation_keeps_every_candidate(step, params, seed):
 def test_elementwise_changes_only_what_it_touches(step, params, seed):
     ids, logits = candidates(seed)
     hist = history(seed, params)
-    touched = step.touches(params, StepContext(hist))
+    touched = step.touches(params, ctx_for(seed, params))
     assert np.array_equal(touched, np.unique(touched))  # sorted, unique
-    out_ids, out_logits = step.run(ids, logits, params, StepContext(hist))
+    out_ids, out_logits = step.run(ids, logits, params, ctx_for(seed, params))
     before = dict(zip(ids.tolist(), logits.tolist()))
     after = dict(zip(out_ids.tolist(), out_logits.tolist()))
     untouched = set(before) - set(touched.tolist())

@@ -5,6 +5,8 @@ thread CPU time per `SequenceSampler.sample` call and per stage, best of `--repe
 rounds, on synthetic rows shaped like Gemma 3 270M's, 262,144 tokens). Then runs the
 same scenarios on REAL logits rows of the model (the first tokens of a public-domain
 play) as a check that the synthetic rows are representative; wall time is shown too.
+Then each step alone on the full vocabulary beside llama.cpp's C sampler
+(`sampler_steps.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..sampling import SequenceSampler
 from ..sampling.bench import SCENARIOS, microbench, random_mask
 from ..sampling.table import CONSTRAINT, ELEMENTWISE, SCALE, STEPS, TRUNCATION
 from .common import out_dir, png, with_defaults
+from .sampler_steps import step_costs
 from .report import emit, machine, plot_points
 from .stats import progress
 from .table import markdown
@@ -25,6 +28,7 @@ from .table import markdown
 N_VOCAB = 262_144
 SYNTH_REPEATS = 100  # sample calls per round on synthetic rows
 REAL_ROWS = 64  # real logits rows
+STEP_REPEATS = 5  # calls per round of each step on the full vocabulary
 # Timing stages in the order a default chain meets them: the steps before the cut (grammar,
 # elementwise), the cut, the truncations and temperature, then sampling and logprobs.
 STEP_ORDER = (*(s.name for s in STEPS if s.kind in (CONSTRAINT, ELEMENTWISE)), "cut",
@@ -83,6 +87,8 @@ def measure(args: Any) -> dict[str, Any]:
     progress("sampler: the same scenarios on real logits rows")
     real = real_rows(REAL_ROWS, getattr(args, "model", None))
     real_res = on_rows(real[0], real[1], rounds) if real is not None else {}
+    progress("sampler: each step alone on the full vocabulary, beside llama.cpp's C sampler")
+    steps = step_costs(_native(getattr(args, "build", None)), N_VOCAB, STEP_REPEATS, rounds)
     results = []
     for name, (params, density) in SCENARIOS.items():
         r = synth.get(name, {})
@@ -93,11 +99,18 @@ def measure(args: Any) -> dict[str, Any]:
     return {"params": {"n_vocab": N_VOCAB, "rounds": rounds, "synthetic_repeats": SYNTH_REPEATS,
                        "real_rows": 0 if real is None else len(real[0])},
             "machine_start": m0, "calibration_us": synth.get("calibration"), "results": results,
+            "steps": steps,
             "notes": ["us/token = thread CPU time of one SequenceSampler.sample call (one sequence, "
                       "one token), best round; from clickpaca.sampling.bench.microbench (synthetic rows "
                       "shaped like Gemma 3 270M's); stages from its per-stage timer",
                       "real rows: the same scenarios on real logits rows of the model (CPU and wall)",
-                      f"calibration (one np.max / np.exp over a row): {synth.get('calibration')} us"]}
+                      f"calibration (one np.max / np.exp over a row): {synth.get('calibration')} us",
+                      "steps: each step alone on all 262,144 tokens (as the first truncation with no "
+                      "superset hook), ours against llama_sampler_apply on the same set; llama.cpp's "
+                      "figure includes filling its array, 'net' subtracts the fill; chain = one sample "
+                      "call of a chain of just that step (superset hook used where the row has one, "
+                      "plus the draw)",
+                      "trace: the default chain with trace on (its 'trace' stage is the trace's cost)"]}
 
 
 def table(out: dict[str, Any]) -> str:
@@ -112,10 +125,29 @@ def table(out: dict[str, Any]) -> str:
                     + [f"{k}" for k in steps], rows)
 
 
+def _native(build: str | None):
+    """The build's bindings for llama.cpp's side (None: that column stays empty)."""
+    try:
+        from .. import native
+
+        return native.load(build or "mainline")
+    except Exception as e:  # noqa: BLE001 - our side still runs
+        progress(f"sampler: no llama.cpp build for the step comparison ({e})")
+        return None
+
+
+def steps_table(out: dict[str, Any]) -> str:
+    rows = [[k, v["ours_us"], v["chain_us"], v["llama_us"], v["llama_net_us"], v["ratio"], v["chain_ratio"]]
+            for k, v in out.get("steps", {}).items()]
+    return markdown(["step (262,144 candidates)", "clickpaca step us", "clickpaca chain us",
+                     "llama.cpp us (with fill)", "llama.cpp net us", "step / net", "chain / net"], rows)
+
+
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args)
     out = measure(args)
-    emit(out_dir(args), "sampler", out, table(out), "Sampler chain, microseconds per token per sequence (262,144 vocab)")
+    emit(out_dir(args), "sampler", out, table(out) + "\n\n" + steps_table(out),
+         "Sampler chain, microseconds per token per sequence (262,144 vocab)")
     if args.plot:
         pts = [(r["scenario"], i, r["us_per_token"]) for i, r in enumerate(out["results"])]
         plot_points(png(args, "sampler"), pts, "scenario #", "microseconds per token (CPU)",

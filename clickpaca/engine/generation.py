@@ -51,6 +51,8 @@ def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, token: int, res: Sample
     if seq.sampler.params.n_probs:
         logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
                     "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
+    if res.trace is not None:
+        logprobs = {**(logprobs or {}), "trace": res.trace}
     seq.session.send(token_event(seq.seq_id, token, piece, logprobs))
     seq.n_predicted += 1
     stop = seq.stops.feed(piece) if seq.stops else None

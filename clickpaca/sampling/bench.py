@@ -44,6 +44,7 @@ SCENARIOS = {
                                      logit_bias={1: -1e9, 2: 2.0, 106: -1e9, 1000: 5.0, 2000: -3.0}), None),
     "temperature_only": (SamplerParams(top_k=0, top_p=1.0, temperature=0.9), None),
     "n_probs_5": (SamplerParams(n_probs=5), None),
+    "trace": (SamplerParams(trace=True), None),  # the default chain with trace on
 }
 
 

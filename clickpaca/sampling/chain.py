@@ -19,6 +19,7 @@ from .steps import FORCE
 from . import registry as R
 from .registry import ELEMENTWISE, SCALE, TRUNCATION, Step, StepContext
 from .table import EMPTY_REASONS
+from .trace import trace
 
 __all__ = ["Candidates", "SampleResult", "SequenceSampler", "StepContext", "apply_chain", "EMPTY_REASONS"]
 
@@ -52,6 +53,7 @@ class SampleResult:
     top: tuple[tuple[int, float], ...] | None = None
     steered_logprob: float | None = None
     steered_top: tuple[tuple[int, float], ...] | None = None
+    trace: dict | None = None  # with params.trace: what every step did (sampling/trace.py)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -373,6 +375,9 @@ class SequenceSampler:
         hist = self.penalty_window() if p.penalties_active else _NO_HIST
         ctx = StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed,
                           self._n_vocab)
+        if p.trace:  # the trace reruns the steps on copies taken before they run
+            before = StepContext(hist, self._history, self._vocab, copy.deepcopy(self._states),
+                                 copy.deepcopy(self._streams), self._seed, self._n_vocab)
         cand = apply_chain(row, p, words, view=view, timings=timings, ctx=ctx)
         if cand.empty_step is not None:
             return SampleResult(-1, True, _reason(cand.empty_step))
@@ -387,10 +392,17 @@ class SequenceSampler:
         for step in ctx.used:  # stateful steps that ran learn the drawn token (mirostat)
             if step.sampled is not None:
                 step.sampled(self._states[step.name], tok, p)
+        tr = None
+        if p.trace:
+            tr = trace(row, p, words, before, tok)
+            if timings is not None:
+                t1 = time.thread_time_ns()
+                timings["trace"] = timings.get("trace", 0) + t1 - t0
+                t0 = t1
         if p.n_probs <= 0:
-            return SampleResult(tok, n_candidates=cand.size)
+            return SampleResult(tok, n_candidates=cand.size, trace=tr)
         lp, top = raw_logprobs(view, tok, p.n_probs)
-        res = SampleResult(tok, False, None, cand.size, lp, top, cand.logprob(tok), cand.top(p.n_probs))
+        res = SampleResult(tok, False, None, cand.size, lp, top, cand.logprob(tok), cand.top(p.n_probs), tr)
         if timings is not None:
             timings["probs"] = timings.get("probs", 0) + time.thread_time_ns() - t0
         return res

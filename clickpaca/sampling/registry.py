@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .params import SamplerParams
 
 __all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "steps", "step", "by_name", "version", "docs_table",
-           "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "choice_strings",
+           "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "boolean", "choice_strings",
            "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS"]
 
 CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL = (
@@ -112,6 +112,13 @@ def integer(lo: int, hi: int | None = None) -> Callable[[str, Any], int]:
             raise SamplerParamError(name, f"must be <= {hi}, got {x}")
         return x
     return check
+
+
+def boolean(name: str, v: Any) -> bool:
+    """A check: true or false (not 0 / 1)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise SamplerParamError(name, f"must be true or false, got {v!r}")
+    return bool(v)
 
 
 def choice_strings(max_n: int, max_len: int) -> Callable[[str, Any], tuple[str, ...]]:

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from . import dry as D
 from . import steps as S
 from .bitmask import allows
 from .candidates import dense_exp, gather
 from .cut import RowView, isin_sorted, upper_ids
 from .registry import (CONSTRAINT, ELEMENTWISE, GENERAL, SCALE, TRUNCATION, Param, SamplerParamError, Step,
-                       aliases, integer, is_int, is_real, real, register, register_chain_param, to_float)
+                       aliases, choice_strings, integer, is_int, is_real, real, register, register_chain_param, to_float)
 from . import registry as R
 
 if TYPE_CHECKING:
@@ -198,12 +199,45 @@ register(Step(
     off=lambda p, has_hist: not has_hist or not p.penalties_active,
     touches=lambda p, ctx: ctx.hist[0]))
 register(Step(
+    "dry", ELEMENTWISE,
+    params=(Param("dry_multiplier", "dryMultiplier", 0.0, real(0.0), ("dry_multiplier",),
+                  "DRY: penalty multiplier; 0 = off"),
+            Param("dry_base", "dryBase", 1.75, real(1.0), ("dry_base",),
+                  "DRY: the penalty grows as base^(repeat length - allowed length)"),
+            Param("dry_allowed_length", "dryAllowedLength", 2, integer(0), ("dry_allowed_length",),
+                  "DRY: repetitions up to this length are not penalised"),
+            Param("dry_penalty_last_n", "dryPenaltyLastN", -1, integer(-1), ("dry_penalty_last_n",),
+                  "DRY: how many of the latest context tokens (prompt included) it scans; -1 = whole "
+                  "context, 0 = off"),
+            Param("dry_sequence_breakers", "drySequenceBreakers", ("\n", ":", "\"", "*"),
+                  choice_strings(64, 40), ("dry_sequence_breakers",),
+                  "DRY: strings (at most 64, each 1-40 characters) no repetition reaches across",
+                  shown='`["\\n", ":", "\\"", "*"]`')),
+    run=lambda ids, logits, p, ctx: D.apply(ids, logits, *D.penalties_for(p, ctx)),
+    off=lambda p, has_hist: p.dry_multiplier == 0 or p.dry_penalty_last_n == 0,
+    touches=lambda p, ctx: D.penalties_for(p, ctx)[0]))
+register(Step(
+    "top_n_sigma", TRUNCATION, alias="topNSigma",
+    params=(Param("top_n_sigma", "topNSigma", -1.0, real(), ("top_n_sigma",),
+                  "keep logits >= max - n * std of the candidates' logits; <= 0 = off"),),
+    run=lambda ids, logits, p, ctx: S.top_n_sigma(ids, logits, p.top_n_sigma),
+    off=lambda p, has_hist: p.top_n_sigma <= 0,
+    truncates=lambda p, n_allowed: p.top_n_sigma > 0))
+register(Step(
     "top_k", TRUNCATION, alias="topK",
     params=(Param("top_k", "topK", 40, integer(0), ("top_k",), "1 = greedy, 0 = off"),),
     run=lambda ids, logits, p, ctx: S.top_k(ids, logits, p.top_k),
     off=lambda p, has_hist: p.top_k <= 0,
     truncates=lambda p, n_allowed: 0 < p.top_k < n_allowed,
     cut=_upper_k(lambda p: p.top_k)))
+register(Step(
+    "typical_p", GENERAL, alias="typicalP",
+    params=(Param("typical_p", "typicalP", 1.0, real(0.0, 1.0), ("typical_p", "typ_p"),
+                  "locally typical sampling: keep the tokens closest to the entropy up to this mass; "
+                  "1 = off"),),
+    run=lambda ids, logits, p, ctx: S.typical_p(ids, logits, p.typical_p),
+    off=lambda p, has_hist: p.typical_p >= 1,
+    truncates=lambda p, n_allowed: p.typical_p < 1))
 register(Step(
     "min_p", TRUNCATION, alias="minP",
     params=(Param("min_p", "minP", 0.0, real(0.0, 1.0), ("min_p",), "0 = off"),),
@@ -219,12 +253,77 @@ register(Step(
     truncates=lambda p, n_allowed: p.top_p < 1,
     cut=_nucleus_cut))
 register(Step(
+    "xtc", GENERAL,
+    params=(Param("xtc_probability", "xtcProbability", 0.0, real(0.0, 1.0), ("xtc_probability",),
+                  "XTC: the chance, per token, that it runs; 0 = off"),
+            Param("xtc_threshold", "xtcThreshold", 0.1, real(0.0, 1.0), ("xtc_threshold",),
+                  "XTC: it removes every token at or above this probability but the least likely "
+                  "of them; > 0.5 = off")),
+    run=lambda ids, logits, p, ctx: S.xtc(ids, logits, p.xtc_probability, p.xtc_threshold,
+                                          ctx.uniform(R.step("xtc")) if ids.size >= 2 else None),
+    off=lambda p, has_hist: p.xtc_probability <= 0 or p.xtc_threshold > 0.5,
+    truncates=lambda p, n_allowed: p.xtc_probability > 0 and p.xtc_threshold <= 0.5))
+register(Step(
     "temperature", SCALE, alias="temp",
-    params=(Param("temperature", "temperature", 0.7, real(), ("temp",), "<= 0 is greedy"),),
-    run=lambda ids, logits, p, ctx: S.temperature(ids, logits, p.temperature),
-    off=lambda p, has_hist: p.temperature == 1.0,
+    params=(Param("temperature", "temperature", 0.7, real(), ("temp",),
+                  "<= 0 is greedy; with `dynatempRange` the middle of the dynamic range"),),
+    # with dynatempRange > 0 the dynatemp step applies the temperature instead
+    run=lambda ids, logits, p, ctx: (S.temperature(ids, logits, p.temperature) if p.dynatemp_range <= 0
+                                     else (ids, logits)),
+    off=lambda p, has_hist: p.temperature == 1.0 or p.dynatemp_range > 0,
     truncates=lambda p, n_allowed: p.temperature <= 0,
     cut=_upper_k(lambda p: 1)))  # greedy: the canonical first candidate
+register(Step(
+    "dynatemp", GENERAL, alias="dynaTemp",
+    params=(Param("dynatemp_range", "dynatempRange", 0.0, real(0.0), ("dynatemp_range",),
+                  "dynamic temperature: when > 0, the temperature step is replaced by one between "
+                  "temperature -+ range, higher for a flatter distribution"),
+            Param("dynatemp_exponent", "dynatempExponent", 1.0, real(0.0), ("dynatemp_exponent",),
+                  "dynamic temperature: the exponent on the normalised entropy")),
+    run=lambda ids, logits, p, ctx: (S.dynatemp(ids, logits, p.temperature, p.dynatemp_range,
+                                                p.dynatemp_exponent) if p.dynatemp_range > 0 else (ids, logits)),
+    off=lambda p, has_hist: p.dynatemp_range <= 0,
+    truncates=lambda p, n_allowed: p.temperature - p.dynatemp_range <= 0))  # may reach greedy
+
+
+def _mirostat_run(version: int):
+    def run(ids, logits, p, ctx):
+        if p.mirostat != version:
+            return ids, logits
+        st = ctx.state(R.step("mirostat" if version == 1 else "mirostat_v2"), p)
+        if version == 1:
+            ids, logits = S.mirostat(ids, logits, st["mu"], 100, ctx.n_vocab or ids.size)
+        else:
+            ids, logits = S.mirostat_v2(ids, logits, st["mu"])
+        st["last"] = (ids, logits)
+        return ids, logits
+    return run
+
+
+def _mirostat_sampled(st: dict, token: int, p) -> None:
+    """mu -= eta * (surprise of the drawn token under mirostat's output - tau)."""
+    ids, logits = st.pop("last")
+    s = S.surprise(ids, logits, token)
+    if math.isfinite(s):
+        st["mu"] -= p.mirostat_eta * (s - p.mirostat_tau)
+
+
+register(Step(
+    "mirostat", TRUNCATION,
+    params=(Param("mirostat", "mirostat", 0, integer(0, 2), (),
+                  "1 = mirostat 1.0, 2 = mirostat 2.0 (the steps `mirostat`, `mirostat_v2`); 0 = off"),
+            Param("mirostat_tau", "mirostatTau", 5.0, real(0.0), ("mirostat_tau",),
+                  "mirostat: target surprise (bits); mu starts at 2 tau"),
+            Param("mirostat_eta", "mirostatEta", 0.1, real(0.0), ("mirostat_eta",),
+                  "mirostat: learning rate of mu")),
+    run=_mirostat_run(1), off=lambda p, has_hist: p.mirostat != 1,
+    truncates=lambda p, n_allowed: True,
+    state=lambda p: {"mu": 2.0 * p.mirostat_tau}, sampled=_mirostat_sampled))
+register(Step(
+    "mirostat_v2", TRUNCATION, alias="mirostatV2",
+    run=_mirostat_run(2), off=lambda p, has_hist: p.mirostat != 2,
+    truncates=lambda p, n_allowed: True,
+    state=lambda p: {"mu": 2.0 * p.mirostat_tau}, sampled=_mirostat_sampled))
 
 register_chain_param(Param("seed", "seed", None, _seed, (), "per-sequence RNG seed: same seed + same input = same output",
                            shown="random"))
@@ -232,6 +331,8 @@ register_chain_param(Param("n_probs", "nProbs", 0, integer(0), ("n_probs",),
                            "when > 0 (<= 100), token events carry log-probabilities (below)"))
 register_chain_param(Param("samplers", "samplers", None, _norm_samplers, (), "order of the steps (below)",
                            shown="full chain"))
+register_chain_param(Param("trace", "trace", False, R.boolean, (),
+                           "token events carry what every step did (below); costs a few full-row passes per step"))
 
 # Snapshots of the built-in rows (the registry itself is live: ``registry.steps()``).
 STEPS: tuple[Step, ...] = R.steps()
