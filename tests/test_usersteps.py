@@ -77,6 +77,13 @@ def test_a_user_step_steers_and_reports_its_time(srv):
     assert done["type"] == "done", done
     assert [t["token"] for t in toks] == [PARIS] * 3
     assert set(done["steps_ms"]) == {"boost"} and done["steps_ms"]["boost"] > 0
+    # the trace shows what it did: the boosted token is the only one ranked first after it
+    srv.infer(0, PROMPT, maxTokens=1, temperature=0, samplers=["boost"] + CHAIN, boostToken=PARIS, boostBy=100,
+              trace=True)
+    (tok,), done = srv.collect(0)
+    rows = {r["step"]: r for r in tok["trace"]["steps"]}
+    assert rows["boost"]["rank"] == 0 and rows["boost"]["p"] > 0.99 and rows["model"]["rank"] > 0
+    assert done["steps_ms"]["boost"] > 0
     # the step at its defaults is off: the default chain (which holds it) runs without it
     srv.infer(1, PROMPT, maxTokens=3, temperature=0)
     toks, done = srv.collect(1)
