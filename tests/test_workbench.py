@@ -102,6 +102,16 @@ def test_per_item_steering_labels_and_grammar(wb):
     assert "grammar_id" in gens[0].request and "grammar" not in gens[0].request
 
 
+
+def test_messages_items(wb):
+    turn = [{"role": "user", "content": "Name a colour."}]
+    gens = wb.generate([turn, turn], chatTemplate="gemma", maxTokens=3, temperature=0)
+    mixed = wb.generate(["Name a colour:", {"messages": turn, "chatTemplate": "gemma"}], maxTokens=3, temperature=0)
+    assert all(g.ok for g in gens + mixed), [g.error for g in gens + mixed]
+    assert gens[0].request["messages"] == turn and gens[0].tokens_prompt == 13  # as in docs/PROTOCOL.md
+    assert mixed[1].tokens_prompt == 13 and mixed[1].record()["prompt"] == "user: Name a colour."
+
+
 def test_document_forks_answer_each_question(wb):
     doc_text = ("The lighthouse on the north pier is white with a single red band. The harbour holds "
                 "eleven fishing boats and a lifeboat painted bright orange.\n\n")
