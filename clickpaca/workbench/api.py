@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import orjson
 
-from ..client import ServerError, default_python
+from ..client import default_python
 from .progress import Progress
 from .results import Generation, Results, Score
-from .schedule import EventClient, Slots, run_jobs
+from .schedule import EventClient, Slots, gone, run_jobs
 
 if TYPE_CHECKING:
     from .sweep import SweepResult
@@ -249,7 +249,7 @@ class Document:
         for i, sid in list(wave):
             ev = next(iter(c.stream(self.seq_id)))  # answers come on the document's seq_id, in order
             if ev.get("type") == "closed":
-                raise ServerError({"message": "the server closed the connection"})
+                raise gone(ev)
             if ev.get("type") != "forked" or ev.get("dst_seq_id") != sid:
                 out[i] = Generation(index=i, request=built[i][0], label=built[i][1],
                                     error=f"fork of the document failed: {ev.get('message', ev)}")
@@ -266,6 +266,8 @@ class Document:
         c.send_raw(b"".join(lines))
         for i, sid in ask:
             events = list(c.stream(sid))
+            if events[-1].get("type") == "closed":
+                raise gone(events[-1])
             out[i] = Generation.from_events(i, jobs[i], events, t_sent, built[i][1])
             bar.update(out[i])
 

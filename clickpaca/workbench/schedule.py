@@ -61,7 +61,7 @@ class Slots:
         with self._cond:
             while not self._free:
                 if closed.is_set():
-                    raise ServerError({"message": "the server closed the connection"})
+                    raise gone({"type": "closed"})
                 self._cond.wait(POLL_S)
             return self._free.popleft()
 
@@ -108,7 +108,7 @@ def run_jobs(client: EventClient, slots: Slots, jobs: list[dict[str, Any]],
                 running[sid] = (i, t_sent)
         if not running:
             continue
-        sid = _next_end(owner, client)
+        sid = _next_end(owner, client, running)
         i, t_sent = running.pop(sid)
         events = list(client.stream(sid))
         del client.owners[sid]
@@ -116,11 +116,20 @@ def run_jobs(client: EventClient, slots: Slots, jobs: list[dict[str, Any]],
         on_end(i, events, t_sent)
 
 
-def _next_end(owner: queue.Queue, client: Client) -> int:
+def _next_end(owner: queue.Queue, client: Client, running: dict[int, Any]) -> int:
     while True:
         try:
             return owner.get(timeout=POLL_S)
         except queue.Empty:
             if client.closed.is_set() and owner.empty():
-                raise ServerError({"message": "the server closed the connection "
-                                              "with requests still running"}) from None
+                # no request of ours ended before the connection did: the client's own
+                # account of the end (exit status, signal, stderr) answers a running one
+                for ev in client.stream(next(iter(running))):
+                    if ev.get("type") == "closed":
+                        raise gone(ev) from None
+
+
+def gone(closed: dict) -> ServerError:
+    """The error for a connection that ended (the client's `closed` event, which names the
+    server's exit status where the client knows it)."""
+    return ServerError(closed if closed.get("message") else {**closed, "message": "the server closed the connection"})
