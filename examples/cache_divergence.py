@@ -42,7 +42,7 @@ def plot(res, n_tokens: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(9.5, 3.8))
     for k, label in enumerate(res.labels[1:]):
         rows = [p for p in res.pairs if p["config"] == label]
         xs = [p["index"] + (k - 0.5) * 0.25 for p in rows]
@@ -54,7 +54,7 @@ def plot(res, n_tokens: int, path: Path) -> None:
     ax.set_ylabel("first divergent token")
     ax.set_ylim(-1, n_tokens * 1.12)
     ax.set_title("Greedy outputs under quantized KV caches: where they part from f16")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
