@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from clickpaca.sampling.params import protocol_names
 from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, SAMPLER_FIELDS, ProtocolError, Request, encode,
                                 error_event, parse_line, validate)
 from clickpaca.sampling import SamplerParams
@@ -91,11 +92,13 @@ def test_sampler_fields_become_one_sampler_params():
               "penaltyFreq": 0.2, "penaltyPresent": 0.3, "penaltyLastN": -1,
               "logit_bias": [{"token": 5, "bias": -1e9}], "seed": 42, "nProbs": 3,
               "samplers": ["grammar", "top_k", "temperature"]}
-    assert set(fields) == set(SAMPLER_FIELDS)
+    assert set(fields) <= set(SAMPLER_FIELDS) == set(protocol_names().values())  # the registry's
     out = validate(req("infer", **fields))
     assert not set(SAMPLER_FIELDS) & set(as_dict(out))
     assert out.params == SamplerParams.from_request(fields)
-    assert out.params.to_request() == {**fields, "samplers": ["grammar", "top_k", "temperature"]}
+    echoed = out.params.to_request()
+    assert {k: echoed[k] for k in fields} == {**fields, "samplers": ["grammar", "top_k", "temperature"]}
+    assert validate(req("infer", dryMultiplier=0.5, mirostat=2)).params.mirostat == 2
     # a JSON null means the default, as for every optional field
     assert validate(req("infer", topK=None, seed=None)).params == SamplerParams()
 
@@ -527,6 +530,8 @@ def _check_result(line: bytes) -> None:
     for name, (_, default) in spec.items():
         if name not in SAMPLER_FIELDS:
             assert name in out
+    if "params" in out:  # SamplerParams is not a dataclass (its fields come from the step registry)
+        out["params"] = out["params"].to_request()
     encode(out)
 
 

@@ -7,7 +7,7 @@ llama.cpp computes in float32, our steps in float64. So the survivors must be th
 set and their probabilities (softmax over the survivors) agree to float32 precision,
 except where a value lands on the step's threshold: then our result for the
 parameter moved by 1e-4 relative must give llama.cpp's set (a rounding tie, counted
-and bounded below, never silently passed). Ties between equal logits do not arise
+and bounded at 2% of the cases, never silently passed). Ties between equal logits do not arise
 (continuous logits): our canonical tie-break is documented in docs/PROTOCOL.md.
 """
 
@@ -34,6 +34,15 @@ TIES = {"n": 0, "cases": 0}  # threshold ties met, over all cases (bounded in th
 @pytest.fixture(scope="module")
 def nat():
     return native.load(TEST_BUILD)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def threshold_ties_are_rare():
+    """The nudge rule below is for rounding at a threshold, not a way to pass: after the
+    module's cases it may have explained at most 2% of them (checked at teardown, so
+    whichever tests ran)."""
+    yield
+    assert TIES["n"] <= 0.02 * TIES["cases"], TIES
 
 
 @st.composite
@@ -209,10 +218,3 @@ def test_dry_with_the_model_vocabulary(nat, model, vocab, data):
     for tok, v in zip(got_ids.tolist(), got.tolist()):
         assert math.isclose(v, theirs[tok], rel_tol=1e-5, abs_tol=1e-4), (tok, v, theirs[tok], history)
     event("penalised" if pen_ids.size else "no penalty")
-
-
-def test_threshold_ties_are_rare():
-    """The nudge rule above is for rounding at a threshold, not a way to pass: it may
-    explain at most 2% of the cases."""
-    assert TIES["cases"] > 500
-    assert TIES["n"] <= 0.02 * TIES["cases"], TIES

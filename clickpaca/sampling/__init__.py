@@ -7,10 +7,14 @@
     sampler.accept(result.token)
 
 Order (``params.samplers`` may reorder or drop all but the grammar, which runs first):
-grammar -> logit bias -> repetition penalties -> top-k -> min-p -> top-p -> temperature
--> sample. ``steps`` holds the definitions, ``table`` one row per step (name, kind, when it
-is off, how it runs and is cut short), ``cut`` the exact shortcuts, ``chain`` the
-composition and per-sequence state, ``bench`` the microbenchmark.
+grammar -> logit bias -> repetition penalties -> DRY -> top-n-sigma -> top-k ->
+typical-p -> min-p -> top-p -> XTC -> temperature -> dynamic temperature -> mirostat
+1.0 / 2.0 -> sample (llama.cpp's steps off unless asked for). ``registry`` holds one row
+per step (its wire parameters, kind, state, superset hook; how to add a step),
+``table`` the built-in rows, ``steps`` and ``dry`` the definitions, ``cut`` the exact
+shortcuts, ``chain`` the composition and per-sequence state, ``trace`` what each step
+did to a token, ``oracle`` llama.cpp's C samplers through the bindings (tests, bench),
+``vocab`` token text for steps that need it, ``bench`` the microbenchmark.
 """
 
 from .chain import Candidates, SampleResult, SequenceSampler, apply_chain

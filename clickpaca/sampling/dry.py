@@ -18,6 +18,7 @@ loaded sequences carry: DRY keeps no state of its own.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -34,22 +35,52 @@ _EMPTY_F = np.empty(0, np.float64)
 def breakers(vocab: Any, strings: tuple[str, ...]) -> dict[int, tuple[tuple[int, ...], ...]]:
     """head token -> the tails (token tuples) of the breakers starting with it; an empty
     tail means the head token alone is a breaker. Computed once per vocabulary and
-    breaker set (vocab.memo)."""
+    breaker set (vocab.memo), by searching all pieces joined into one bytes string."""
     def make() -> dict[int, tuple[tuple[int, ...], ...]]:
         pieces = vocab.pieces()
+        blob, starts = vocab.memo("dry-blob", lambda: _blob(pieces))
         out: dict[int, list[tuple[int, ...]]] = {}
         for s in strings:
             b = s.encode("utf-8")
-            for tok, word in enumerate(pieces):
-                if b in word:
-                    _add(out, tok, ())
-                    continue
-                for k in range(min(len(b) - 1, len(word)), 0, -1):
-                    if word.endswith(b[:k]):
+            if b"\x00" in b:  # the separator: search piece by piece instead
+                _slow(out, pieces, b, vocab)
+                continue
+            inside = set(_owners(starts, blob, b).tolist())
+            for tok in sorted(inside):
+                _add(out, tok, ())
+            for k in range(len(b) - 1, 0, -1):  # a piece ending with b[:k]: the rest follows
+                tail = None
+                for tok in _owners(starts, blob, b[:k] + b"\x00").tolist():
+                    if tok in inside:
+                        continue
+                    if tail is None:
                         tail = tuple(vocab.tokenize(b[k:])[:MAX_TAIL])
-                        _add(out, tok, tail)
+                    _add(out, tok, tail)
         return {t: tuple(v) for t, v in out.items()}
     return vocab.memo(("dry-breakers", strings), make)
+
+
+def _blob(pieces: list[bytes]) -> tuple[bytes, np.ndarray]:
+    """Every piece followed by a NUL, and where each piece starts."""
+    lens = np.fromiter((len(p) + 1 for p in pieces), np.int64, len(pieces))
+    return b"\x00".join(pieces) + b"\x00", np.concatenate(([0], np.cumsum(lens)[:-1]))
+
+
+def _owners(starts: np.ndarray, blob: bytes, needle: bytes) -> np.ndarray:
+    """The distinct tokens whose piece holds an (overlapping) occurrence of needle (which
+    has no NUL, or ends with the one after the piece)."""
+    pos = np.fromiter((m.start() for m in re.finditer(b"(?=" + re.escape(needle) + b")", blob)), np.int64)
+    return np.unique(np.searchsorted(starts, pos, side="right") - 1)
+
+
+def _slow(out: dict, pieces: list[bytes], b: bytes, vocab: Any) -> None:
+    for tok, word in enumerate(pieces):
+        if b in word:
+            _add(out, tok, ())
+            continue
+        for k in range(min(len(b) - 1, len(word)), 0, -1):
+            if word.endswith(b[:k]):
+                _add(out, tok, tuple(vocab.tokenize(b[k:])[:MAX_TAIL]))
 
 
 def _add(out: dict, tok: int, tail: tuple[int, ...]) -> None:
