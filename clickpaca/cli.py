@@ -31,7 +31,23 @@ def cmd_tok(args: argparse.Namespace) -> int:
     return run_tok(args)
 
 
+def load_steps(specs: list[str] | None) -> bool:
+    """--steps: import each file or module that registers user-defined sampler steps."""
+    from .usersteps import StepLoadError, load
+
+    for spec in specs or ():
+        try:
+            names = load(spec)
+        except StepLoadError as e:
+            print(f"clickpaca serve: --steps {e}", file=sys.stderr)
+            return False
+        print(f"clickpaca serve: steps from {spec}: {', '.join(names)}", file=sys.stderr)
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if not load_steps(args.steps):
+        return 2
     if args.socket:
         from .socket_server import serve_socket
 
@@ -94,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stdio only: save/load also accept absolute paths")
     p.add_argument("--max-seqs-per-client", type=int, default=None,
                    help="socket mode: sequences one client may hold at once (default: nSeqMax)")
+    p.add_argument("--steps", action="append", metavar="FILE_OR_MODULE",
+                   help="load user-defined sampler steps (clickpaca.usersteps.step) from a Python file "
+                        "or module; requests name them in `samplers` (repeatable)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="run the main job: several steered sequences in one batch")

@@ -515,6 +515,17 @@ class QuitRequest(Request):
     now: bool = wire(_bool, False)
 
 
+def accept_registered_steps() -> None:
+    """Accept the parameters of sampler steps registered after this module was imported
+    (user-defined steps, `clickpaca serve --steps`): infer's sampler fields are read from
+    the registry again."""
+    global SAMPLER_FIELDS
+    from .sampling.params import protocol_names
+
+    SAMPLER_FIELDS = tuple(protocol_names().values())
+    REQUESTS["infer"].update((name, (_with_params, MISSING)) for name in SAMPLER_FIELDS)
+
+
 def _did_you_mean(name: str, spec: dict) -> str:
     """A hint for a misspelt field: another server's name for it (llama-server's top_k),
     else the closest field of this request, ignoring case."""

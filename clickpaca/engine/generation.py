@@ -11,6 +11,7 @@ import numpy as np
 from ..mask_ahead import MaskJob
 from ..protocol import token_event
 from ..sampling import SampleResult
+from ..usersteps import StepFailed
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
 
@@ -21,11 +22,15 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
     for seq, row in sampling:
         # the mask job was started for exactly the plan's sampling entries
         mask = job.row(seq.slot) if seq.matcher is not None else None
-        res = seq.sampler.sample(logits[row], mask)
-        if res.empty and mask is not None:  # a ban of a token the grammar forces: spell it shorter
-            wider = seq.matcher.widen_forced(mask)
-            if wider is not None:
-                res = seq.sampler.sample(logits[row], wider)
+        try:
+            res = seq.sampler.sample(logits[row], mask)
+            if res.empty and mask is not None:  # a ban of a token the grammar forces: spell it shorter
+                wider = seq.matcher.widen_forced(mask)
+                if wider is not None:
+                    res = seq.sampler.sample(logits[row], wider)
+        except StepFailed as e:  # a user-defined step raised: this sequence ends, the others go on
+            seqs.fail(seq, str(e))
+            continue
         if res.empty:
             seqs.fail(seq, f"no token can be sampled: {res.reason}")
             continue

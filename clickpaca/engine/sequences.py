@@ -20,6 +20,7 @@ from .. import core
 from ..protocol import ProtocolError, done_event, error_event
 from ..sampling import SequenceSampler
 from ..text import StopMatcher, Utf8Assembler
+from ..usersteps import step_ms
 
 
 @dataclass(eq=False)
@@ -83,7 +84,14 @@ def done(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
         eval_ms=round(eval_s * 1000, 3),
         prompt_tps=round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
         # the first token comes from the prompt's logits: n tokens take n - 1 decodes
-        eval_tps=round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None)
+        eval_tps=round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None,
+        **_steps_ms(seq))
+
+
+def _steps_ms(seq: Sequence) -> dict:
+    """`steps_ms`: the CPU time of the user-defined steps this request ran, when any did."""
+    ms = step_ms(seq.sampler.states) if seq.sampler is not None else None
+    return {"steps_ms": ms} if ms else {}
 
 
 class Sequences:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..bench.table import fmt, markdown
 from . import paired
-from .compare import CompareError, compare, parse_target
+from .compare import CompareError, compare, is_quality, parse_target
 from .store import ResultsStoreError, Store
 
 
@@ -188,7 +188,7 @@ def latest_targets(store: Store) -> list[str]:
     if not done:
         raise CompareError(f"no complete run in {store.path}")
     last = done[0]
-    if last["command"] == "ppl":
+    if is_quality(last):
         return [str(last["id"])]
     before = next((r for r in done[1:] if r["command"] == last["command"]), None)
     if before is None:

@@ -37,8 +37,13 @@ def parse_target(t: str) -> tuple[int, str | None]:
         raise CompareError(f"not a run id: {t!r} (ID or ID:SERIES)") from None
 
 
+#: Commands whose series are per-token NLL of the same tokens (paired ΔPPL): `ppl`, and a
+#: Workbench sweep (every config scores the baseline's texts; clickpaca/workbench/sweep.py).
+QUALITY_COMMANDS = ("ppl", "sweep")
+
+
 def is_quality(run: dict[str, Any]) -> bool:
-    return run["command"] == "ppl"
+    return run["command"] in QUALITY_COMMANDS
 
 
 def quality_keys(run: dict[str, Any]) -> dict[str, Any]:

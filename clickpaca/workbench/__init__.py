@@ -1,0 +1,10 @@
+"""Experiments in a few lines over the server: `Workbench` (api.py) schedules requests
+over the slots (schedule.py) and returns typed results (results.py); `sweep.py` runs
+the same requests under several server configs and records them; `progress.py` is the
+bar on stderr."""
+
+from .api import Document, Workbench
+from .results import Generation, Results, Score
+from .sweep import SweepResult
+
+__all__ = ["Workbench", "Document", "Generation", "Score", "Results", "SweepResult"]
