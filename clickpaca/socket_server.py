@@ -69,7 +69,7 @@ class ClientConn:
 
     def drop(self, why: str) -> None:
         if not self.gone.is_set():
-            print(f"clickpaca: dropping {self.name}: {why}", file=sys.stderr)
+            log(f"dropping {self.name}: {why}")
             self.gone.set()
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -247,6 +247,13 @@ class SocketServer:
             self.cleanup()
             self.engine.shutdown()
         return 0
+
+
+def log(message: str) -> None:
+    """One stderr line in one write: print's separate write of the newline let two
+    threads' messages share a line."""
+    sys.stderr.write(f"clickpaca: {message}\n")
+    sys.stderr.flush()
 
 
 def serve_socket(args: argparse.Namespace) -> int:

@@ -33,6 +33,10 @@ __all__ = [
 #: a preference, so no other step may see (and e.g. force) a token the grammar forbids.
 DEFAULT_SAMPLERS = STEP_NAMES
 
+#: Below this a positive temperature is greedy (0): dividing logits by it overflows
+#: float32 (|logit + bias| up to 1e18 / 1e-20 stays under 3.4e38), and greedy is its limit.
+MIN_TEMPERATURE = 1e-20
+
 #: dataclass field -> protocol (wire) name.
 PROTOCOL_NAMES = {
     "temperature": "temperature",
@@ -164,10 +168,13 @@ def _norm_samplers(v: Any) -> tuple[str, ...]:
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
         raise SamplerParamError(name, f"must be a list of step names, got {v!r}")
     out = []
+    if v and v[-1] == "sample":  # the draw itself: always the chain's end, accepted there
+        v = v[:-1]
     for s in v:
         canon = ALIASES.get(s) if isinstance(s, str) else None
         if canon is None:
-            raise SamplerParamError(name, f"unknown step {s!r}; known: {', '.join(STEP_NAMES)}")
+            where = " ('sample' is the fixed last step: only there)" if s == "sample" else ""
+            raise SamplerParamError(name, f"unknown step {s!r}{where}; known: {', '.join(STEP_NAMES)}")
         if canon in out:
             raise SamplerParamError(name, f"step {canon!r} listed more than once")
         out.append(canon)
@@ -203,6 +210,8 @@ class SamplerParams:
     def __post_init__(self) -> None:
         s = object.__setattr__
         s(self, "temperature", _real("temperature", self.temperature))
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t would overflow: the limit is greedy
+            s(self, "temperature", 0.0)
         s(self, "top_k", _int("topK", self.top_k, 0))
         s(self, "top_p", _real("topP", self.top_p, 0.0, 1.0))
         s(self, "min_p", _real("minP", self.min_p, 0.0, 1.0))
