@@ -12,7 +12,8 @@ declares for it (`prompt_tokens`, `text_tokens`, `compiled`):
 - `infer` / `prefill`: the prompt, or the chat messages formatted by the same
   Runtime.prompt_text the engine uses, tokenized both with and without BOS (whether
   the prompt continues a held sequence is known only when the engine applies it); a
-  template that cannot format them is attached as the ProtocolError to answer with;
+  template that cannot format them, or a text whose special tokens alone overflow the
+  context, is attached as the ProtocolError to answer with;
 - `score`: the text's tokens;
 - `grammar`: the compiled grammar, or the GrammarError to answer with.
 
@@ -64,10 +65,11 @@ def prepare(engine: Any, req: Request) -> Request:
                 if engine.rt is rt:
                     try:
                         text = rt.prompt_text(req)
+                        tokens = PromptTokens(rt.tokenize_prompt(text, False, req.seq_id, req.type),
+                                              rt.tokenize_prompt(text, True, req.seq_id, req.type))
                     except ProtocolError as e:
-                        return dataclasses.replace(req, prompt_tokens=PromptTokens(None, None, e))
-                    return dataclasses.replace(req, prompt_tokens=PromptTokens(
-                        rt.tokenize_prompt(text, continuing=False), rt.tokenize_prompt(text, continuing=True)))
+                        tokens = PromptTokens(None, None, e)
+                    return dataclasses.replace(req, prompt_tokens=tokens)
         elif isinstance(req, ScoreRequest):
             with engine.model_lock:
                 if engine.rt is rt:

@@ -15,14 +15,15 @@ tests/test_pretokenize.py checks that against llama_tokenize on mixed texts.
 
 The split: tokens in llama.cpp's order (longest text first), each taking its leftmost
 non-overlapping occurrences that lie wholly in text no earlier token took (and
-dropping the whitespace next to it when its attributes say LSTRIP / RSTRIP). Each
-occurrence is found with bytes.find, skipping past text already taken, and a token is
-searched for only when an 8-byte prefix of it occurs in the text at all.
+dropping the whitespace next to it when its attributes say LSTRIP / RSTRIP). A token
+is searched for only when an 8-byte prefix of it occurs in the text at all; its
+occurrences are found with numpy over the bytes, so a text with a million matches
+costs milliseconds, not a Python loop (which would also hold the GIL the engine
+thread needs between its native calls).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,14 @@ ATTR_LSTRIP, ATTR_RSTRIP = 1 << 7, 1 << 8
 SPACES = b" \t\n\v\f\r"  # C isspace in the "C" locale
 PREFIX = 8
 TAKEN, DROPPED = 1, 2
-_RAW = re.compile(rb"\x00+")
+
+
+class TooMany(ValueError):
+    """The text has at least `n` tokens, more than the caller can use."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(f"at least {n} tokens")
+        self.n = n
 
 
 @dataclass(frozen=True)
@@ -74,13 +82,15 @@ class Vocab:
     def _raw(self, data: bytes) -> np.ndarray:
         return self.model.tokenize(data, add_special=False, parse_special=False)
 
-    def split(self, data: bytes, parse_special: bool) -> tuple[list[tuple[int, int, int]], bytearray]:
-        """(start, end, token id) of every special token llama.cpp would split out, by
-        position; a byte array marks what they (and stripped whitespace) cover."""
+    def split(self, data: bytes, parse_special: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(starts, token ids) of every special token llama.cpp would split out, by
+        position, and a byte mask of what they (and stripped whitespace) cover."""
         specials = self.all if parse_special else self.user_defined
         n = len(data)
-        marks = bytearray(n)
-        taken: list[tuple[int, int, int]] = []
+        arr = np.frombuffer(data, dtype=np.uint8)
+        marks = np.zeros(n, dtype=np.uint8)
+        starts: list[np.ndarray] = []
+        ids: list[np.ndarray] = []
         present: dict[bytes, bool] = {}
         for s in specials:
             key = s.text[:PREFIX]
@@ -89,70 +99,119 @@ class Vocab:
                 ok = present[key] = key in data
             if not ok:
                 continue
-            text, size, start = s.text, len(s.text), 0
-            while True:
-                p = data.find(text, start)
-                if p < 0:
-                    break
-                busy = _first_busy(marks, p, p + size)
-                if busy >= 0:
-                    start = _next_free(marks, busy, n)  # every start in [p, busy] covers busy
-                    continue
-                marks[p:p + size] = b"\x01" * size
-                taken.append((p, p + size, s.id))
-                end = p + size
-                if s.attr & ATTR_LSTRIP:
-                    i = p
-                    while i > 0 and marks[i - 1] == 0 and data[i - 1] in SPACES:
-                        i -= 1
-                        marks[i] = DROPPED
-                if s.attr & ATTR_RSTRIP:
-                    while end < n and marks[end] == 0 and data[end] in SPACES:
-                        marks[end] = DROPPED
-                        end += 1
-                start = end
-        taken.sort()
-        return taken, marks
-
-    def tokenize(self, text: str | bytes, add_special: bool, parse_special: bool) -> np.ndarray:
-        """What llama_tokenize(text, add_special, parse_special) returns. Thread-safe:
-        the reader threads of several clients call it at once."""
-        data = encode(text)
-        taken, marks = self.split(data, parse_special)
-        pieces: list[np.ndarray | list[int]] = [self.head] if add_special else []
-        memo: dict[bytes, np.ndarray] = {}
-        runs = [(m.start(), m.end()) for m in _RAW.finditer(marks)]
-        ri = ti = 0
-        while ri < len(runs) or ti < len(taken):
-            if ti >= len(taken) or (ri < len(runs) and runs[ri][0] < taken[ti][0]):
-                frag = data[runs[ri][0]:runs[ri][1]]
-                toks = memo.get(frag)
-                if toks is None:
-                    toks = memo[frag] = self._raw(frag)
-                pieces.append(toks)
-                ri += 1
+            first = data.find(s.text)
+            if first < 0:
+                continue
+            if s.attr & (ATTR_LSTRIP | ATTR_RSTRIP):
+                got = _take_one_by_one(data, marks, s, first)
             else:
-                pieces.append([taken[ti][2]])
-                ti += 1
+                got = _take_all(arr, marks, s.text, first)
+            if got.size:
+                starts.append(got)
+                ids.append(np.full(got.size, s.id, dtype=np.int32))
+        if not starts:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), marks
+        st, tid = np.concatenate(starts), np.concatenate(ids)
+        order = np.argsort(st, kind="stable")
+        return st[order], tid[order], marks
+
+    def tokenize(self, text: str | bytes, add_special: bool, parse_special: bool,
+                 at_most: int | None = None) -> np.ndarray:
+        """What llama_tokenize(text, add_special, parse_special) returns. Thread-safe:
+        the reader threads of several clients call it at once. With `at_most`, TooMany
+        as soon as the special tokens alone make more (before the fragments' work)."""
+        data = encode(text)
+        st, tid, marks = self.split(data, parse_special)
+        if at_most is not None:
+            least = st.size + (len(self.head) + len(self.tail) if add_special else 0)
+            if least > at_most:
+                raise TooMany(least)
+        # raw fragments: the runs of untaken bytes
+        free = np.concatenate(([0], (marks == 0).astype(np.int8), [0]))
+        edges = np.flatnonzero(np.diff(free))
+        r_start, r_end = edges[0::2], edges[1::2]
+        memo: dict[bytes, np.ndarray] = {}
+        raw = []
+        for a, b in zip(r_start.tolist(), r_end.tolist()):
+            frag = data[a:b]
+            toks = memo.get(frag)
+            if toks is None:
+                toks = memo[frag] = self._raw(frag)
+            raw.append(toks)
+        # fragments and special tokens in text order
+        pieces: list[np.ndarray] = [np.asarray(self.head, dtype=np.int32)] if add_special else []
+        if raw and st.size:
+            where = np.concatenate((r_start, st))
+            is_raw = np.concatenate((np.ones(len(raw), bool), np.zeros(st.size, bool)))
+            idx = np.concatenate((np.arange(len(raw)), np.arange(st.size)))
+            order = np.argsort(where, kind="stable")
+            singles = [tid[i:i + 1] for i in range(st.size)]
+            pieces += [raw[i] if r else singles[i] for r, i in zip(is_raw[order].tolist(), idx[order].tolist())]
+        elif raw:
+            pieces += raw
+        elif st.size:
+            pieces.append(tid)
         if add_special:
-            pieces.append(self.tail)
+            pieces.append(np.asarray(self.tail, dtype=np.int32))
         if not pieces:
             return np.zeros(0, dtype=np.int32)
-        return np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces])
+        return np.concatenate(pieces).astype(np.int32, copy=False)
 
 
-def _first_busy(marks: bytearray, lo: int, hi: int) -> int:
-    """The first byte in [lo, hi) some token (or its stripped whitespace) took, or -1."""
-    i = marks.find(b"\x01", lo, hi)
-    j = marks.find(b"\x02", lo, hi)
-    if i < 0:
-        return j
-    return i if j < 0 else min(i, j)
+def _take_all(arr: np.ndarray, marks: np.ndarray, text: bytes, first: int) -> np.ndarray:
+    """The starts a token (no strip attributes) takes: its leftmost non-overlapping
+    occurrences lying wholly in untaken bytes; marks them taken."""
+    size, n = len(text), arr.size
+    head = slice(first, n - size + 1)
+    pos = np.flatnonzero((arr[head] == text[0]) & (marks[head] == 0)) + first
+    for k in range(1, size):
+        if pos.size == 0:
+            return pos
+        pos = pos[(arr[pos + k] == text[k]) & (marks[pos + k] == 0)]
+    if pos.size == 0:
+        return pos
+    if pos.size > 1 and (np.diff(pos) < size).any():  # overlapping free occurrences: leftmost first
+        keep, end = [], -1
+        for p in pos.tolist():
+            if p >= end:
+                keep.append(p)
+                end = p + size
+        pos = np.asarray(keep, dtype=np.int64)
+    if size == 1:
+        marks[pos] = TAKEN
+    else:
+        marks[(pos[:, None] + np.arange(size)).ravel()] = TAKEN
+    return pos
 
 
-def _next_free(marks: bytearray, i: int, n: int) -> int:
-    j = marks.find(b"\x00", i)
-    return n if j < 0 else j
+def _take_one_by_one(data: bytes, marks: np.ndarray, s: Special, start: int) -> np.ndarray:
+    """As _take_all, for a token that also drops the whitespace beside it (LSTRIP/RSTRIP),
+    following llama.cpp's loop match by match."""
+    n, size, out = len(data), len(s.text), []
+    while True:
+        p = data.find(s.text, start)
+        if p < 0:
+            break
+        busy = np.flatnonzero(marks[p:p + size])
+        if busy.size:
+            q = p + int(busy[0])
+            free = np.flatnonzero(marks[q:] == 0)
+            start = q + int(free[0]) if free.size else n  # every start in [p, q] covers q
+            continue
+        marks[p:p + size] = TAKEN
+        out.append(p)
+        end = p + size
+        if s.attr & ATTR_LSTRIP:
+            i = p
+            while i > 0 and marks[i - 1] == 0 and data[i - 1] in SPACES:
+                i -= 1
+                marks[i] = DROPPED
+        if s.attr & ATTR_RSTRIP:
+            while end < n and marks[end] == 0 and data[end] in SPACES:
+                marks[end] = DROPPED
+                end += 1
+        start = end
+    return np.asarray(out, dtype=np.int64)
 
 
 def encode(text: str | bytes) -> bytes:

@@ -150,7 +150,7 @@ class Handlers:
         made them, both ways, since only here is it known whether a held sequence continues."""
         if req.prompt_tokens is not None:
             return req.prompt_tokens.get(continuing)
-        return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing)
+        return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing, req.seq_id, req.type)
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""

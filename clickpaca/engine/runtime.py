@@ -140,10 +140,18 @@ class Runtime:
         except chat.ChatError as e:
             raise ProtocolError(str(e), req.seq_id, req.type) from None
 
-    def tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
-        """Special tokens in the text are parsed; BOS is added once at the start only."""
+    def tokenize_prompt(self, text: str, continuing: bool, seq_id: int = -1, kind: str | None = None
+                        ) -> np.ndarray:
+        """Special tokens in the text are parsed; BOS is added once at the start only.
+        A text whose special tokens alone overflow the context is refused before the
+        rest of the work (ProtocolError naming the prompt)."""
         model = self.model
-        toks = self.vocab.tokenize(text, add_special=not continuing, parse_special=True)
+        n_ctx = self.ctx.n_ctx_seq
+        try:
+            toks = self.vocab.tokenize(text, add_special=not continuing, parse_special=True, at_most=n_ctx)
+        except pretokenize.TooMany as e:
+            raise ProtocolError(f"prompt: {e} do not fit the context ({n_ctx} tokens per sequence)",
+                                seq_id, kind) from None
         if not continuing and model.add_bos and len(toks) >= 2 \
                 and toks[0] == model.bos and toks[1] == model.bos:
             toks = toks[1:]  # the text began with <bos> already
