@@ -126,6 +126,7 @@ class SocketServer:
         self.max_seqs_per_client = max_seqs_per_client
         self.inbox: queue.Queue = queue.Queue()
         self.engine = Engine(state_dir=state_dir)
+        self.engine.transport_stats = self.stats
         self.clients: list[ClientConn] = []
         self.lock = threading.Lock()
         self.admin = Session(send=self._admin_event, name="admin")
@@ -155,6 +156,14 @@ class SocketServer:
                                           "these fields differ: " + ", ".join(differ), -1, "init"))
         else:
             conn.session.send(running)
+
+    def stats(self) -> dict:
+        """The socket's own part of `stats`: clients, and the events queued for them."""
+        with self.lock:
+            clients = list(self.clients)
+        return {"clients": len(clients),
+                "eventQueues": {"events": sum(c.events.qsize() for c in clients),
+                                "maxEventsEach": self.queue_size}}
 
     def client_gone(self, conn: ClientConn) -> None:
         self.engine.close_session(conn.session)
