@@ -60,10 +60,14 @@ class Vocab:
         lib, ffi, vocab = model.nat.lib, model.nat.ffi, model.vocab
         kinds = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
         found = []
+        longest = 0
         for t in range(model.n_vocab):
             attr = int(lib.llama_vocab_get_attr(vocab, t))
+            text = ffi.string(lib.llama_vocab_get_text(vocab, t))
+            longest = max(longest, len(text))
             if attr & kinds:
-                found.append(Special(t, ffi.string(lib.llama_vocab_get_text(vocab, t)), attr))
+                found.append(Special(t, text, attr))
+        self.longest_text = longest  # bytes; a token's piece is never longer (accounting.py)
         # llama.cpp: std::sort by text length, longest first (ties unspecified; ids here)
         found.sort(key=lambda s: (-len(s.text), s.id))
         self.all = tuple(s for s in found if s.text)

@@ -404,6 +404,9 @@ def longest_gap_in_ticks(arrivals: list[float], start: float, end: float) -> flo
 def hostile_while_generating(runner: Stamped, hostile: Client, fields: dict, sid: int = 0) -> tuple[dict, float]:
     """`runner` generates on sid; `hostile` sends its request (on seq 1) once tokens flow.
     (the hostile request's error, the runner's longest gap meanwhile in ticks)."""
+    # after init the grammar engine reads the vocabulary on a thread of its own (a Python
+    # loop over 262,144 tokens that competes for the GIL): wait for it, it is no request's
+    runner.grammar("warm", 'root ::= "a"')
     runner.infer(sid, "Write a long story about a lighthouse keeper.", maxTokens=400, temperature=0)
     it = runner.stream(sid)
     arrivals = [next(it)["_t"] for _ in range(8)]
@@ -414,7 +417,10 @@ def hostile_while_generating(runner: Stamped, hostile: Client, fields: dict, sid
     runner.send({"type": "cancel", "seq_id": sid})
     arrivals += [e["_t"] for e in it if e["type"] == "token"]
     assert t1 < arrivals[-1], "the runner ended before the hostile request was answered"
-    return ev, longest_gap_in_ticks(arrivals, t0, t1)
+    gap = longest_gap_in_ticks(arrivals, t0, t1)
+    print(f"answered after {t1 - t0:.2f}s; the generating sequence's longest gap meanwhile {gap:.1f} ticks "
+          f"(load {os.getloadavg()[0]:.1f})")
+    return ev, gap
 
 
 @pytest.fixture(scope="module")

@@ -481,7 +481,7 @@ def test_over_long_lines(fuzz_server):
 # tokens within a few ticks throughout.
 
 N_SOCKET_FUZZERS = 3
-N_SOCKET_LINES = int(os.environ.get("CLICKPACA_FUZZ_SOCKET_LINES", "800"))  # per fuzzing client
+N_SOCKET_LINES = int(os.environ.get("CLICKPACA_FUZZ_SOCKET_LINES", "600"))  # per fuzzing client
 SOCKET_GAP_TICKS = 25  # the well-behaved client's longest wait for a token, in its median gaps
 
 
