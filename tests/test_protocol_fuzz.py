@@ -403,7 +403,10 @@ _memory: dict[str, tuple[int, int]] = {}
 def memory(c) -> tuple[int, int, dict]:
     """(VmRSS, the caches' bytes together, stats) of the server now."""
     c.send({"type": "stats"})
-    st = c._wait_misc({"stats"}, WAIT)
+    while True:  # (the fuzz's errors on no sequence wait in the same queue)
+        st = c.misc.get(timeout=WAIT)
+        if st["type"] == "stats":
+            break
     for name, row in st["caches"].items():
         assert row["entries"] <= row["maxEntries"] and row["bytes"] <= row["maxBytes"], (name, row)
     return st["rssBytes"], sum(row["bytes"] for row in st["caches"].values()), st
@@ -550,6 +553,7 @@ def test_fuzz_socket_with_abrupt_clients(tmp_path):
     proc = start_server(path, "--max-seqs-per-client", "16", nCtx=4096, nSeqMax=32, nBatch=64,
                         stateDir=str(state))
     outside = files_under(tmp_path) - files_under(state)
+    rss = [("start", rss_mib(proc.pid))]
     stop = threading.Event()
     t0 = time.monotonic()
     errors: list[BaseException] = []
@@ -582,6 +586,7 @@ def test_fuzz_socket_with_abrupt_clients(tmp_path):
                     t.join(1)
                     assert proc.poll() is None, "the server exited"
             t_end = time.monotonic()
+            rss.append(("after the fuzz", rss_mib(proc.pid)))
             stop.set()
             good.send({"type": "cancel", "seq_id": 0})
             arrivals += [e["_t"] for e in it if e["type"] == "token"]
@@ -608,4 +613,13 @@ def test_fuzz_socket_with_abrupt_clients(tmp_path):
         stop.set()
         stop_server(proc, path)
     print(f"socket fuzz: {N_SOCKET_FUZZERS} x {N_SOCKET_LINES} lines, abrupt clients, 20 MB flood; "
-          f"{time.monotonic() - t0:.1f}s; the well-behaved client's longest gap {worst:.1f} ticks")
+          f"{time.monotonic() - t0:.1f}s; the well-behaved client's longest gap {worst:.1f} ticks; VmRSS MiB "
+          + ", ".join(f"{k} {v:.0f}" for k, v in rss) + f" (load {os.getloadavg()[0]:.1f})")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
