@@ -525,6 +525,7 @@ def check_bounds(stats: dict) -> None:
 
 
 def test_stats_names_every_cache_with_its_bounds(srv):
+    alive(srv)  # at least one tick
     first = stats_of(srv)
     assert set(first["caches"]) == {"grammarCache", "sessionGrammars", "allSessionGrammars", "samplerPlans",
                                     "tokenPieces"}, first
