@@ -178,13 +178,15 @@ class GrammarEngine:
     """
 
     def __init__(self, model: Any, *, n_threads: int | None = None, cache_size: int = 64,
-                 _background: bool = False) -> None:
+                 cache_bytes: int = 32 << 20, _background: bool = False) -> None:
         self.model = model
         self.n_vocab = int(model.n_vocab)
         self.n_words = (self.n_vocab + 31) // 32
         self.n_threads = n_threads or min(2, os.cpu_count() or 1)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self.cache_bytes = cache_bytes  # the cached grammars' texts (source + serialized) together
+        self._cache_held = 0
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()  # (text, options) -> compiled
         self._cache_lock = threading.Lock()
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
@@ -298,11 +300,20 @@ class GrammarEngine:
                 return hit
         compiled = self._compile(text, bool(lenient), number_digits)
         with self._cache_lock:
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cache_held -= _text_bytes(old)
             self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cache_held += _text_bytes(compiled)
+            while len(self._cache) > self.cache_size or self._cache_held > self.cache_bytes:
+                self._cache_held -= _text_bytes(self._cache.popitem(last=False)[1])
         return compiled
+
+    def cache_stats(self) -> dict[str, int]:
+        """The compile cache's entries and texts' bytes, and their bounds."""
+        with self._cache_lock:
+            return {"entries": len(self._cache), "maxEntries": self.cache_size,
+                    "bytes": self._cache_held, "maxBytes": self.cache_bytes}
 
     def _compile(self, text: str, lenient: bool, number_digits: int | None) -> "CompiledGrammar":
         fmt = detect_format(text)
@@ -549,6 +560,10 @@ _FORMAT_NAMES = {"lark": "lark grammar", "json_schema": "JSON schema", "gbnf": "
 
 
 # ---------------------------------------------------------------------------- grammar
+
+
+def _text_bytes(c: "CompiledGrammar") -> int:
+    return len(c.source) + len(c.grammar)
 
 
 class CompiledGrammar:

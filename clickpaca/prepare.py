@@ -1,20 +1,27 @@
-"""Slow, pure work done on a client's reader thread before a request reaches the engine.
+"""The work proportional to a request's size, done on a client's reader thread before
+the request reaches the engine.
 
-The engine thread decodes for every client; anything slow it does for one request
-delays all the others (tokenizing a 4 MB prompt blocked every sequence for 9.5 s,
-compiling a 3,000-rule grammar for 8.7 s). Work that depends only on the request's own
-text is done here instead, on the thread that read the request (stdio: the reader;
-socket: that client's reader), and attached to a copy of the typed request in the
-field protocol declares for it (`prompt_tokens`, `text_tokens`, `compiled`). The engine
-uses a result when it is there and computes it itself otherwise, so a request is
-answered the same either way. llama_tokenize (a cffi call) and llguidance
-release the GIL, so the engine thread keeps decoding meanwhile.
+The engine thread decodes for every client; anything it does for one request that
+grows with that request delays all the others (tokenizing a 4 MB prompt blocked every
+sequence for 9.5 s, compiling a 3,000-rule grammar for 8.7 s, formatting and tokenizing
+20,000 empty chat turns for 50 s). So every request's own text is worked on here
+instead, on the thread that read it (stdio: the reader; socket: that client's reader),
+and the result is attached to a copy of the typed request in the field protocol
+declares for it (`prompt_tokens`, `text_tokens`, `compiled`):
 
-- `infer` / `prefill` prompts (or chat messages, formatted by the same
-  Runtime.prompt_text the engine uses) and `score` texts longer than
-  TOKENIZE_MIN_CHARS: the token ids, both with and without BOS (whether the prompt
-  continues a held sequence is known only when the engine applies it);
+- `infer` / `prefill`: the prompt, or the chat messages formatted by the same
+  Runtime.prompt_text the engine uses, tokenized both with and without BOS (whether
+  the prompt continues a held sequence is known only when the engine applies it); a
+  template that cannot format them, or a text whose special tokens alone overflow the
+  context, is attached as the ProtocolError to answer with;
+- `score`: the text's tokens;
 - `grammar`: the compiled grammar, or the GrammarError to answer with.
+
+Tokenizing is linear in the text (pretokenize.py) and llama_tokenize and llguidance
+release the GIL, so the engine thread keeps decoding meanwhile. The engine computes a
+missing result itself (in-process use, or a request read before `init`: the stdio
+reader waits for a pending init first, `InitGate`), so a request is answered the same
+either way.
 
 State files are not read here: a `load` must see the file of every `save` before it,
 so they are written and read on the engine's own worker, in order (engine/stateio.py).
@@ -28,9 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import GrammarRequest, InferRequest, PrefillRequest, Request, ScoreRequest
-
-TOKENIZE_MIN_CHARS = 16 * 1024  # below this, tokenizing takes well under a tick
+from .protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
 
 
 @dataclass(frozen=True)
@@ -38,18 +43,14 @@ class PromptTokens:
     """A prompt's tokens both ways: whether it continues a held sequence (then without
     BOS) is known only when the engine applies the request."""
 
-    fresh: np.ndarray
-    continuing: np.ndarray
+    fresh: np.ndarray | None
+    continuing: np.ndarray | None
+    error: ProtocolError | None = None  # the messages could not be formatted
 
     def get(self, continuing: bool) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
         return self.continuing if continuing else self.fresh
-
-
-def _prompt_chars(req: InferRequest | PrefillRequest) -> int:
-    """The length of the prompt, or of the messages' contents (a chat template adds little)."""
-    if req.messages is not None:
-        return sum(len(m.content) for m in req.messages)
-    return len(req.prompt)
 
 
 def prepare(engine: Any, req: Request) -> Request:
@@ -59,17 +60,20 @@ def prepare(engine: Any, req: Request) -> Request:
     if rt is None:
         return req
     try:
-        if isinstance(req, (InferRequest, PrefillRequest)) and _prompt_chars(req) >= TOKENIZE_MIN_CHARS:
+        if isinstance(req, (InferRequest, PrefillRequest)) and (req.prompt is not None or req.messages is not None):
             with engine.model_lock:
                 if engine.rt is rt:
-                    text = rt.prompt_text(req)  # a ProtocolError: the engine reports it
-                    return dataclasses.replace(req, prompt_tokens=PromptTokens(
-                        rt.tokenize_prompt(text, continuing=False), rt.tokenize_prompt(text, continuing=True)))
-        elif isinstance(req, ScoreRequest) and len(req.text) >= TOKENIZE_MIN_CHARS:
+                    try:
+                        text = rt.prompt_text(req)
+                        tokens = PromptTokens(rt.tokenize_prompt(text, False, req.seq_id, req.type),
+                                              rt.tokenize_prompt(text, True, req.seq_id, req.type))
+                    except ProtocolError as e:
+                        tokens = PromptTokens(None, None, e)
+                    return dataclasses.replace(req, prompt_tokens=tokens)
+        elif isinstance(req, ScoreRequest):
             with engine.model_lock:
                 if engine.rt is rt:
-                    return dataclasses.replace(req, text_tokens=rt.model.tokenize(
-                        req.text, add_special=True, parse_special=False))
+                    return dataclasses.replace(req, text_tokens=rt.score_tokens(req.text))
         elif isinstance(req, GrammarRequest):
             from .grammars import GrammarError
 

@@ -37,7 +37,11 @@ MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and ski
 # a deeper line is refused before anything walks it recursively (repr of a 1,000-deep
 # value raised RecursionError and ended the reader thread).
 MAX_JSON_DEPTH = 32
-MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenizing runs on the engine thread
+MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenized on the reader thread (prepare.py)
+MAX_MESSAGES = 1024  # chat turns in one infer/prefill: each costs a template turn and two special tokens
+MAX_TEMPLATE_BYTES = 64 << 10  # chatTemplate text (llama.cpp matches it against its built-in ones)
+MAX_STOPS, MAX_STOP_BYTES = 64, 4096  # stop strings: every generated piece is searched for each
+MAX_LOGIT_BIAS = 16384  # logit_bias entries: the engine builds the sequence's bias arrays from them
 MAX_SCORE_BYTES = 4 << 20  # score text
 MAX_GRAMMAR_BYTES = 128 << 10  # grammar text (see grammars.py: LIMITS)
 MAX_NUMBER_DIGITS = 18  # integral digits of a bounded JSON number: 10**18 - 1 fits an i64
@@ -139,6 +143,17 @@ def _str_list(name: str, v: Any) -> list[str]:
     return v
 
 
+def _stops(name: str, v: Any) -> list[str]:
+    v = _str_list(name, v)
+    if len(v) > MAX_STOPS:
+        raise ValueError(f"{name}: {len(v)} strings, the limit is {MAX_STOPS}")
+    for s in v:
+        if len(s) > MAX_STOP_BYTES // 4 and len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+            raise ValueError(f"{name}: a string of {len(s.encode('utf-8', 'surrogatepass'))} bytes, "
+                             f"the limit is {MAX_STOP_BYTES}")
+    return v
+
+
 MAX_RPC_SERVERS = 16  # GGML_RPC_MAX_SERVERS in ggml-rpc.h
 
 
@@ -210,7 +225,9 @@ N_TOP_MAX = 100  # nProbs: log-probabilities of at most this many tokens per eve
 
 def _messages(name: str, v: Any) -> Any:
     """check_messages, and the prompt's size limit over all the contents (they are
-    formatted and tokenized like a prompt)."""
+    formatted and tokenized like a prompt) and on their number."""
+    if isinstance(v, list) and len(v) > MAX_MESSAGES:
+        raise ValueError(f"{name}: {len(v)} messages, the limit is {MAX_MESSAGES}")
     messages = check_messages(name, v)
     if sum(len(m.content) for m in messages) * 4 > MAX_PROMPT_BYTES:  # UTF-8: at most 4 bytes a char
         n = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
@@ -415,17 +432,21 @@ class InferRequest(Request):
     seq_id: int = wire(SEQ)
     prompt: str | None = wire(_str(max_bytes=MAX_PROMPT_BYTES), None)
     messages: tuple[Message, ...] | None = wire(_opt(_messages), None)  # instead of prompt
-    chatTemplate: str | None = wire(_opt(_str(True)), None)
+    chatTemplate: str | None = wire(_opt(_str(True, MAX_TEMPLATE_BYTES)), None)
     addGenerationPrompt: bool = wire(_bool, True)
     maxTokens: int = wire(_int(0, 1 << 24), 256)
     grammar_id: str | None = wire(_opt(_grammar_id), None)
-    stop: list[str] | None = wire(_opt(_str_list), None)
+    stop: list[str] | None = wire(_opt(_stops), None)
     reusePrefix: bool = wire(_bool, True)
     params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
     prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
+        bias = obj.get("logit_bias")
+        if isinstance(bias, (list, dict)) and len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: {len(bias)} entries, the limit is {MAX_LOGIT_BIAS} "
+                             "(a grammar restricts the vocabulary at any size)")
         values["params"] = _sampler_params(obj)
         _prompt_or_messages(values, "infer")
 
@@ -467,7 +488,7 @@ class PrefillRequest(Request):
     seq_id: int = wire(SEQ)
     prompt: str | None = wire(_str(True, MAX_PROMPT_BYTES), None)
     messages: tuple[Message, ...] | None = wire(_opt(_messages), None)  # instead of prompt
-    chatTemplate: str | None = wire(_opt(_str(True)), None)
+    chatTemplate: str | None = wire(_opt(_str(True, MAX_TEMPLATE_BYTES)), None)
     addGenerationPrompt: bool = wire(_bool, True)
     prompt_tokens: PromptTokens | None = _prepared()
 
@@ -524,6 +545,12 @@ def accept_registered_steps() -> None:
 
     SAMPLER_FIELDS = tuple(protocol_names().values())
     REQUESTS["infer"].update((name, (_with_params, MISSING)) for name in SAMPLER_FIELDS)
+
+
+@_request("stats")
+@dataclass(frozen=True, kw_only=True)
+class StatsRequest(Request):
+    """What the server holds that grows with requests, and each bound (engine/accounting.py)."""
 
 
 def _did_you_mean(name: str, spec: dict) -> str:
@@ -693,6 +720,12 @@ def loaded_event(seq_id: int, tokens: int) -> dict:
 @_event("freed", ends=True)
 def freed_event(seq_id: int) -> dict:
     return {"type": "freed", "seq_id": seq_id}
+
+
+@_event("stats")
+def stats_event(**fields: Any) -> dict:
+    """The answer to `stats`: ticks so far, rssBytes, and every cache with its bounds."""
+    return {"type": "stats", **fields}
 
 
 def encode(event: dict) -> bytes:

@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator
 
-from .protocol import MAX_LINE_BYTES, ProtocolError, Request, encode, error_event, parse_line
+from .protocol import MAX_LINE_BYTES, InitRequest, ProtocolError, Request, encode, error_event, parse_line
 from .engine import Engine, Session, report_bug
 from .prepare import prepare
 
@@ -86,12 +86,22 @@ def parse_or_error(line: bytes | ProtocolError) -> Request | ProtocolError:
 
 
 def reader(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engine | None = None) -> None:
+    """Lines -> typed requests (prepared, prepare.py) -> the inbox. After an `init` it
+    waits until the engine has applied it before preparing the next request: a prompt
+    read meanwhile would otherwise reach the engine thread untokenized."""
+    init_applied: threading.Event | None = None
     try:
         for line in read_lines(stream):
             req = parse_or_error(line)
             if engine is not None and isinstance(req, Request):
+                if init_applied is not None:
+                    init_applied.wait()
+                    init_applied = None
                 req = prepare(engine, req)  # slow pure work here, not on the engine thread
             inbox.put((session, req))
+            if isinstance(req, InitRequest):
+                init_applied = threading.Event()
+                inbox.put((session, init_applied.set))
     finally:
         inbox.put((session, EOF))
 
@@ -233,9 +243,21 @@ def take_over(engine: Engine, inbox: queue.Queue, flush: Callable[[], None], sta
         os._exit(EXIT_WORKER_LOST)
 
 
+def own_stdin() -> BinaryIO:
+    """A reader of fd 0 that is not sys.stdin. At `quit` the reader thread (a daemon) is
+    still blocked in readline holding its stream's lock; the interpreter's exit closes
+    sys.stdin and aborts ("could not acquire lock ... at interpreter shutdown") if that
+    stream is the one locked. A private stream on a copy of the fd is never closed at
+    exit: the blocked thread still refers to it."""
+    try:
+        return open(os.dup(sys.stdin.fileno()), "rb")
+    except (AttributeError, OSError, ValueError):  # no real fd 0 (an embedding): the old way
+        return sys.stdin.buffer
+
+
 def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
                 state_dir: str | None = None, allow_any_path: bool = False) -> int:
-    stdin = stdin or sys.stdin.buffer
+    stdin = stdin or own_stdin()
     stdout = stdout or sys.stdout.buffer
     # Nothing but protocol lines may reach stdout: move stray prints to stderr.
     sys.stdout = sys.stderr

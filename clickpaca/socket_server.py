@@ -69,7 +69,7 @@ class ClientConn:
 
     def drop(self, why: str) -> None:
         if not self.gone.is_set():
-            print(f"clickpaca: dropping {self.name}: {why}", file=sys.stderr)
+            log(f"dropping {self.name}: {why}")
             self.gone.set()
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -126,6 +126,7 @@ class SocketServer:
         self.max_seqs_per_client = max_seqs_per_client
         self.inbox: queue.Queue = queue.Queue()
         self.engine = Engine(state_dir=state_dir)
+        self.engine.transport_stats = self.stats
         self.clients: list[ClientConn] = []
         self.lock = threading.Lock()
         self.admin = Session(send=self._admin_event, name="admin")
@@ -155,6 +156,14 @@ class SocketServer:
                                           "these fields differ: " + ", ".join(differ), -1, "init"))
         else:
             conn.session.send(running)
+
+    def stats(self) -> dict:
+        """The socket's own part of `stats`: clients, and the events queued for them."""
+        with self.lock:
+            clients = list(self.clients)
+        return {"clients": len(clients),
+                "eventQueues": {"events": sum(c.events.qsize() for c in clients),
+                                "maxEventsEach": self.queue_size}}
 
     def client_gone(self, conn: ClientConn) -> None:
         self.engine.close_session(conn.session)
@@ -247,6 +256,13 @@ class SocketServer:
             self.cleanup()
             self.engine.shutdown()
         return 0
+
+
+def log(message: str) -> None:
+    """One stderr line in one write: print's separate write of the newline let two
+    threads' messages share a line."""
+    sys.stderr.write(f"clickpaca: {message}\n")
+    sys.stderr.flush()
 
 
 def serve_socket(args: argparse.Namespace) -> int:

@@ -13,12 +13,16 @@ import os
 import socket
 import stat
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
 from clickpaca.engine.handlers import MAX_GRAMMARS_PER_SESSION
+from clickpaca.protocol import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_BYTES, MAX_STOPS, MAX_TEMPLATE_BYTES
 
 from clickpaca import kvstate
 from clickpaca.client import Client, ServerError
@@ -354,3 +358,258 @@ def test_a_1_mb_prompt_beyond_the_context_is_refused_while_others_generate(srv):
     assert "do not fit the context" in ev["message"], ev
     toks, done = srv.collect(0)
     assert done["type"] == "done", done
+
+
+# ------------------------------------------------------------------ issue 30
+#
+# quit with stdin open; requests whose size or shape froze the engine thread; limits;
+# the stats request; the small ones. Waits are bounded in ticks: a "tick" here is the
+# median gap between a generating sequence's tokens in the same run.
+
+GAP_TICKS = 12  # a well-behaved sequence's longest gap while a hostile request is prepared
+HOSTILE = {  # each is refused: it cannot fit nCtx 2048 (the srv and sock fixtures)
+    "1024 empty chat turns": {"messages": [{"role": "user", "content": ""}] * 1024, "chatTemplate": "gemma"},
+    "16,000 '<'": {"prompt": "<" * 16000},
+    "1 MiB of '<'": {"prompt": "<" * (1 << 20)},
+    "300,000 one-character lines": {"prompt": "a\n" * 300_000},
+}
+
+
+class Stamped(Client):
+    """A client that notes when each event arrived (`_t`, monotonic seconds)."""
+
+    def _decode(self, line: bytes) -> dict:
+        ev = super()._decode(line)
+        ev["_t"] = time.monotonic()
+        return ev
+
+
+def stamped_stdio(**init) -> Stamped:
+    from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
+
+    c = Stamped.spawn(python=sys.executable)
+    c.init(**{"nCtx": 2048, "nSeqMax": 8, "nBatch": 64, "build": TEST_BUILD, "cacheTypeK": TEST_CACHE_K,
+              "cacheTypeV": TEST_CACHE_V, "stateDir": tempfile.mkdtemp(prefix="clkp-state-"), **init})
+    return c
+
+
+def longest_gap_in_ticks(arrivals: list[float], start: float, end: float) -> float:
+    """The longest wait for a token within [start, end], in units of the median gap."""
+    gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
+    tick = gaps[len(gaps) // 2]
+    inside = [start] + [t for t in arrivals if start < t < end] + [end]
+    return max(b - a for a, b in zip(inside, inside[1:])) / tick
+
+
+def hostile_while_generating(runner: Stamped, hostile: Client, fields: dict, sid: int = 0) -> tuple[dict, float]:
+    """`runner` generates on sid; `hostile` sends its request (on seq 1) once tokens flow.
+    (the hostile request's error, the runner's longest gap meanwhile in ticks)."""
+    # after init the grammar engine reads the vocabulary on a thread of its own (a Python
+    # loop over 262,144 tokens that competes for the GIL): wait for it, it is no request's
+    runner.grammar("warm", 'root ::= "a"')
+    runner.infer(sid, "Write a long story about a lighthouse keeper.", maxTokens=400, temperature=0)
+    it = runner.stream(sid)
+    arrivals = [next(it)["_t"] for _ in range(8)]
+    t0 = time.monotonic()
+    hostile.send({"type": "infer", "seq_id": 1, "maxTokens": 1, **fields})
+    ev = hostile._queues[1].get(timeout=600)
+    t1 = ev["_t"] if "_t" in ev else time.monotonic()
+    runner.send({"type": "cancel", "seq_id": sid})
+    arrivals += [e["_t"] for e in it if e["type"] == "token"]
+    assert t1 < arrivals[-1], "the runner ended before the hostile request was answered"
+    gap = longest_gap_in_ticks(arrivals, t0, t1)
+    print(f"answered after {t1 - t0:.2f}s; the generating sequence's longest gap meanwhile {gap:.1f} ticks "
+          f"(load {os.getloadavg()[0]:.1f})")
+    return ev, gap
+
+
+@pytest.fixture(scope="module")
+def stamped():
+    c = stamped_stdio()
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("case", ["before init", "idle", "running", "now"])
+def test_quit_with_stdin_left_open_exits_0(case):
+    """Exit status 134 (SIGABRT: 'could not acquire lock for <stdin> at interpreter
+    shutdown') before: the daemon reader held sys.stdin's lock at exit."""
+    from conftest import TEST_BUILD
+
+    proc = subprocess.Popen([sys.executable, "-m", "clickpaca", "serve"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = [] if case == "before init" else [
+        {"type": "init", "nCtx": 1024, "nSeqMax": 2, "nBatch": 64, "build": TEST_BUILD,
+         "stateDir": tempfile.mkdtemp(prefix="clkp-state-")}]
+    if case in ("running", "now"):
+        lines.append({"type": "infer", "seq_id": 0, "prompt": "Tell a story.", "temperature": 0,
+                      "maxTokens": 12 if case == "running" else 100_000})
+    lines.append({"type": "quit", "now": case == "now"})
+    proc.stdin.write(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+    proc.stdin.flush()  # and stdin stays open
+    try:
+        out, err = [], []
+        threads = [threading.Thread(target=lambda s=s, o=o: o.append(s.read()), daemon=True)
+                   for s, o in ((proc.stdout, out), (proc.stderr, err))]
+        for t in threads:
+            t.start()
+        rc = proc.wait(timeout=300)
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdin.close()
+    assert rc == 0, err[0][-2000:]
+    assert b"Fatal Python error" not in err[0]
+    events = [json.loads(x) for x in out[0].splitlines()]
+    if case in ("running", "now"):
+        ends = [e for e in events if e.get("seq_id") == 0 and e["type"] in ("done", "error")]
+        assert len(ends) == 1, events[-3:]
+        if case == "running":
+            assert ends[0]["type"] == "done" and ends[0]["tokens_predicted"] == 12, ends
+
+
+def test_20000_chat_turns_are_refused_by_their_number(srv):
+    """50.5 s on the engine thread before ("100004 tokens do not fit")."""
+    srv.send({"type": "infer", "seq_id": 1, "maxTokens": 1, "chatTemplate": "gemma",
+              "messages": [{"role": "user", "content": ""}] * 20_000})
+    ev = error_for(srv, 1)
+    assert ev["message"] == f"messages: 20000 messages, the limit is {MAX_MESSAGES}", ev
+    alive(srv)
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_prompt_on_stdio_leaves_another_sequence_generating(stamped, name):
+    ev, gap = hostile_while_generating(stamped, stamped, HOSTILE[name])
+    assert ev["type"] == "error" and "do not fit the context" in ev["message"], ev
+    assert gap <= GAP_TICKS, f"{name}: the generating sequence waited {gap:.0f} ticks"
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_socket_client_leaves_another_generating(sock, name):
+    with Stamped.connect(sock) as runner, Stamped.connect(sock) as hostile:
+        ev, gap = hostile_while_generating(runner, hostile, HOSTILE[name])
+        assert ev["type"] == "error" and "do not fit the context" in ev["message"], ev
+        assert gap <= GAP_TICKS, f"{name}: the other client's sequence waited {gap:.0f} ticks"
+        alive(runner)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("stop", ["x"] * (MAX_STOPS + 1), f"stop: {MAX_STOPS + 1} strings, the limit is {MAX_STOPS}"),
+    ("stop", ["y" * (MAX_STOP_BYTES + 1)], f"stop: a string of {MAX_STOP_BYTES + 1} bytes"),
+    ("logit_bias", [{"token": t, "bias": 1.0} for t in range(MAX_LOGIT_BIAS + 1)],
+     f"logit_bias: {MAX_LOGIT_BIAS + 1} entries, the limit is {MAX_LOGIT_BIAS}"),
+    ("chatTemplate", "t" * (MAX_TEMPLATE_BYTES + 1), f"chatTemplate: {MAX_TEMPLATE_BYTES + 1} bytes"),
+])
+def test_request_size_limits_name_the_field(srv, field, value, message):
+    req = {"type": "infer", "seq_id": 2, "prompt": "Hi", "maxTokens": 1, field: value}
+    if field == "chatTemplate":
+        req = {**req, "prompt": None, "messages": [{"role": "user", "content": "Hi"}]}
+        del req["prompt"]
+    srv.send(req)
+    assert error_for(srv, 2)["message"].startswith(message)
+
+
+def stats_of(c: Client) -> dict:
+    c.send({"type": "stats"})
+    while True:  # (earlier errors on no sequence wait in the same queue)
+        ev = c.misc.get(timeout=120)
+        if ev["type"] == "stats":
+            return ev
+
+
+def check_bounds(stats: dict) -> None:
+    for name, row in stats["caches"].items():
+        assert 0 <= row["entries"] <= row["maxEntries"] and 0 <= row["bytes"] <= row["maxBytes"], (name, row)
+
+
+def test_stats_names_every_cache_with_its_bounds(srv):
+    alive(srv)  # at least one tick
+    first = stats_of(srv)
+    assert set(first["caches"]) == {"grammarCache", "sessionGrammars", "allSessionGrammars", "samplerPlans",
+                                    "tokenPieces"}, first
+    assert first["ticks"] > 0 and first["rssBytes"] > 0
+    check_bounds(first)
+    cache = first["caches"]["grammarCache"]
+    for i in range(cache["maxEntries"] + 6):  # distinct texts: the compile cache stays at its bound
+        assert srv.grammar(f"s{i % 4}", f'root ::= "{i}"')["type"] == "grammar_ready"
+    later = stats_of(srv)
+    check_bounds(later)
+    assert later["caches"]["grammarCache"]["entries"] == cache["maxEntries"]
+    assert later["ticks"] >= first["ticks"]
+
+
+def test_stats_over_a_socket_counts_every_client(sock):
+    with Client.connect(sock) as a, Client.connect(sock) as b:
+        a.grammar("ga", 'root ::= "a"')
+        b.grammar("gb", 'root ::= "b"')
+        b.grammar("gc", 'root ::= "c"')
+        st = stats_of(a)
+        check_bounds(st)
+        assert st["caches"]["sessionGrammars"]["entries"] == 1
+        assert st["caches"]["allSessionGrammars"]["sessions"] >= 2
+        assert st["caches"]["allSessionGrammars"]["entries"] >= 3
+
+
+@pytest.mark.parametrize("transport", ["stdio", "socket"])
+def test_sample_is_accepted_as_the_last_step_only(srv, sock, transport):
+    c = srv if transport == "stdio" else Client.connect(sock)
+    try:
+        c.infer(3, "The capital of France is", maxTokens=2, temperature=0,
+                samplers=["top_k", "temperature", "sample"])
+        toks, done = c.collect(3)
+        assert done["type"] == "done" and len(toks) == 2, done
+        c.infer(3, "Hi", maxTokens=1, samplers=["sample", "top_k"])
+        ev = error_for(c, 3)
+        assert "unknown step 'sample' ('sample' is the fixed last step: only there)" in ev["message"], ev
+    finally:
+        if c is not srv:
+            c.close()
+
+
+def test_a_tiny_temperature_is_greedy_without_warnings(tmp_path):
+    """"no candidate has a finite logit" and a numpy overflow warning on stderr before."""
+    from conftest import TEST_BUILD
+
+    err = open(tmp_path / "stderr", "w+b")
+    c = Client.spawn(stderr=err, python=sys.executable)
+    try:
+        c.init(nCtx=1024, nSeqMax=2, nBatch=64, build=TEST_BUILD, stateDir=str(tmp_path))
+        runs = []
+        for t in (5e-324, 1e-30, 0):
+            c.infer(0, "The capital of France is", maxTokens=4, temperature=t, nProbs=2)
+            toks, done = c.collect(0)
+            assert done["type"] == "done" and len(toks) == 4, (t, done)
+            runs.append([x["token"] for x in toks])
+        assert runs[0] == runs[1] == runs[2]
+    finally:
+        c.close()
+    err.seek(0)
+    text = err.read().decode(errors="replace")
+    assert "Warning" not in text and "overflow" not in text, text[-2000:]
+
+
+def test_one_stderr_line_per_dropped_client(tmp_path):
+    path = tmp_path / "d.sock"
+    proc = start_server(path, nCtx=4096, nSeqMax=32, nBatch=64)
+    try:
+        socks = []
+        for i in range(24):  # all streaming, then all hung up at once
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            s.sendall(json.dumps({"type": "infer", "seq_id": 0, "prompt": "Tell a story.",
+                                  "maxTokens": 200, "temperature": 0}).encode() + b"\n")
+            socks.append(s)
+        time.sleep(2)
+        for s in socks:
+            s.close()
+        with Client.connect(path) as c:
+            alive(c, 0)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=120)
+    lines = err.decode(errors="replace").splitlines()
+    drops = [x for x in lines if "dropping" in x]
+    assert all(x.count("clickpaca:") == 1 and x.startswith("clickpaca: dropping client-") for x in drops), drops
+    assert not path.exists()

@@ -1,7 +1,8 @@
 """clickpaca.prepare with the real engine in-process: what a reader thread prepares for
-a long prompt, chat conversation or score text equals what the engine thread would have
-made itself (same text, same tokens, both with and without BOS), a failure is left for
-the engine to report, and nothing is prepared once the engine has shut down.
+any prompt, chat conversation or score text equals what the engine thread would have
+made itself (same text, same tokens, both with and without BOS), a conversation the
+template cannot format carries its error for the engine to answer, and nothing is
+prepared once the engine has shut down.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 
 from clickpaca.engine import Engine, Session
-from clickpaca.prepare import TOKENIZE_MIN_CHARS, prepare
+from clickpaca.prepare import prepare
 from clickpaca.protocol import validate
 from conftest import TEST_BUILD
 
-LONG = "The quick brown fox jumps over the lazy dog. " * (TOKENIZE_MIN_CHARS // 40)
+LONG = "The quick brown fox jumps over the lazy dog. " * 400
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +56,13 @@ def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine
 
 
 @pytest.mark.model
-def test_short_prompts_and_bad_conversations_are_left_to_the_engine(engine):
+def test_short_prompts_are_prepared_and_bad_conversations_carry_their_error(engine):
     short = prepare(engine, validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
-    assert short.prompt_tokens is None
+    assert np.array_equal(short.prompt_tokens.get(False), engine_tokens(engine, short)[False])
     # the base model has no template: the engine answers with the reason, naming messages
     bad = prepare(engine, validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
                                     "messages": [{"role": "user", "content": LONG}]}))
-    assert bad.prompt_tokens is None
+    assert bad.prompt_tokens is not None and bad.prompt_tokens.error is not None
     events: list[dict] = []
     engine.handle(Session(send=events.append), bad)
     assert events[-1]["type"] == "error" and events[-1]["message"].startswith("messages:"), events
@@ -69,7 +70,7 @@ def test_short_prompts_and_bad_conversations_are_left_to_the_engine(engine):
 
 
 @pytest.mark.model
-def test_long_score_texts_are_tokenized_as_the_engine_would(engine):
+def test_score_texts_are_tokenized_as_llama_cpp_does(engine):
     req = prepare(engine, validate({"type": "score", "seq_id": 0, "text": LONG}))
     model = engine.rt.model
     assert np.array_equal(req.text_tokens, model.tokenize(LONG, add_special=True, parse_special=False))

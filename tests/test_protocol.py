@@ -38,6 +38,7 @@ MINIMAL = {
     "save": {"seq_id": 3, "path": "/tmp/x.state"},
     "load": {"seq_id": 3, "path": "/tmp/x.state"},
     "quit": {},
+    "stats": {},
 }
 
 CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": True}
@@ -53,6 +54,7 @@ DEFAULTS = {
     "score": {"window": None, "perToken": False},
     "cancel": {}, "free": {}, "prefill": dict(CHAT_DEFAULTS), "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
+    "stats": {},
 }
 
 

@@ -23,7 +23,7 @@ ENGINE = Path(protocol.__file__).parent / "engine"
 
 def test_each_event_type_has_one_constructor_that_builds_it():
     assert set(EVENTS) == {"ready", "grammar_ready", "token", "done", "error", "scored",
-                           "prefilled", "forked", "saved", "loaded", "freed"}
+                           "prefilled", "forked", "saved", "loaded", "freed", "stats"}
     examples = {
         "ready": dict(nVocab=5), "grammar_ready": dict(grammar_id="g"),
         "token": dict(seq_id=1, token=2, piece="a"), "done": dict(seq_id=1, stop_reason="eos"),
@@ -32,6 +32,7 @@ def test_each_event_type_has_one_constructor_that_builds_it():
         "forked": dict(seq_id=1, dst_seq_id=2, tokens=3),
         "saved": dict(seq_id=1, path="p", n_bytes=9, tokens=3),
         "loaded": dict(seq_id=1, tokens=3), "freed": dict(seq_id=1),
+        "stats": dict(ticks=3, rssBytes=1, caches={}),
     }
     for kind, make in EVENTS.items():
         ev = make(**examples[kind])

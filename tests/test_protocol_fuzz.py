@@ -24,11 +24,14 @@ import io
 import json
 import os
 import random
+import socket
+import threading
 import time
 from collections import Counter
 
 import pytest
 
+from clickpaca.client import Client
 from clickpaca.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
 from clickpaca.server import read_lines
 from conftest import spawn_server
@@ -236,6 +239,7 @@ class Fuzzer:
             "load": {"type": "load", "seq_id": sid, "path": r.choice(STATE_NAMES),
                      **({"shared": True} if r.random() < 0.2 else {})},
             "quit": {"type": "quit", "now": r.choice([1, "yes", None, 0])},  # never a valid quit
+            "stats": {"type": "stats"},
         }[kind]
 
     def junk_line(self) -> bytes:
@@ -352,7 +356,7 @@ def check_events(fz: Fuzzer, events: list[dict]) -> None:
     # every event is well-formed
     for ev in events:
         assert ev["type"] in {"ready", "grammar_ready", "token", "done", "error", "scored", "prefilled",
-                              "forked", "saved", "loaded", "freed"}, ev
+                              "forked", "saved", "loaded", "freed", "stats"}, ev
         if ev["type"] == "error":
             assert isinstance(ev["message"], str) and ev["message"] and isinstance(ev["seq_id"], int)
         if ev["type"] == "done" and "request" not in ev:
@@ -390,9 +394,29 @@ def finish_with_a_valid_infer(c, sid: int, line: bytes | None = None) -> dict:
         time.sleep(0.02)
 
 
+# Memory under the fuzz mix: after the first run (the warm-up), the process may grow by
+# what its bounded caches took meanwhile (`stats`) plus the allocator's slack, no more.
+RSS_SLACK = 48 << 20
+_memory: dict[str, tuple[int, int]] = {}
+
+
+def memory(c) -> tuple[int, int, dict]:
+    """(VmRSS, the caches' bytes together, stats) of the server now."""
+    c.send({"type": "stats"})
+    while True:  # (the fuzz's errors on no sequence wait in the same queue)
+        st = c.misc.get(timeout=WAIT)
+        if st["type"] == "stats":
+            break
+    for name, row in st["caches"].items():
+        assert row["entries"] <= row["maxEntries"] and row["bytes"] <= row["maxBytes"], (name, row)
+    return st["rssBytes"], sum(row["bytes"] for row in st["caches"].values()), st
+
+
 @pytest.mark.parametrize("seed", [SEED, FRESH_SEED], ids=["fixed", "fresh"])
 def test_fuzz_lines(fuzz_server, tmp_path, seed):
     c = fuzz_server
+    if "start" not in _memory:
+        _memory["start"] = memory(c)[:2]
     print(f"fuzz seed {seed} (rerun: CLICKPACA_FUZZ_SEED={seed})")
     pipe = os.path.join(c.ready["stateDir"], "pipe")
     if not os.path.exists(pipe):
@@ -417,8 +441,17 @@ def test_fuzz_lines(fuzz_server, tmp_path, seed):
         print("last lines sent:", *fz.log[-15:], sep="\n  ")
         raise
     assert fz.sent >= N_LINES
+    rss, held, st = memory(c)
     print(f"seed {seed}: {fz.sent} lines, {fz.valid_infers} valid infers, {len(fz.events())} events, "
-          f"{time.monotonic() - t0:.1f}s")
+          f"{time.monotonic() - t0:.1f}s; VmRSS {rss / 2**20:.0f} MiB (start {_memory['start'][0] / 2**20:.0f}), "
+          f"caches {held / 2**20:.1f} MiB: " + ", ".join(f"{k} {v['entries']}/{v['maxEntries']}"
+                                                        for k, v in st["caches"].items()))
+    if "warm" in _memory:  # the second run: growth explained by the caches
+        rss0, held0 = _memory["warm"]
+        assert rss - rss0 <= max(0, held - held0) + RSS_SLACK, (
+            f"VmRSS grew {(rss - rss0) / 2**20:.0f} MiB after the warm-up run, the caches {(held - held0) / 2**20:.1f} MiB")
+    else:
+        _memory["warm"] = (rss, held)
 
 
 def test_over_long_lines(fuzz_server):
@@ -441,3 +474,152 @@ def test_over_long_lines(fuzz_server):
     done = finish_with_a_valid_infer(c, 7, body + b" " * (MAX_LINE_BYTES - len(body)) + b"\n")
     assert done["type"] == "done" and done["tokens_predicted"] <= 1, done
     assert c.proc.poll() is None
+
+
+# ------------------------------------------------------------------ the socket run
+#
+# Several fuzzing clients at once (each its own namespace, so each Fuzzer's books hold
+# for its own connection), clients that hang up mid-request or mid-line, one that sends
+# 20 MB without a newline, and a well-behaved client whose sequence must keep getting
+# tokens within a few ticks throughout.
+
+N_SOCKET_FUZZERS = 3
+N_SOCKET_LINES = int(os.environ.get("CLICKPACA_FUZZ_SOCKET_LINES", "600"))  # per fuzzing client
+SOCKET_GAP_TICKS = 25  # the well-behaved client's longest wait for a token, in its median gaps
+
+
+class Stamped(Client):
+    def _decode(self, line: bytes) -> dict:
+        ev = super()._decode(line)
+        ev["_t"] = time.monotonic()
+        return ev
+
+
+def abrupt_clients(path, rng: random.Random, stop) -> int:
+    """Connect, send part of something, hang up; until stop is set. Returns how many."""
+    n = 0
+    while not stop.is_set():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(path))
+            what = rng.randrange(4)
+            if what == 0:  # an infer, then gone while it generates
+                s.sendall(b'{"type": "infer", "seq_id": 0, "prompt": "Tell a story.", "maxTokens": 50}\n')
+                time.sleep(rng.random() * 0.3)
+            elif what == 1:  # half a line
+                line = b'{"type": "infer", "seq_id": 1, "prompt": "Hello", "maxTokens": 3}'
+                s.sendall(line[:rng.randrange(1, len(line))])
+            elif what == 2:  # a grammar and a score, then gone before any answer
+                s.sendall(b'{"type": "grammar", "id": "g", "grammar": "root ::= [a-z]+"}\n'
+                          b'{"type": "score", "seq_id": 2, "text": "one two three four"}\n')
+            else:  # a prefill held, then gone (its cells must be freed)
+                s.sendall(b'{"type": "prefill", "seq_id": 3, "prompt": "A held document."}\n')
+                time.sleep(rng.random() * 0.2)
+        except OSError:
+            pass
+        finally:
+            s.close()
+        n += 1
+        time.sleep(rng.random() * 0.05)
+    return n
+
+
+def flood_without_newline(path, n_bytes: int = 20 << 20) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        chunk = b'{"type": "infer", "seq_id": 0, "prompt": "' + b"a" * (1 << 20)
+        sent = 0
+        while sent < n_bytes:
+            s.sendall(chunk)
+            sent += len(chunk)
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
+def files_under(root) -> set[str]:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_fuzz_socket_with_abrupt_clients(tmp_path):
+    from test_socket import start_server, stop_server
+
+    seed = FRESH_SEED
+    print(f"socket fuzz seed {seed} (rerun: CLICKPACA_FUZZ_SEED={seed}); fixed seed {SEED} for the first client")
+    path = tmp_path / "fuzz.sock"
+    state = tmp_path / "state"
+    proc = start_server(path, "--max-seqs-per-client", "16", nCtx=4096, nSeqMax=32, nBatch=64,
+                        stateDir=str(state))
+    outside = files_under(tmp_path) - files_under(state)
+    rss = [("start", rss_mib(proc.pid))]
+    stop = threading.Event()
+    t0 = time.monotonic()
+    errors: list[BaseException] = []
+    try:
+        fuzzers = [Fuzzer(Client.connect(path), random.Random(SEED if i == 0 else seed + i), tmp_path)
+                   for i in range(N_SOCKET_FUZZERS)]
+
+        def fuzz(fz: Fuzzer) -> None:
+            try:
+                fz.run(N_SOCKET_LINES)
+                for sid in list(fz.expected_infers):
+                    fz.wait_idle(sid)
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        workers = [threading.Thread(target=fuzz, args=(fz,), daemon=True) for fz in fuzzers]
+        abrupt = [threading.Thread(target=abrupt_clients, args=(path, random.Random(seed ^ k), stop), daemon=True)
+                  for k in range(3)]
+        flood = threading.Thread(target=flood_without_newline, args=(path,), daemon=True)
+        with Stamped.connect(path) as good:
+            arrivals: list[float] = []
+            good.infer(0, "Write a long story about a lighthouse keeper.", maxTokens=100_000, temperature=0)
+            it = good.stream(0)
+            arrivals += [next(it)["_t"] for _ in range(5)]
+            t_start = time.monotonic()
+            for t in workers + abrupt + [flood]:
+                t.start()
+            for t in workers:
+                while t.is_alive():
+                    t.join(1)
+                    assert proc.poll() is None, "the server exited"
+            t_end = time.monotonic()
+            rss.append(("after the fuzz", rss_mib(proc.pid)))
+            stop.set()
+            good.send({"type": "cancel", "seq_id": 0})
+            arrivals += [e["_t"] for e in it if e["type"] == "token"]
+            assert not errors, errors[0]
+            gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
+            tick = gaps[len(gaps) // 2]
+            inside = [t_start] + [t for t in arrivals if t_start < t < t_end] + [t_end]
+            worst = max(b - a for a, b in zip(inside, inside[1:])) / tick
+            assert worst <= SOCKET_GAP_TICKS, f"the well-behaved client waited {worst:.0f} ticks"
+            alive_after = Client.connect(path)
+            alive_after.infer(0, "The capital of France is", maxTokens=2, temperature=0)
+            toks, done = alive_after.collect(0)
+            assert done["type"] == "done" and len(toks) == 2, done
+            alive_after.close()
+        for t in abrupt:
+            t.join(30)
+        time.sleep(0.5)
+        for fz in fuzzers:
+            check_events(fz, fz.events())  # every line was valid JSON: the client decoded each
+            fz.c.close()
+        assert proc.poll() is None
+        assert files_under(tmp_path) - files_under(state) - outside == set(), "a file outside the state directory"
+    finally:
+        stop.set()
+        stop_server(proc, path)
+    print(f"socket fuzz: {N_SOCKET_FUZZERS} x {N_SOCKET_LINES} lines, abrupt clients, 20 MB flood; "
+          f"{time.monotonic() - t0:.1f}s; the well-behaved client's longest gap {worst:.1f} ticks; VmRSS MiB "
+          + ", ".join(f"{k} {v:.0f}" for k, v in rss) + f" (load {os.getloadavg()[0]:.1f})")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")

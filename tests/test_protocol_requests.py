@@ -18,12 +18,13 @@ from clickpaca.prepare import PromptTokens
 from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, SAMPLER_FIELDS, CancelRequest, ForkRequest,
                                 FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
                                 PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
-                                ScoreRequest, _request, _with_params, parse_line, wire)
+                                ScoreRequest, StatsRequest, _request, _with_params, parse_line, wire)
 from clickpaca.sampling import SamplerParams
 
 CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "infer": InferRequest, "score": ScoreRequest,
            "cancel": CancelRequest, "free": FreeRequest, "prefill": PrefillRequest, "fork": ForkRequest,
-           "save": SaveRequest, "load": LoadRequest, "quit": QuitRequest}
+           "save": SaveRequest, "load": LoadRequest, "quit": QuitRequest,
+           "stats": StatsRequest}
 
 LINES = {
     "init": b'{"type": "init"}',
@@ -37,6 +38,7 @@ LINES = {
     "save": b'{"type": "save", "seq_id": 3, "path": "a"}',
     "load": b'{"type": "load", "seq_id": 3, "path": "a"}',
     "quit": b'{"type": "quit"}',
+    "stats": b'{"type": "stats"}',
 }
 
 
@@ -53,9 +55,9 @@ def test_each_kind_parses_to_its_frozen_dataclass(kind):
     assert type(out) is CLASSES[kind]
     assert out.type == kind
     assert out.reply_seq_id == (3 if "seq_id" in REQUESTS[kind] else -1)
-    first = dataclasses.fields(out)[0].name
+    first = (dataclasses.fields(out) or [None])[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(out, first, None)
+        setattr(out, first.name if first is not None else "now", None)
 
 
 def test_parsed_values_and_defaults():

@@ -27,10 +27,13 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
+import weakref
+from contextlib import contextmanager
 from typing import Callable
 
 from .. import statedir
 from ..protocol import InitRequest, ProtocolError, Request, error_event
+from . import accounting
 from .handlers import HANDLERS, Handlers
 from .runtime import Runtime
 from .scheduler import Scheduler
@@ -47,14 +50,39 @@ def report_bug(session: Session, req: Request, e: Exception) -> None:
     session.send(error_event(f"internal error: {type(e).__name__}: {e}", req.reply_seq_id, req.type))
 
 
+class SharedUse:
+    """Many users at once (`with use:`), or one `exclusive()` holder with no user."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._users = 0
+
+    def __enter__(self) -> "SharedUse":
+        with self._cond:
+            self._users += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._users -= 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._users == 0)
+            yield
+
+
 class Engine:
     """Owns the runtime and every sequence of every session, once `init` succeeded."""
 
     def __init__(self, state_dir: str | None = None, allow_any_path: bool = False) -> None:
         self.state_dir_default = state_dir  # --state-dir; init.stateDir overrides it
         self.allow_any_path = allow_any_path
-        # Reader threads tokenize with the model (prepare.py); shutdown closes it under this.
-        self.model_lock = threading.Lock()
+        # Reader threads tokenize with the model (prepare.py), several at once; shutdown
+        # closes it only when none is.
+        self.model_lock = SharedUse()
         self.rt: Runtime | None = None
         self.seqs: Sequences | None = None
         self.handlers: Handlers | None = None
@@ -68,6 +96,9 @@ class Engine:
         self.lost: str | None = None
         self.on_worker_lost: Callable[[str], None] | None = None
         self._current: tuple[Session, Request] | None = None  # the request being handled
+        self.ticks = 0  # decodes run so far (`stats`; tests bound waits in ticks, not seconds)
+        self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session that sent a request
+        self.transport_stats: Callable[[], dict] | None = None  # the socket server's own books
 
     @property
     def ready_event(self) -> dict | None:
@@ -84,6 +115,7 @@ class Engine:
 
         While the session waits for a state file (stateio.py), its requests are held and
         applied in order afterwards, so it sees the answers in the order it asked."""
+        self.sessions.add(session)
         if session.io_pending or session.deferred:
             session.deferred.append(req)
             return
@@ -139,7 +171,7 @@ class Engine:
         self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path,
                                     on_worker_lost=self._worker_lost)
         self.seqs = Sequences(rt.ctx)
-        self.handlers = Handlers(rt, self.seqs, self.io)
+        self.handlers = Handlers(rt, self.seqs, self.io, stats=self.stats)
         self.scheduler = Scheduler(rt, self.seqs)
         session.send(rt.ready_event)
 
@@ -188,7 +220,14 @@ class Engine:
 
     def tick(self) -> None:
         assert self.scheduler is not None
+        self.ticks += 1
         self.scheduler.tick()
+
+    def stats(self, session: Session) -> dict:
+        """The `stats` answer (accounting.py)."""
+        assert self.rt is not None
+        extra = self.transport_stats() if self.transport_stats is not None else None
+        return accounting.stats(self.rt, list(self.sessions), session, self.ticks, extra)
 
     def fail_all(self, message: str) -> None:
         """End every active sequence with an `error` (a tick raised: a bug, not a request)."""
@@ -202,6 +241,8 @@ class Engine:
             self.seqs.close_session(session)
         session.deferred.clear()
         session.grammars.clear()
+        session.grammar_bytes = 0
+        self.sessions.discard(session)
         if self.states is not None:
             self.states.drop_namespace(session.namespace)
 
@@ -211,7 +252,7 @@ class Engine:
         if self.seqs is not None:
             self.seqs.finish_all("shutdown", notify=False)
         self.io.close()  # a save in progress completes its rename
-        with self.model_lock:  # not while a reader thread tokenizes (prepare.py)
+        with self.model_lock.exclusive():  # not while a reader thread tokenizes (prepare.py)
             if self.rt is not None:
                 self.rt.close()
             self.rt = self.seqs = self.handlers = self.scheduler = None

@@ -21,24 +21,23 @@ from .. import kvstate, statedir
 from ..grammars import GrammarError
 from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
                         LoadRequest, PrefillRequest, ProtocolError, QuitRequest, SaveRequest, ScoreRequest,
-                        error_event, forked_event, freed_event, grammar_ready_event, loaded_event,
-                        saved_event)
+                        StatsRequest, error_event, forked_event, freed_event, grammar_ready_event,
+                        loaded_event, saved_event, stats_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from ..text import StopMatcher, Utf8Assembler
+from .accounting import MAX_GRAMMAR_TEXT_PER_SESSION, MAX_GRAMMARS_PER_SESSION, grammar_bytes
 from .runtime import Runtime
 from .sequences import Sequence, Sequences, Session
 from .stateio import StateIO
 
-# Grammar ids one client may hold. Each costs memory (2,000 ids measured +60 MiB, ~30 KiB
-# each); 1,024 lets a client give every one of 256 sequences its own schema several times
-# over (64 stopped `bench peer`'s 64-request load with a schema registered per request).
-MAX_GRAMMARS_PER_SESSION = 1024
 
 
 class Handlers:
-    def __init__(self, rt: Runtime, seqs: Sequences, io: StateIO) -> None:
+    def __init__(self, rt: Runtime, seqs: Sequences, io: StateIO,
+                 stats: Callable[[Session], dict] | None = None) -> None:
         self.rt, self.seqs, self.io = rt, seqs, io
+        self._stats = stats  # the engine's books (accounting.py)
 
     # ------------------------------------------------------------ grammars
 
@@ -53,6 +52,12 @@ class Handlers:
                 raise compiled
         except GrammarError as e:
             raise ProtocolError(f"grammar: {e}") from None
+        old = session.grammars.get(req.id)
+        held = session.grammar_bytes - (grammar_bytes(old) if old is not None else 0) + grammar_bytes(compiled)
+        if held > MAX_GRAMMAR_TEXT_PER_SESSION:
+            raise ProtocolError(f"grammar: this session's grammars would hold {held} bytes of text, the "
+                                f"limit is {MAX_GRAMMAR_TEXT_PER_SESSION} (re-use or replace an id)")
+        session.grammar_bytes = held
         session.grammars[req.id] = compiled
         session.send(grammar_ready_event(req.id, compiled.ignored if req.lenient else None))
 
@@ -64,7 +69,7 @@ class Handlers:
         seqs.check_id(seq_id, "infer")
         held = self._held_or_free(session, seq_id, "infer")
         try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
-            sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.vocab)
+            sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab)
         except SamplerParamError as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
         compiled = None
@@ -110,9 +115,9 @@ class Handlers:
         if window > ctx.n_ctx_seq:
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
-        tokens = req.text_tokens  # tokenized by the reader (prepare.py) when long
+        tokens = req.text_tokens  # tokenized by the reader (prepare.py)
         if tokens is None:
-            tokens = model.tokenize(req.text, add_special=True, parse_special=False)
+            tokens = self.rt.score_tokens(req.text)
         if req.scoreLast is not None and req.scoreLast >= window:
             raise ProtocolError(f"scoreLast: {req.scoreLast} must be below the window ({window})",
                                 seq_id, "score")
@@ -149,7 +154,7 @@ class Handlers:
         made them, both ways, since only here is it known whether a held sequence continues."""
         if req.prompt_tokens is not None:
             return req.prompt_tokens.get(continuing)
-        return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing)
+        return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing, req.seq_id, req.type)
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""
@@ -340,6 +345,9 @@ class Handlers:
 
         self.io.submit(session, read, then, on_bug)
 
+    def stats(self, session: Session, req: StatsRequest) -> None:
+        session.send(stats_event(**(self._stats(session) if self._stats is not None else {})))
+
     def quit(self, session: Session, req: QuitRequest) -> None:
         if req.now:
             self.seqs.finish_all("shutdown")
@@ -373,6 +381,7 @@ HANDLERS: dict[str, Callable[[Handlers, Session, Any], None]] = {
     "save": Handlers.save,
     "load": Handlers.load,
     "quit": Handlers.quit,
+    "stats": Handlers.stats,
 }
 if set(HANDLERS) != set(REQUESTS) - {"init"}:  # a request added to the protocol needs a handler
     raise ImportError(f"engine handlers {sorted(HANDLERS)} do not match the protocol's requests "

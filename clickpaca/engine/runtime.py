@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import chat, core, cpu, deterministic, features, rpc, statedir
+from .. import chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
 from ..grammars import GrammarEngine
 from ..mask_ahead import MaskAhead
 from ..models import resolve_model
@@ -40,8 +40,9 @@ class Runtime:
         model, ctx = self.model, self.ctx
         self.batch = core.Batch(model.nat, ctx.n_batch)
         self._warm_up()
+        self.vocab = pretokenize.Vocab(model)  # tokenizing in linear time (pretokenize.py)
         self.grammars = GrammarEngine.start(model)
-        self.vocab = Vocab(model)  # for sampler steps that read token text (DRY), built on first use
+        self.step_vocab = Vocab(model)  # for sampler steps that read token text (DRY), built on first use
         self.masks = MaskAhead(np.zeros((ctx.n_seq_max, (model.n_vocab + 31) // 32), dtype=np.int32))
         self.ready_event: dict[str, Any] = ready_event(
             nVocab=model.n_vocab,
@@ -147,14 +148,26 @@ class Runtime:
         except chat.ChatError as e:
             raise ProtocolError(str(e), req.seq_id, req.type) from None
 
-    def tokenize_prompt(self, text: str, continuing: bool) -> np.ndarray:
-        """Special tokens in the text are parsed; BOS is added once at the start only."""
+    def tokenize_prompt(self, text: str, continuing: bool, seq_id: int = -1, kind: str | None = None
+                        ) -> np.ndarray:
+        """Special tokens in the text are parsed; BOS is added once at the start only.
+        A text whose special tokens alone overflow the context is refused before the
+        rest of the work (ProtocolError naming the prompt)."""
         model = self.model
-        toks = model.tokenize(text, add_special=not continuing, parse_special=True)
+        n_ctx = self.ctx.n_ctx_seq
+        try:
+            toks = self.vocab.tokenize(text, add_special=not continuing, parse_special=True, at_most=n_ctx)
+        except pretokenize.TooMany as e:
+            raise ProtocolError(f"prompt: {e} do not fit the context ({n_ctx} tokens per sequence)",
+                                seq_id, kind) from None
         if not continuing and model.add_bos and len(toks) >= 2 \
                 and toks[0] == model.bos and toks[1] == model.bos:
             toks = toks[1:]  # the text began with <bos> already
         return toks
+
+    def score_tokens(self, text: str) -> np.ndarray:
+        """A score text's tokens: special tokens are text there (BOS in front)."""
+        return self.vocab.tokenize(text, add_special=True, parse_special=False)
 
     def piece(self, token: int) -> str:
         return self.model.token_to_piece(token, special=True).decode("utf-8", "replace")

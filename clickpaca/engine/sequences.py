@@ -31,6 +31,7 @@ class Session:
     name: str = "stdio"
     seqs: dict[int, "Sequence"] = field(default_factory=dict)
     grammars: dict[str, Any] = field(default_factory=dict)
+    grammar_bytes: int = 0  # their texts together (accounting.py: the per-session bound)
     max_seqs: int | None = None  # slots this client may hold at once (socket: --max-seqs-per-client)
     namespace: str | None = None  # its private state-file namespace (statedir.py); None = the root
     io_pending: int = 0  # its state-file jobs in flight (stateio.py)

@@ -56,6 +56,9 @@ class SampleResult:
     trace: dict | None = None  # with params.trace: what every step did (sampling/trace.py)
 
 
+PLAN_CACHE_MAX_BIAS = 64  # params with more logit_bias entries are planned uncached (memory)
+
+
 @functools.lru_cache(maxsize=1024)
 def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tuple[Step, ...], int | None]:
     """(active steps, index of the first truncating one or None), cached: params are
@@ -129,9 +132,9 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
         if n_allowed == 0:
             return Candidates(_NO_IDS, np.empty(0), "grammar")
         frac = n_allowed / n
-    if words is None:
+    if words is None and len(params.logit_bias) <= PLAN_CACHE_MAX_BIAS:
         active, first = _steps_to_run(params, hist[0].size > 0, n_allowed)
-    else:  # n_allowed changes every tick: do not fill the cache with it
+    else:  # n_allowed changes every tick (or a key this big): do not fill the cache with it
         active, first = _steps_to_run.__wrapped__(params, hist[0].size > 0, n_allowed)
 
     def run(steps, ids, logits, t0):

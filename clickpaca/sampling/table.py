@@ -95,16 +95,35 @@ def _norm_samplers(name: str, v: Any) -> tuple[str, ...]:
         raise SamplerParamError(name, f"must be a list of step names, got {v!r}")
     known = aliases()
     out = []
+    if v and v[-1] == "sample":  # the draw itself: always the chain's end, accepted there
+        v = v[:-1]
     for s in v:
         canon = known.get(s) if isinstance(s, str) else None
         if canon is None:
-            raise SamplerParamError(name, f"unknown step {s!r}; known: {', '.join(x.name for x in R.steps())}")
+            where = " ('sample' is the fixed last step: only there)" if s == "sample" else ""
+            raise SamplerParamError(name, f"unknown step {s!r}{where}; known: "
+                                    f"{', '.join(x.name for x in R.steps())}")
         if canon in out:
             raise SamplerParamError(name, f"step {canon!r} listed more than once")
         out.append(canon)
     if "grammar" in out and out[0] != "grammar":
         raise SamplerParamError(name, "'grammar' must come first: the grammar is always applied before every other step")
     return tuple(out)
+
+
+#: Below this a positive temperature is greedy (0): dividing logits by it overflows
+#: float32 (|logit + bias| up to 1e18 / 1e-20 stays under 3.4e38), and greedy is its limit.
+MIN_TEMPERATURE = 1e-20
+_real_temperature = real()
+
+
+def _temperature(name: str, v: Any) -> float:
+    """A finite real; a positive one below MIN_TEMPERATURE is greedy (0)."""
+    x = _real_temperature(name, v)
+    return 0.0 if 0 < x < MIN_TEMPERATURE else x
+
+
+_temperature.range = _real_temperature.range  # for the docs table
 
 
 def _seed(name: str, v: Any) -> int | None:
@@ -265,8 +284,9 @@ register(Step(
     truncates=lambda p, n_allowed: p.xtc_probability > 0 and p.xtc_threshold <= 0.5))
 register(Step(
     "temperature", SCALE, alias="temp",
-    params=(Param("temperature", "temperature", 0.7, real(), ("temp",),
-                  "<= 0 is greedy; with `dynatempRange` the middle of the dynamic range"),),
+    params=(Param("temperature", "temperature", 0.7, _temperature, ("temp",),
+                  "<= 0 is greedy; so is a positive value below 1e-20 (dividing the logits by it would "
+                  "overflow; greedy is its limit); with `dynatempRange` the middle of the dynamic range"),),
     # with dynatempRange > 0 the dynatemp step applies the temperature instead
     run=lambda ids, logits, p, ctx: (S.temperature(ids, logits, p.temperature) if p.dynatemp_range <= 0
                                      else (ids, logits)),
