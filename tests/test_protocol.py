@@ -51,7 +51,7 @@ DEFAULTS = {
     "grammar": {"lenient": False, "numberDigits": 16},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS},
-    "score": {"window": None, "perToken": False},
+    "score": {"window": None, "perToken": False, "scoreLast": None},
     "cancel": {}, "free": {}, "prefill": dict(CHAT_DEFAULTS), "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
     "stats": {},
@@ -235,6 +235,7 @@ BAD = [
     ("score", "seq_id", -5, ">= 0"), ("score", "text", "", "empty"), ("score", "text", 5, "string"),
     ("score", "text", None, "string"),
     ("score", "window", 1, ">= 3"), ("score", "window", 2, ">= 3"), ("score", "window", "512", "integer"), ("score", "window", (1 << 24) + 1, "<="),
+    ("score", "scoreLast", 1, ">= 2"), ("score", "scoreLast", "64", "integer"), ("score", "scoreLast", (1 << 24) + 1, "<="),
     ("score", "perToken", 0, "true or false"), ("score", "perToken", "yes", "true or false"),
     # seq requests
     ("cancel", "seq_id", -1, ">= 0"), ("cancel", "seq_id", "1", "integer"),
