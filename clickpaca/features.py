@@ -53,7 +53,8 @@ FEATURES: tuple[Feature, ...] = (
              "llama_vocab_is_eog", "llama_vocab_get_attr", "llama_model_n_ctx_train",
              "llama_model_n_layer", "llama_model_n_embd", "llama_model_chat_template",
              "llama_chat_builtin_templates", "llama_tokenize", "llama_token_to_piece",
-             "llama_detokenize", "llama_chat_apply_template"),
+             "llama_detokenize", "llama_chat_apply_template",
+             "llama_vocab_get_text"),  # pretokenize.py: the special tokens' text
             field="build", refused="init"),
     Feature("memory-api", "per-sequence memory (remove, copy, keep cells) and the sliding window size",
             (*MEMORY_API, "llama_model_n_swa"),
@@ -94,6 +95,10 @@ FEATURES: tuple[Feature, ...] = (
             ("ggml_backend_dev_by_type", "ggml_backend_dev_memory", "ggml_backend_dev_name",
              "ggml_backend_dev_description", "GGML_BACKEND_DEVICE_TYPE_CPU"),
             without="ready.devices is empty"),
+    Feature("backend-modules", "a CPU backend loaded at run time (a PORTABLE=1 build's variants)",
+            ("ggml_backend_load_all_from_path",),
+            without="a build whose CPU backend is a run-time module (PORTABLE=1) is refused at "
+                    "load; native builds need nothing"),
 )
 BY_NAME = {f.name: f for f in FEATURES}
 

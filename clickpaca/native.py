@@ -121,6 +121,11 @@ def load_backends(nat: Native) -> None:
     otherwise search the Python executable's directory and the working directory, and
     find none. Which module each backend came from is read from ggml's load log; their
     functions (ggml_backend_cpu_*, ggml_backend_rpc_*) become reachable through nat.lib."""
+    from . import features
+
+    if not features.available(nat, "backend-modules"):
+        raise NativeError(f"build {nat.name!r} loads its CPU backend at run time, but its llama.cpp "
+                          "has no ggml_backend_load_all_from_path: build it without PORTABLE=1")
     sink = log_sink(nat)
     sink.captured.clear()
     sink.capture = True
