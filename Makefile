@@ -12,7 +12,7 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-tq test-compat compat-run bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-portable test-tq test-compat compat-run bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -66,8 +66,16 @@ COMPAT_CI ?= 0.3.2 0.3.16
 test: setup turboquant peer
 	$(PY) -m bindgen
 	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
-	$(PY) -m pytest -m "not turboquant" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not turboquant and not portable" $(PYTEST_ARGS)
 	@for v in $(COMPAT_CI); do $(MAKE) --no-print-directory compat-run COMPAT_VERSION=$$v || exit 1; done
+
+## test-portable: the PORTABLE=1 build (llama.cpp's runtime-dispatched CPU variants; a long
+## build) and the tests that need it; builds/mainline is linked back to the native build after
+test-portable: setup
+	PORTABLE=1 $(PY) native/build.py mainline --preset $(PRESET)
+	$(PY) native/build.py mainline --preset $(PRESET)
+	$(PY) -m bindgen $$(PORTABLE=1 $(PY) -c "import sys; sys.path.insert(0, 'native'); import build; print(build.finished_pinned_build('mainline', '$(PRESET)', build.cpu_from_env()))")
+	$(PY) -m pytest -m portable tests/test_portable.py $(PYTEST_ARGS)
 
 ## test-tq: the server test suite again, on the turboquant build with turbo cache types
 test-tq: setup turboquant

@@ -2,8 +2,9 @@
 GGML_CPU_ALL_VARIANTS), through the real server and the real default model.
 
 The portable build is not part of `make test` (a full build with 14 CPU variants, 405
-ninja steps against the native build's 159): these tests run when the cache holds the portable build of the
-pinned source with its bindings, and are skipped otherwise, saying what to run. The pure
+ninja steps against the native build's 159): the tests that need it are marked `portable`,
+which `make test` deselects and `make test-portable` builds for and runs; without the
+build they fail, saying what to run. The pure
 logic (which variants are kept, the links in bin/) is tested in test_native_build.py.
 """
 
@@ -53,10 +54,9 @@ def test_the_loaded_cpu_variant_is_named_from_its_module_file():
 def portable() -> Path:
     out = nb.finished_pinned_build("mainline", "linux-cpu", nb.cpu_options(amx=False, portable=True))
     if out is None:
-        pytest.skip("no portable build in the cache: `PORTABLE=1 .venv/bin/python native/build.py "
-                    "mainline` (then `.venv/bin/python native/build.py mainline` to link the native one back)")
+        pytest.fail("no portable build in the cache: run `make test-portable`")
     if not (out / "bindings" / "_llama_cffi.py").exists():
-        pytest.skip(f"the portable build has no bindings: `.venv/bin/python -m bindgen {out}`")
+        pytest.fail(f"the portable build has no bindings: `.venv/bin/python -m bindgen {out}`")
     return out
 
 
@@ -72,6 +72,7 @@ def builds_root(portable, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.portable
 def test_the_build_records_its_variants_without_amx(portable):
     cpu = json.loads((portable / "build-info.json").read_text())["cpu"]
     assert cpu["portable"] is True and cpu["amx"] is False and cpu["isa"] == []
@@ -81,6 +82,7 @@ def test_the_build_records_its_variants_without_amx(portable):
     assert lib == sorted(f"libggml-cpu-{v}.so" for v in cpu["variants"])
 
 
+@pytest.mark.portable
 def test_its_own_tools_find_their_cpu_backend(portable, model_path):
     """llama-bench from bin/ (ggml searches the executable's directory): a prompt batch and
     a one-token decode, as the smoke test ran before the build counted as finished."""
@@ -92,6 +94,7 @@ def test_its_own_tools_find_their_cpu_backend(portable, model_path):
     assert {r["n_prompt"] for r in rows} == {0, 16} and all(r["avg_ts"] > 0 for r in rows)
 
 
+@pytest.mark.portable
 def test_clickpaca_loads_the_best_variant_this_cpu_runs_and_its_functions(portable, builds_root):
     """In clickpaca's own process: ggml loads the variant from lib/ (ggml_backend_load_all_from_path),
     it is one this CPU runs and none kept runs here with more features; ggml-cpu's and
@@ -122,6 +125,7 @@ def greedy(c: Client, prompt: str, n: int = 8) -> list[dict]:
     return toks
 
 
+@pytest.mark.portable
 def test_the_portable_build_serves_an_infer_like_the_native_one(builds_root, portable):
     """`clickpaca serve` on the portable build: ready names the variant; a greedy run agrees
     with the native build's token for token up to a near tie (the variant is compiled with
