@@ -524,7 +524,17 @@ def check_bounds(stats: dict) -> None:
         assert 0 <= row["entries"] <= row["maxEntries"] and 0 <= row["bytes"] <= row["maxBytes"], (name, row)
 
 
-def test_stats_names_every_cache_with_its_bounds(srv):
+@pytest.fixture()
+def fresh():
+    """A server of its own: the module's `srv` session has filled its grammar ids in the
+    tests of the per-session limit above."""
+    c = spawn_server(nCtx=2048, nSeqMax=8, nBatch=64)
+    yield c
+    c.close()
+
+
+def test_stats_names_every_cache_with_its_bounds(fresh):
+    srv = fresh
     alive(srv)  # at least one tick
     first = stats_of(srv)
     assert set(first["caches"]) == {"grammarCache", "sessionGrammars", "allSessionGrammars", "samplerPlans",
