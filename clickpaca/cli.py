@@ -10,7 +10,7 @@ import sys
 #: Commands whose native code may die from a signal, in this process (ppl, bench kv) or in
 #: a server they spawned: they run in a child process, so that a death is one line naming
 #: the signal and its likely cause, never a traceback or a shell's bare "Illegal instruction".
-GUARDED = {"demo", "bench", "ppl"}
+GUARDED = {"demo", "bench", "ppl", "kv-retrieval"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -253,7 +253,9 @@ def run_guarded(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.command not in GUARDED:
+    # the subcommand as typed (args.command may be a subcommand's own --command option)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    if command not in GUARDED:
         return int(args.func(args) or 0)
     if os.environ.get("CLICKPACA_GUARDED") != "1":
         return run_guarded(argv)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ServerError as e:
-        print(f"clickpaca {args.command}: {e}", file=sys.stderr)
+        print(f"clickpaca {command}: {e}", file=sys.stderr)
         return 1
 
 
