@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the build whose rpc-server runs; must match the server's build")
     p.add_argument("--cache", action="store_true",
                    help="keep received weights in llama.cpp's local cache (faster reloads)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the kernels of deterministic mode (tiled K-quant matmul off): needed for a "
+                        "deterministic server's split run to equal its local run (docs/DETERMINISM.md)")
     p.set_defaults(func=cmd_rpc_server)
 
     from .results.cli import add_parser as add_results

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import deterministic
 from ..native import build_dir
 from .wire import Endpoint, WorkerCheckError, connect, hello
 
@@ -40,11 +41,20 @@ def command(build: str, host: str, port: int, threads: int | None = None, cache:
     return cmd
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(deterministic_kernels: bool = False) -> dict[str, str]:
     """OpenMP threads that sleep when idle (as native.py sets for the server): a spinning
-    worker would take the cores its neighbours need (groundwork notes)."""
+    worker would take the cores its neighbours need (groundwork notes).
+
+    `deterministic_kernels`: the tiled K-quant matmul off, as deterministic mode sets it in
+    the server's own process. A worker computes its layers with its own process's ggml, so
+    a deterministic server split over workers that have the tiled matmul on takes another
+    kernel for batches of 8 rows or more, and its logits are not the local run's
+    (measured: first-token logprob 0.03 nats apart, tokens parting after 8 steps; with it
+    off on the workers too, bit for bit; docs/DETERMINISM.md)."""
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "passive")
+    if deterministic_kernels:
+        env[deterministic.TILED_ENV] = "0"
     return env
 
 
@@ -66,7 +76,7 @@ def run(args) -> int:
     # answers would kill it with SIGPIPE. An ignored signal stays ignored across exec, so
     # the worker gets EPIPE instead, drops that client and waits for the next.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    os.execve(cmd[0], cmd, worker_env())
+    os.execve(cmd[0], cmd, worker_env(args.deterministic))
     return 1  # not reached
 
 
@@ -119,8 +129,9 @@ def wait_ready(ep: Endpoint, proc: subprocess.Popen, timeout: float = 60.0) -> N
 
 
 def start_local(n: int, build: str = "mainline", threads: int | None = None,
-                log_dir: Path | None = None) -> list[LocalWorker]:
-    """n workers of the build on 127.0.0.1, each on a free port, answering hellos."""
+                log_dir: Path | None = None, deterministic_kernels: bool = False) -> list[LocalWorker]:
+    """n workers of the build on 127.0.0.1, each on a free port, answering hellos
+    (`deterministic_kernels`: see worker_env)."""
     workers: list[LocalWorker] = []
     try:
         for _ in range(n):
@@ -131,7 +142,7 @@ def start_local(n: int, build: str = "mainline", threads: int | None = None,
                 # restore_signals=False: the worker inherits Python's ignored SIGPIPE (see run)
                 proc = subprocess.Popen(command(build, ep.host, port, threads), stdout=f,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=worker_env(), restore_signals=False)
+                                        env=worker_env(deterministic_kernels), restore_signals=False)
             workers.append(LocalWorker(proc, ep, log))
         for w in workers:
             wait_ready(w.endpoint, w.proc)
