@@ -95,6 +95,10 @@ FEATURES: tuple[Feature, ...] = (
             ("ggml_backend_dev_by_type", "ggml_backend_dev_memory", "ggml_backend_dev_name",
              "ggml_backend_dev_description", "GGML_BACKEND_DEVICE_TYPE_CPU"),
             without="ready.devices is empty"),
+    Feature("cvec", "a control vector added to every token of a context (activations/steer.py)",
+            ("llama_set_adapter_cvec",),
+            without="its earlier name, llama_apply_adapter_cvec or llama_control_vector_apply",
+            fallback=("llama_apply_adapter_cvec", "llama_control_vector_apply")),
     Feature("backend-modules", "a CPU backend loaded at run time (a PORTABLE=1 build's variants)",
             ("ggml_backend_load_all_from_path",),
             without="a build whose CPU backend is a run-time module (PORTABLE=1) is refused at "
