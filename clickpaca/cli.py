@@ -10,7 +10,7 @@ import sys
 #: Commands whose native code may die from a signal, in this process (ppl, bench kv) or in
 #: a server they spawned: they run in a child process, so that a death is one line naming
 #: the signal and its likely cause, never a traceback or a shell's bare "Illegal instruction".
-GUARDED = {"demo", "bench", "ppl", "kv-retrieval"}
+GUARDED = {"demo", "bench", "ppl", "kv-retrieval", "cvec"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -229,8 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "deterministic server's split run to equal its local run (docs/DETERMINISM.md)")
     p.set_defaults(func=cmd_rpc_server)
 
+    from .activations.cvec import add_parser as add_cvec
     from .results.cli import add_parser as add_results
 
+    add_cvec(sub)
     add_results(sub)
     return ap
 
