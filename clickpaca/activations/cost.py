@@ -1,0 +1,81 @@
+"""What the eval callback costs a decode: none, declining every node, one layer captured.
+
+`python -m clickpaca.activations.cost`: greedy-free decode steps (the argmax of each row fed
+back) of `--seqs` sequences, one token each per llama_decode, through core; the three
+setups alternate round by round on three contexts of the same settings, so the machine's
+load falls on all of them alike. Prints tokens/s per setup, median (min-max) over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from .. import core
+from .capture import Capture
+
+SETUPS = ("no callback", "callback, nothing captured", "capture l_out-L every token")
+
+
+def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer: int = 9,
+        threads: int = 2) -> dict[str, list[float]]:
+    model = core.Model(model_path)
+    caps = [None, Capture(model.nat), Capture(model.nat)]
+    ctxs = [core.Context(model, n_ctx=2048, n_batch=256, n_seq_max=seqs, n_threads=threads,
+                         eval_callback=c.callback if c else None) for c in caps]
+    prompt = model.tokenize("The history of the city begins")
+    out: dict[str, list[float]] = {s: [] for s in SETUPS}
+    for _ in range(rounds):
+        for name, ctx, cap in zip(SETUPS, ctxs, caps):
+            ctx.clear()
+            batch = core.Batch(model.nat, 256)
+            for s in range(seqs):
+                batch.add(prompt, 0, s)
+            assert ctx.decode(batch) == 0
+            toks = ctx.logits().argmax(axis=1)
+            pos = len(prompt)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                batch.clear()
+                for s in range(seqs):
+                    batch.add([int(toks[s])], pos, s)
+                if cap is not None and name == SETUPS[2]:
+                    cap.arm([f"l_out-{layer}"], {s: [s] for s in range(seqs)}, batch)
+                assert ctx.decode(batch) == 0
+                if cap is not None and name == SETUPS[2]:
+                    cap.take()
+                toks = ctx.logits().argmax(axis=1)
+                pos += 1
+            out[name].append(seqs * steps / (time.perf_counter() - t0))
+    for c in ctxs:
+        c.close()
+    model.close()
+    return out
+
+
+def main() -> None:
+    from ..models import resolve_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layer", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads)
+    base = float(np.median(res[SETUPS[0]]))
+    print(f"{a.seqs} sequences, {a.steps} decode steps per round, {a.rounds} alternating rounds, "
+          f"{a.threads} threads, load {os.getloadavg()[0]:.2f}")
+    for name, v in res.items():
+        med = float(np.median(v))
+        print(f"  {name.replace('L', str(a.layer)):32s} {med:7.1f} tok/s ({min(v):.1f}-{max(v):.1f})  "
+              f"ratio {med / base:.3f}")
+
+
+if __name__ == "__main__":
+    main()
