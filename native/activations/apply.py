@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
-"""Apply the clickpaca cvec-seq patch to a COPY of a llama.cpp source tree.
+"""Apply the clickpaca activations patch to a COPY of a llama.cpp source tree.
 
-    python3 native/cvecseq/apply.py <llama.cpp-source-dir>
+    python3 native/activations/apply.py <llama.cpp-source-dir>
 
-Makes llama.cpp's control vector per sequence. Upstream adds layer il's direction to
+Two small changes for reading and steering activations per sequence:
+
+1. The eval callback set and unset on a live context (llama_set_eval_callback), so a
+   decode without a capture runs with no callback at all: upstream takes cb_eval only at
+   context creation, and a Python callback asked once per graph node (about 730 nodes a
+   decode for Gemma 3 270M) costs microseconds each (docs/ACTIVATIONS.md).
+
+2. The control vector per sequence. Upstream adds layer il's direction to
 every token (llama_adapter_cvec::apply_to, called by llm_graph_context::build_cvec, which
 every model builder calls once per layer just before naming the node l_out). With this
 patch, once a strength has been given for any sequence,
@@ -18,6 +25,7 @@ upstream's, bit for bit. New C API (include/llama.h):
 
     int32_t llama_set_adapter_cvec_seq(struct llama_context * ctx, llama_seq_id seq_id, float strength);
     void    llama_clear_adapter_cvec_seq(struct llama_context * ctx);  // back to upstream's
+    void    llama_set_eval_callback(struct llama_context * ctx, ggml_backend_sched_eval_callback cb, void * user_data);
 
 The vector itself is still set by llama_set_adapter_cvec (directions and layer range);
 give it unscaled and steer each sequence by its strength.
@@ -32,7 +40,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-MARK = "clickpaca cvec-seq"
+MARK = "clickpaca activations"
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,12 @@ HOOKS = [
          "                    llama_seq_id   seq_id,\n"
          "                           float   strength);\n\n"
          "    // Back to one strength (1) for every token: upstream's graph.\n"
-         "    LLAMA_API void llama_clear_adapter_cvec_seq(struct llama_context * ctx);\n\n",
+         "    LLAMA_API void llama_clear_adapter_cvec_seq(struct llama_context * ctx);\n\n"
+         "    // The eval callback of a live context (cb_eval of llama_context_params); NULL: none.\n"
+         "    LLAMA_API void llama_set_eval_callback(\n"
+         "            struct llama_context * ctx,\n"
+         "            ggml_backend_sched_eval_callback cb,\n"
+         "            void * user_data);\n\n",
          "before", "the public API, next to llama_set_adapter_cvec"),
     Hook("src/llama-adapter.h",
          "    ggml_tensor * apply_to(ggml_context * ctx, ggml_tensor * cur, int  il) const;\n",
@@ -151,7 +164,8 @@ HOOKS = [
          "    bool set_adapter_cvec(\n            const float * data,\n                 size_t   len,\n"
          "                int32_t   n_embd,\n                int32_t   il_start,\n                int32_t   il_end);\n",
          f"\n    bool set_adapter_cvec_seq(llama_seq_id seq_id, float strength); // {MARK}\n"
-         "    void clear_adapter_cvec_seq();\n",
+         "    void clear_adapter_cvec_seq();\n"
+         "    void set_eval_callback(ggml_backend_sched_eval_callback cb, void * user_data);\n",
          "after", "the context methods"),
     Hook("src/llama-context.cpp",
          "llm_graph_result * llama_context::process_ubatch(",
@@ -172,6 +186,13 @@ HOOKS = [
          "        cvec->seq_strength.clear();\n"
          "        sched_need_reserve = true;\n"
          "    }\n"
+         "}\n\n"
+         "void llama_context::set_eval_callback(ggml_backend_sched_eval_callback cb, void * user_data) {\n"
+         "    synchronize();\n"
+         "    cparams.cb_eval           = cb;\n"
+         "    cparams.cb_eval_user_data = user_data;\n"
+         "    // a reused graph keeps the scheduler's callback: set it there too\n"
+         "    ggml_backend_sched_set_eval_callback(sched.get(), cb, user_data);\n"
          "}\n\n",
          "before", "the context methods' bodies"),
     Hook("src/llama-context.cpp",
@@ -182,6 +203,9 @@ HOOKS = [
          "}\n\n"
          "void llama_clear_adapter_cvec_seq(llama_context * ctx) {\n"
          "    ctx->clear_adapter_cvec_seq();\n"
+         "}\n\n"
+         "void llama_set_eval_callback(llama_context * ctx, ggml_backend_sched_eval_callback cb, void * user_data) {\n"
+         "    ctx->set_eval_callback(cb, user_data);\n"
          "}\n\n",
          "before", "the C functions"),
 ]
@@ -228,9 +252,9 @@ def main(argv: list[str]) -> int:
     try:
         apply(src)
     except PatchError as e:
-        print(f"cvec-seq patch: {e}", file=sys.stderr)
+        print(f"activations patch: {e}", file=sys.stderr)
         return 1
-    print(f"cvec-seq patch applied to {src}: {len(HOOKS)} hooks")
+    print(f"activations patch applied to {src}: {len(HOOKS)} hooks")
     return 0
 
 

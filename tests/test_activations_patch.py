@@ -1,6 +1,6 @@
-"""native/cvecseq: the per-sequence control-vector patch applies to the pinned source
-(every anchor exactly once, all or nothing) and the patched sources compile. It is not
-built into any flavor yet (docs/ACTIVATIONS.md, "The per-sequence patch")."""
+"""native/activations: the patch (a live eval callback, the per-sequence control vector)
+applies to the pinned source (every anchor exactly once, all or nothing) and the patched
+sources compile. It is not built into any flavor yet (docs/ACTIVATIONS.md, "The patch")."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("cvecseq_apply", ROOT / "native" / "cvecseq" / "apply.py")
+spec = importlib.util.spec_from_file_location("activations_apply", ROOT / "native" / "activations" / "apply.py")
 patch = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = patch  # (dataclasses look their module up)
 spec.loader.exec_module(patch)
@@ -36,6 +36,7 @@ def test_applies_once_to_the_pinned_source(pinned_copy):
     patch.apply(pinned_copy)
     h = (pinned_copy / "include" / "llama.h").read_text()
     assert "llama_set_adapter_cvec_seq" in h and "llama_clear_adapter_cvec_seq" in h
+    assert "LLAMA_API void llama_set_eval_callback(" in h
     changed = {p.name for p, t in before.items() if p.read_text() != t}
     assert changed == {"llama-adapter.h", "llama-adapter.cpp", "llama-graph.h", "llama-graph.cpp",
                        "llama-context.h", "llama-context.cpp"}
@@ -55,7 +56,7 @@ def test_a_missing_anchor_writes_nothing(tmp_path, pinned_copy):
 @pytest.mark.slow
 @pytest.mark.parametrize("unit", ["llama-graph.cpp", "llama-adapter.cpp", "llama-context.cpp"])
 def test_the_patched_sources_compile(pinned_copy, unit):
-    if "clickpaca cvec-seq" not in (pinned_copy / "include" / "llama.h").read_text():
+    if "clickpaca activations" not in (pinned_copy / "include" / "llama.h").read_text():
         patch.apply(pinned_copy)
     cxx = shutil.which("c++") or shutil.which("g++")
     r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Iinclude", "-Iggml/include", "-Isrc",
