@@ -1,4 +1,5 @@
-"""What the eval callback costs a decode: none, declining every node, one layer captured.
+"""What reading and steering cost a decode: no callback, a callback declining every node,
+one layer captured, and a context-wide control vector on every layer (no callback).
 
 `python -m clickpaca.activations.cost`: greedy-free decode steps (the argmax of each row fed
 back) of `--seqs` sequences, one token each per llama_decode, through core; the three
@@ -15,17 +16,22 @@ import time
 import numpy as np
 
 from .. import core
+from . import steer
 from .capture import Capture
 
-SETUPS = ("no callback", "callback, nothing captured", "capture l_out-L every token")
+SETUPS = ("no callback", "callback, nothing captured", "capture l_out-L every token",
+          "context-wide vector, all layers")
 
 
 def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer: int = 9,
         threads: int = 2) -> dict[str, list[float]]:
     model = core.Model(model_path)
-    caps = [None, Capture(model.nat), Capture(model.nat)]
+    caps = [None, Capture(model.nat), Capture(model.nat), None]
     ctxs = [core.Context(model, n_ctx=2048, n_batch=256, n_seq_max=seqs, n_threads=threads,
                          eval_callback=c.callback if c else None) for c in caps]
+    rng = np.random.default_rng(0)
+    steer.apply(ctxs[3], {il: rng.normal(scale=0.01, size=model.n_embd).astype(np.float32)
+                          for il in range(1, model.n_layer)})
     prompt = model.tokenize("The history of the city begins")
     out: dict[str, list[float]] = {s: [] for s in SETUPS}
     for _ in range(rounds):
