@@ -58,6 +58,8 @@ def test_graph_nodes_are_the_models(det_model):
     assert {f"l_out-{i}" for i in range(layers)} <= set(names)
     assert {"attn_norm-0", "result_norm", "result_output"} <= set(names)
     assert f"l_out-{layers}" not in names
+    assert "kq_soft_max-0" in C.graph_nodes(det_model, flash_attn="off")  # attention without FA
+    assert C.graph_nodes(det_model) is names  # listed once per setting
 
 
 @pytest.mark.model

@@ -136,17 +136,19 @@ class Capture:
 # -------------------------------------------------------------------- node names
 
 
-def graph_nodes(model: Any) -> list[str]:
+def graph_nodes(model: Any, flash_attn: str = "auto") -> list[str]:
     """The node names of the model's decode graph, in graph order (one token decoded on a
-    throw-away context whose callback declines every node while listing it)."""
-    cached = getattr(model, "_graph_nodes", None)
-    if cached is not None:
-        return cached
+    throw-away context whose callback declines every node while listing it). Attention's
+    inner nodes differ with flash attention, so pass the serving context's setting."""
+    cache = model.__dict__.setdefault("_graph_nodes", {})
+    if flash_attn in cache:
+        return cache[flash_attn]
     from .. import core
 
     cap = Capture(model.nat)
     cap.seen = []
-    ctx = core.Context(model, n_ctx=64, n_batch=8, n_seq_max=1, eval_callback=cap.callback)
+    ctx = core.Context(model, n_ctx=64, n_batch=8, n_seq_max=1, flash_attn=flash_attn,
+                       eval_callback=cap.callback)
     try:
         batch = core.Batch(model.nat, 8)
         batch.add([model.bos], 0, 0)
@@ -154,8 +156,7 @@ def graph_nodes(model: Any) -> list[str]:
             raise RuntimeError("decoding one token to list the graph failed")
     finally:
         ctx.close()
-    names = list(dict.fromkeys(cap.seen))
-    model._graph_nodes = names
+    cache[flash_attn] = names = list(dict.fromkeys(cap.seen))
     return names
 
 
