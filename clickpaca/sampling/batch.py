@@ -158,7 +158,8 @@ def _topk(samplers, logits, rows, js, k, top_p, temp, out) -> None:
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)
     if top_p is not None and top_p < 1.0:
-        e = np.exp(top_v - vmax[:, None])
+        with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
+            e = np.exp(top_v - vmax[:, None])
         target = top_p * (np.add.reduce(e, axis=1) + 0.0)
         corder = np.lexsort((top_ids, -top_v), axis=1)  # canonical order within each row
         cum = np.add.accumulate(np.take_along_axis(e, corder, 1), axis=1)
