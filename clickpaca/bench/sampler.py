@@ -145,6 +145,20 @@ def steps_table(out: dict[str, Any]) -> str:
 
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args)
+    seqs = getattr(args, "seqs", None)
+    if seqs:  # --seqs: host time per tick beside the decode of the same tick
+        from . import sampler_ticks
+
+        out = {"params": {"seqs": seqs, "ticks": sampler_ticks.TICKS}, "machine_start": machine(),
+               "ticks": sampler_ticks.measure([int(x) for x in str(seqs).split(",")],
+                                              getattr(args, "model", None), getattr(args, "threads", None)),
+               "notes": ["per tick: one llama_decode of one token per sequence (wall, median of the ticks) "
+                         "and the host's sampling of its [n, 262144] logits block: one "
+                         "SequenceSampler.sample per row (per seq) and sampling.batch.sample_tick "
+                         "(batched), the same results checked; host / decode = wall over wall"]}
+        emit(out_dir(args), "sampler", out, sampler_ticks.table(out["ticks"]),
+             "Sampler host time per tick beside the decode (262,144 vocab)")
+        return out
     out = measure(args)
     emit(out_dir(args), "sampler", out, table(out) + "\n\n" + steps_table(out),
          "Sampler chain, microseconds per token per sequence (262,144 vocab)")
