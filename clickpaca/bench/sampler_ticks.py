@@ -35,13 +35,14 @@ def _timed(f) -> tuple[float, float, Any]:
 
 
 def measure(seqs: list[int], model_path: str | None = None, n_threads: int | None = None,
-            ticks: int = TICKS) -> list[dict[str, Any]]:
+            ticks: int | None = None) -> list[dict[str, Any]]:
     """[{n_seq, decode_ms, scenarios: {name: {per_seq_cpu_ms, per_seq_wall_ms, batched_cpu_ms,
     batched_wall_ms, fraction_per_seq, fraction_batched}}}], medians over the ticks."""
     from .. import core
     from ..models import resolve_model
     from .texts import read_text
 
+    ticks = ticks or TICKS
     model = core.Model(resolve_model(model_path))
     text, _ = read_text(None)
     prompt = model.tokenize(text[:2000])[:PROMPT_TOKENS]
