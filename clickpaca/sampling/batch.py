@@ -120,31 +120,35 @@ def _topk(samplers, logits, rows, js, k, top_p, temp, out) -> None:
     nr = V // cols
     r = np.fromiter((rows[j] for j in js), np.intp, len(js))
     m = r.size
-    flat = logits.reshape(-1)
-    # column maxima of every row: [m, cols]; fmax ignores NaN as the per-sequence view does
-    lo = _contiguous(r)
-    if lo is not None:
-        colmax = np.fmax.reduce(logits[lo: lo + m, : nr * cols].reshape(m, nr, cols), axis=1)
-    else:
-        colmax = np.stack([np.fmax.reduce(logits[i, : nr * cols].reshape(nr, cols), axis=0) for i in r])
-    tail = logits[r, nr * cols:] if nr * cols < V else None
-    cand = colmax if tail is None else np.concatenate((colmax, tail), axis=1)
-    thr = np.partition(cand, cand.shape[1] - k, axis=1)[:, cand.shape[1] - k]  # >= k tokens >= thr
-    b, c = np.nonzero(colmax >= thr[:, None])
-    base = r[b] * V + c
-    vals = flat[base[:, None] + cols * np.arange(nr)]  # [P, nr]: the qualifying columns
-    p_i, i_i = np.nonzero(vals >= thr[b][:, None])
-    seq = b[p_i]
-    ids = c[p_i] + cols * i_i
-    if tail is not None:
-        tb, tc = np.nonzero(tail >= thr[:, None])
-        seq = np.concatenate((seq, tb))
-        ids = np.concatenate((ids, tc + nr * cols))
+    # Per row while it is in cache (a 64-row block is far bigger than the cache): column
+    # maxima, the k-th largest of them (and of the tail) as a threshold t with >= k tokens
+    # >= t, and the tokens >= t from the columns that reach it.
+    thr = np.empty(m)
+    seqs, idss, vals = [], [], []
+    head_n = nr * cols
+    for a, i in enumerate(r.tolist()):
+        row = logits[i]
+        head = row[:head_n].reshape(nr, cols)
+        colmax = np.fmax.reduce(head, axis=0)
+        cand = colmax if head_n == V else np.concatenate((colmax, row[head_n:]))
+        t = cand[np.argpartition(cand, cand.size - k)[cand.size - k]]
+        thr[a] = t
+        sel = np.flatnonzero(colmax >= t)
+        block = head.take(sel, axis=1)
+        ri, ci = np.nonzero(block >= t)
+        ids = ri * cols + sel[ci]
+        if head_n < V:
+            ids = np.concatenate((ids, np.flatnonzero(row[head_n:] >= t) + head_n))
+        seqs.append(np.full(ids.size, a, np.intp))
+        idss.append(ids)
+        vals.append(row[ids])
+    seq = np.concatenate(seqs)
+    ids = np.concatenate(idss)
     if seq.size == 0:
         for j in js:
             out[j] = samplers[j].sample(logits[rows[j]])
         return
-    v = np.fmax(flat[r[seq] * V + ids], _NEG_INF, dtype=np.float64)  # as candidates.gather
+    v = np.fmax(np.concatenate(vals), _NEG_INF, dtype=np.float64)  # as candidates.gather
     order = np.lexsort((ids, -v, seq))  # per row: canonical order
     counts = np.bincount(seq, minlength=m)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
