@@ -3,20 +3,26 @@
 - the argmax cut (``cut.upper_ids`` with need 1, no grammar) and the greedy short path
   of ``SequenceSampler.sample`` against the plain whole-vocabulary reference of
   test_sampling_chain (its ``reference``) and against ``apply_chain``;
+- both greedy paths against llama.cpp's greedy sampler through the bindings (oracle);
 - ``batch.sample_tick`` against one ``sample`` call per sequence: the same results
   (tokens, candidate counts, logprobs) bit for bit, and the same random streams after.
 Rows have exact ties, -inf, NaN and +inf at the top; no model needed.
 """
 
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from clickpaca import native
 from clickpaca.sampling import SamplerParams, SequenceSampler, apply_chain
 from clickpaca.sampling.batch import batch_plan, sample_tick
 from clickpaca.sampling.candidates import raw_logprobs
 from clickpaca.sampling.chain import greedy_tail
 from clickpaca.sampling.cut import RowView, upper_ids
+from clickpaca.sampling.oracle import CSampler
+
+from conftest import TEST_BUILD
 
 from test_sampling_chain import Ambiguous, reference, window_arrays
 
@@ -200,3 +206,24 @@ def test_sample_tick_at_the_real_vocabulary():
         assert sample_tick(b, block, rows) == [s.sample(block[r]) for s, r in zip(a, rows)]
     # the tie: greedy takes the smaller id
     assert sample_tick([SequenceSampler(SamplerParams(temperature=0), V)], block, [5])[0].token == 7
+
+
+@pytest.fixture(scope="module")
+def nat():
+    return native.load(TEST_BUILD)
+
+
+@settings(max_examples=100, deadline=None)
+@given(V=st.integers(2, 2000), seed=st.integers(0, 2**32 - 1), style=st.sampled_from(["normal", "coarse", "peaked"]))
+def test_greedy_paths_pick_what_llama_cpps_greedy_sampler_picks(nat, V, seed, style):
+    """The short path and the batched tick against llama_sampler_init_greedy on the whole
+    row (ids ascending, so its first maximum is the smallest id); rows without NaN."""
+    row = row_of(np.random.default_rng(seed), V, style)
+    assume(not np.isnan(row).any() and row.max() > -np.inf)
+    with CSampler(nat, "greedy") as c:
+        res = c.apply(np.arange(V, dtype=np.int32), row)
+    want = int(res.ids[res.selected])
+    assert SequenceSampler(SamplerParams(temperature=0), V).sample(row).token == want
+    assert SequenceSampler(SamplerParams(top_k=1), V).sample(row).token == want
+    block = row[None, :]
+    assert sample_tick([SequenceSampler(SamplerParams(temperature=0), V)], block, [0])[0].token == want
