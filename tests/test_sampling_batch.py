@@ -227,3 +227,28 @@ def test_greedy_paths_pick_what_llama_cpps_greedy_sampler_picks(nat, V, seed, st
     assert SequenceSampler(SamplerParams(top_k=1), V).sample(row).token == want
     block = row[None, :]
     assert sample_tick([SequenceSampler(SamplerParams(temperature=0), V)], block, [0])[0].token == want
+
+
+def test_a_failing_user_step_takes_only_its_own_place():
+    """isolate: the failing sequence gets its exception, the others their results."""
+    from clickpaca.sampling import registry as R
+
+    class Boom(Exception):
+        pass
+
+    def run(ids, logits, p, ctx):
+        raise Boom("step failed")
+
+    V = 64
+    block = np.random.default_rng(0).standard_normal((3, V)).astype(np.float32)
+    # made before the registration: their default order does not hold the new step
+    ok = [SequenceSampler(SamplerParams(seed=1), V), SequenceSampler(SamplerParams(top_k=1, seed=2), V)]
+    R.register(R.Step("boom_29", R.GENERAL, run=run, off=lambda p, h: False))
+    try:
+        bad = SequenceSampler(SamplerParams(samplers=["boom_29"], seed=3), V)
+        want = [s.fork().sample(block[i]) for i, s in enumerate(ok)]
+        got = sample_tick([ok[0], bad, ok[1]], block, [0, 2, 1], isolate=(Boom,))
+        assert isinstance(got[1], Boom)
+        assert [got[0], got[2]] == want
+    finally:
+        R.unregister("boom_29")

@@ -61,13 +61,15 @@ def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
 
 
 def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: Sequence[int],
-                masks: Sequence[np.ndarray | None] | None = None) -> list[SampleResult]:
+                masks: Sequence[np.ndarray | None] | None = None,
+                isolate: tuple[type[BaseException], ...] = ()) -> list:
     """Sample one token for each (sampler, row of ``logits``, grammar mask or None).
 
-    ``logits`` is the decode's [n_out, n_vocab] float32 block (only read). Exceptions of
-    the per-sequence path (a user step's StepFailed) propagate as from ``sample``: the
-    caller that isolates them per sequence calls ``sample`` for the sequences whose plan
-    is not batched (``batch_plan`` says which), or catches around this call."""
+    ``logits`` is the decode's [n_out, n_vocab] float32 block (only read). An exception
+    of a type in ``isolate`` (the engine passes a user step's StepFailed) raised by one
+    sequence's ``sample`` takes that sequence's place in the list instead of a
+    SampleResult, so the other sequences of the tick still get theirs; any other
+    exception propagates."""
     logits = np.asarray(logits)
     n = len(samplers)
     out: list[SampleResult | None] = [None] * n
@@ -80,7 +82,10 @@ def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: S
             p = s.params
             plan = batch_plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
         if plan is None:
-            out[j] = s.sample(logits[rows[j]], mask)
+            try:
+                out[j] = s.sample(logits[rows[j]], mask)
+            except isolate as e:
+                out[j] = e
         elif plan[0] == "greedy":
             greedy.append(j)
         else:
