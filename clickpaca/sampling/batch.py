@@ -110,7 +110,7 @@ def _greedy(samplers, logits, rows, js, out) -> None:
         if not good:
             out[j] = s.sample(logits[rows[j]])
             continue
-        s._rng.random()  # the draw sample() makes (the stream stays aligned)
+        s.draw()  # the draw sample() makes (the stream stays aligned)
         out[j] = SampleResult(tok, n_candidates=1)
 
 
@@ -190,7 +190,7 @@ def _topk(samplers, logits, rows, js, k, top_p, temp, out) -> None:
         if bad[a] or not lmax[a] < np.inf:
             out[j] = s.sample(logits[rows[j]])
             continue
-        u = float(s._rng.random())
+        u = s.draw()
         if size[a] == 1:
             tok = int(top_ids[a, last[a]])
         else:

@@ -392,6 +392,11 @@ class SequenceSampler:
 
     # -- sampling --------------------------------------------------------------------
 
+    def draw(self) -> float:
+        """The one uniform number a ``sample`` call draws (``batch.sample_tick`` takes it
+        for the rows it samples itself, so the stream stays where ``sample`` leaves it)."""
+        return float(self._rng.random())
+
     def sample(self, logits_row: np.ndarray, allowed_bitmask: np.ndarray | None = None, *,
                timings: dict | None = None) -> SampleResult:
         """Sample the next token from one raw logits row (float, length n_vocab; only
@@ -401,7 +406,7 @@ class SequenceSampler:
         if row.ndim != 1 or row.shape[0] != self._n_vocab:
             raise ValueError(f"logits row must have shape ({self._n_vocab},), got {row.shape}")
         p = self._params
-        u = float(self._rng.random())
+        u = self.draw()
         words = as_words(allowed_bitmask, self._n_vocab) if allowed_bitmask is not None else None
         view = RowView(row)
         hist = self.penalty_window() if p.penalties_active else _NO_HIST
