@@ -253,6 +253,25 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
 
 @pytest.mark.model
 @pytest.mark.slow
+def test_bench_sampler_ticks_real(tmp_path, monkeypatch):
+    """--seqs: per tick, the decode beside the host's sampling (per sequence and batched,
+    which the bench itself checks equal)."""
+    from clickpaca.bench import sampler, sampler_ticks
+
+    monkeypatch.setattr(sampler_ticks, "TICKS", 1)
+    out = sampler.run(_args(tmp_path, what="sampler", seqs="1,3", repeats=1))
+    data = json.loads((tmp_path / "sampler.json").read_text())
+    assert [t["n_seq"] for t in data["ticks"]] == [1, 3]
+    for t in out["ticks"]:
+        assert t["decode_ms"] > 0
+        assert set(t["scenarios"]) == set(sampler_ticks.TICK_SCENARIOS)
+        for s in t["scenarios"].values():
+            assert s["per_seq_wall_ms"] > 0 and s["batched_wall_ms"] > 0
+            assert s["fraction_per_seq"] == pytest.approx(s["per_seq_wall_ms"] / t["decode_ms"], rel=0.02)
+
+
+@pytest.mark.model
+@pytest.mark.slow
 def test_bench_kv_f16_real(tmp_path):
     from clickpaca.bench import kv
 

@@ -93,8 +93,8 @@ def measure(args: Any) -> dict[str, Any]:
     for name, (params, density) in SCENARIOS.items():
         r = synth.get(name, {})
         results.append({"scenario": name, "params": params.to_request(), "mask_density": density,
-                        "us_per_token": r.get("chain"),
-                        "steps_us": {k: v for k, v in r.items() if k != "chain"},
+                        "us_per_token": r.get("chain"), "us_per_token_batched64": r.get("batched"),
+                        "steps_us": {k: v for k, v in r.items() if k not in ("chain", "batched")},
                         "real_rows": real_res.get(name)})
     return {"params": {"n_vocab": N_VOCAB, "rounds": rounds, "synthetic_repeats": SYNTH_REPEATS,
                        "real_rows": 0 if real is None else len(real[0])},
@@ -119,9 +119,9 @@ def table(out: dict[str, Any]) -> str:
     rows = []
     for r in out["results"]:
         real = r.get("real_rows") or {}
-        rows.append([r["scenario"], r["us_per_token"], real.get("chain_cpu"), real.get("chain_wall")]
-                    + [r["steps_us"].get(k) for k in steps])
-    return markdown(["scenario", "us/token (synthetic, CPU)", "real rows CPU", "real rows wall"]
+        rows.append([r["scenario"], r["us_per_token"], r.get("us_per_token_batched64"), real.get("chain_cpu"),
+                     real.get("chain_wall")] + [r["steps_us"].get(k) for k in steps])
+    return markdown(["scenario", "us/token (synthetic, CPU)", "batched, 64 rows", "real rows CPU", "real rows wall"]
                     + [f"{k}" for k in steps], rows)
 
 
@@ -145,6 +145,20 @@ def steps_table(out: dict[str, Any]) -> str:
 
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args)
+    seqs = getattr(args, "seqs", None)
+    if seqs:  # --seqs: host time per tick beside the decode of the same tick
+        from . import sampler_ticks
+
+        out = {"params": {"seqs": seqs, "ticks": sampler_ticks.TICKS}, "machine_start": machine(),
+               "ticks": sampler_ticks.measure([int(x) for x in str(seqs).split(",")],
+                                              getattr(args, "model", None), getattr(args, "threads", None)),
+               "notes": ["per tick: one llama_decode of one token per sequence (wall, median of the ticks) "
+                         "and the host's sampling of its [n, 262144] logits block: one "
+                         "SequenceSampler.sample per row (per seq) and sampling.batch.sample_tick "
+                         "(batched), the same results checked; host / decode = wall over wall"]}
+        emit(out_dir(args), "sampler", out, sampler_ticks.table(out["ticks"]),
+             "Sampler host time per tick beside the decode (262,144 vocab)")
+        return out
     out = measure(args)
     emit(out_dir(args), "sampler", out, table(out) + "\n\n" + steps_table(out),
          "Sampler chain, microseconds per token per sequence (262,144 vocab)")

@@ -14,7 +14,8 @@ per step (its wire parameters, kind, state, superset hook; how to add a step),
 ``table`` the built-in rows, ``steps`` and ``dry`` the definitions, ``cut`` the exact
 shortcuts, ``chain`` the composition and per-sequence state, ``trace`` what each step
 did to a token, ``oracle`` llama.cpp's C samplers through the bindings (tests, bench),
-``vocab`` token text for steps that need it, ``bench`` the microbenchmark.
+``vocab`` token text for steps that need it, ``batch`` one tick's rows at once (exactly
+what per-sequence ``sample`` calls give), ``bench`` the microbenchmark.
 """
 
 from .chain import Candidates, SampleResult, SequenceSampler, apply_chain

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from .batch import sample_tick
 from .chain import SequenceSampler
 from .params import SamplerParams
 
@@ -48,15 +49,33 @@ SCENARIOS = {
 }
 
 
+TICK_ROWS = 64
+
+
+def _tick_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int) -> float:
+    """us per row of ``batch.sample_tick`` over a [64, n_vocab] block (forks of ``s``)."""
+    block = np.stack([rows[i & 7] for i in range(TICK_ROWS)])
+    forks = [s.fork() for _ in range(TICK_ROWS)]
+    idx = list(range(TICK_ROWS))
+    sample_tick(forks, block, idx)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time_ns()
+        sample_tick(forks, block, idx)
+        best = min(best, (time.thread_time_ns() - t0) / TICK_ROWS / 1e3)
+    return best
+
+
 def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed: int = 0,
-               scenarios: dict | None = None) -> dict[str, dict[str, float]]:
+               scenarios: dict | None = None, batched: bool = True) -> dict[str, dict[str, float]]:
     """{scenario: {"chain": us per token, <stage>: us per token, ...}}.
 
     "chain" is a whole ``SequenceSampler.sample`` call (the best round); the stages come
     from a separate instrumented run (grammar = mask count/extraction, cut = finding the
     candidates in the full row, one entry per step, sample, probs = logprobs).
     "calibration" times one np.max and one np.exp over a row: on a shared machine, read
-    the chain as a multiple of those."""
+    the chain as a multiple of those. "batched" (scenarios without a grammar): us per row
+    of one ``batch.sample_tick`` over 64 rows (a tick of 64 sequences)."""
     rng = np.random.default_rng(seed)
     rows = [synthetic_row(rng, n_vocab) for _ in range(8)]
     history = rng.integers(0, n_vocab, 64).tolist()
@@ -87,6 +106,8 @@ def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed
             s.sample(rows[i & 7], mask, timings=timings)
         res = {"chain": round(best, 1)}
         res.update({k: round(v / repeats / 1e3, 1) for k, v in timings.items()})
+        if batched and mask is None:
+            res["batched"] = round(_tick_cost(s, rows, rounds), 1)
         out[name] = res
     return out
 

@@ -18,7 +18,7 @@ from .params import SamplerParams
 from .steps import FORCE
 from . import registry as R
 from .registry import ELEMENTWISE, SCALE, TRUNCATION, Step, StepContext
-from .table import EMPTY_REASONS
+from .table import BY_NAME, EMPTY_REASONS
 from .trace import trace
 
 __all__ = ["Candidates", "SampleResult", "SequenceSampler", "StepContext", "apply_chain", "EMPTY_REASONS"]
@@ -78,6 +78,35 @@ def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tup
     first = next((i for i, s in enumerate(active)
                   if s.kind not in (ELEMENTWISE, TRUNCATION, SCALE) or s.truncates(p, n_allowed)), None)
     return tuple(active), first
+
+
+#: The steps that keep a one-token set as it is (or rescale its logit): after a cut to
+#: the canonical first token only these may follow for the greedy short path.
+_KEEP_ONE = frozenset(("top_k", "min_p", "top_p", "temperature", "top_n_sigma"))
+
+
+@functools.lru_cache(maxsize=1024)
+def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[Step, ...], float] | None:
+    """(steps from the first truncation on, tau before it) when the chain without a
+    grammar reduces to "the canonical first raw token" (one argmax pass), else None.
+    That is: no elementwise step is active before the first truncation (nothing is
+    touched), the first truncation keeps one token (top-k 1 or greedy temperature), and
+    only built-in stateless steps that keep a one-token set follow it. ``apply_chain``
+    would give the same candidates (its cut is the same argmax); this skips its set-up."""
+    if p.trace:
+        return None
+    active, first = _steps_to_run(p, has_hist, n_vocab)
+    if first is None:
+        return None
+    prefix, tail = active[:first], active[first:]
+    if any(s.kind == ELEMENTWISE for s in prefix):
+        return None
+    head = tail[0]
+    if not ((head.name == "top_k" and p.top_k == 1) or (head is _TEMPERATURE and p.temperature <= 0)):
+        return None
+    if any(s.name not in _KEEP_ONE or s.stateful or s is not BY_NAME.get(s.name) for s in tail):
+        return None
+    return tail, (p.temperature if _TEMPERATURE in prefix else 1.0)
 
 
 _NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
@@ -363,6 +392,11 @@ class SequenceSampler:
 
     # -- sampling --------------------------------------------------------------------
 
+    def draw(self) -> float:
+        """The one uniform number a ``sample`` call draws (``batch.sample_tick`` takes it
+        for the rows it samples itself, so the stream stays where ``sample`` leaves it)."""
+        return float(self._rng.random())
+
     def sample(self, logits_row: np.ndarray, allowed_bitmask: np.ndarray | None = None, *,
                timings: dict | None = None) -> SampleResult:
         """Sample the next token from one raw logits row (float, length n_vocab; only
@@ -372,7 +406,7 @@ class SequenceSampler:
         if row.ndim != 1 or row.shape[0] != self._n_vocab:
             raise ValueError(f"logits row must have shape ({self._n_vocab},), got {row.shape}")
         p = self._params
-        u = float(self._rng.random())
+        u = self.draw()
         words = as_words(allowed_bitmask, self._n_vocab) if allowed_bitmask is not None else None
         view = RowView(row)
         hist = self.penalty_window() if p.penalties_active else _NO_HIST
@@ -381,7 +415,10 @@ class SequenceSampler:
         if p.trace:  # the trace reruns the steps on copies taken before they run
             before = StepContext(hist, self._history, self._vocab, copy.deepcopy(self._states),
                                  copy.deepcopy(self._streams), self._seed, self._n_vocab)
-        cand = apply_chain(row, p, words, view=view, timings=timings, ctx=ctx)
+        short = greedy_tail(p, hist[0].size > 0, self._n_vocab) if words is None else None
+        cand = _greedy(row, view, p, short, ctx, timings) if short is not None else None
+        if cand is None:
+            cand = apply_chain(row, p, words, view=view, timings=timings, ctx=ctx)
         if cand.empty_step is not None:
             return SampleResult(-1, True, _reason(cand.empty_step))
         t0 = time.thread_time_ns() if timings is not None else 0
@@ -409,6 +446,31 @@ class SequenceSampler:
         if timings is not None:
             timings["probs"] = timings.get("probs", 0) + time.thread_time_ns() - t0
         return res
+
+
+def _greedy(row: np.ndarray, view: RowView, p: SamplerParams, short, ctx: StepContext,
+            timings: dict | None) -> Candidates | None:
+    """``apply_chain`` for a ``greedy_tail`` plan: the canonical first token (one argmax
+    pass), then the steps from the first truncation on over that one-token set, as the
+    chain runs them. None when the row's top is NaN or -inf (the chain handles those)."""
+    tick = time.thread_time_ns if timings is not None else None
+    t0 = tick() if tick else 0
+    first = view.first()
+    if first < 0:
+        return None
+    tail, tau = short
+    ids = np.array([first], np.int32)
+    logits = gather(row, ids, tau)
+    for i, step in enumerate(tail):
+        ids, logits = step.run(ids, logits, p, ctx)
+        if tick:
+            t1 = tick()
+            key = "cut" if i == 0 else step.name  # the argmax is the first truncation's cut
+            timings[key] = timings.get(key, 0) + t1 - t0
+            t0 = t1
+        if ids.size == 0:
+            return Candidates(ids, logits, step.name)
+    return Candidates(ids, logits)
 
 
 def _reason(step: str) -> str:

@@ -56,7 +56,7 @@ def isin_sorted(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
 class RowView:
     """Read-only access to a raw logits row with lazily computed column maxima."""
 
-    __slots__ = ("row", "n", "cols", "rows", "head", "tail0", "dense_frac", "_colmax", "_cand", "_max")
+    __slots__ = ("row", "n", "cols", "rows", "head", "tail0", "dense_frac", "_colmax", "_cand", "_max", "_first")
 
     def __init__(self, row: np.ndarray, cols: int | None = None, dense_frac: float = 0.25):
         """``cols``: columns of the R x C view (default 8192 at 262k). ``ge`` scans the
@@ -72,6 +72,18 @@ class RowView:
         self._colmax = None
         self._cand = None
         self._max = None
+        self._first = None
+
+    def first(self) -> int:
+        """The canonical first token (the largest logit, the smallest id among ties) from
+        one argmax pass, or -1 when the row's largest value is NaN or -inf (argmax would
+        pick a NaN, or a token that is no better than the rest): callers fall back to the
+        column maxima then. ``batch`` may hand it in precomputed for a whole tick."""
+        if self._first is None:
+            i = int(self.row.argmax()) if self.n else -1
+            v = self.row[i] if i >= 0 else np.nan
+            self._first = i if v > -np.inf else -1  # NaN compares False too
+        return self._first
 
     @property
     def colmax(self) -> np.ndarray:
@@ -130,6 +142,14 @@ def upper_ids(view: RowView, need: int, words: np.ndarray | None = None, frac: f
     logit than every token in it. ``frac`` is the allowed fraction of the vocabulary
     (sizes the first guess); ``exclude`` is sorted."""
     n_ex = 0 if exclude is None else exclude.size
+    if need == 1 and words is None:
+        # One argmax pass instead of the column maxima: the canonical first token alone is
+        # an upper set of one unless it ties; a tie is no better, so every truncation that
+        # keeps one token (top-k 1, greedy) and every use of the best value still sees
+        # exactly what the full upper set would give it.
+        i = view.first()
+        if i >= 0 and not (n_ex and isin_sorted(np.array([i]), exclude)[0]):
+            return np.array([i], np.int64)
     k = need + n_ex
     if words is not None:
         k = int(k / max(frac, 1e-9) * 1.25) + 16

@@ -1,0 +1,200 @@
+"""One tick's sampling over a [n_out, n_vocab] logits block, batched where that is exact.
+
+``sample_tick(samplers, logits, rows, masks)`` returns what
+``[s.sample(logits[r], m) for s, r, m in ...]`` returns, bit for bit, in the same order,
+drawing the same random numbers. Two plans run batched, everything else per sequence:
+
+- greedy (``chain.greedy_tail``, no grammar, no nProbs, no trace): one argmax per row,
+  the token is the canonical first, one candidate.
+- top-k k (1 < k <= KMAX) first, then optionally top-p, then optionally temperature > 0,
+  with nothing else active (no grammar, bias, penalties, nProbs, trace): the default
+  chain. The k best of every row come from column maxima gathered in one fancy index
+  over the block; after top-k every row has exactly k candidates, so top-p and the draw
+  run on a [n, k] matrix in the same element order as the per-sequence steps (ids
+  ascending for the sums, canonical order for the cumulative mass), which keeps every
+  float64 reduction identical (numpy reduces each contiguous row as it reduces a 1-D
+  array; the tests check it).
+
+A row whose top is NaN or infinite, or whose plan is anything else, takes the
+per-sequence path. The engine calls it once per tick instead of its per-sequence loop
+(docs/BENCHMARKS.md, "Sampler host cost").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
+from .cut import _default_cols
+from .params import SamplerParams
+
+__all__ = ["sample_tick", "batch_plan", "KMAX"]
+
+#: The largest top-k run batched (the [n, k] matrices stay small).
+KMAX = 256
+
+_NEG_INF = -np.inf
+
+
+@functools.lru_cache(maxsize=1024)
+def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
+    """("greedy",) or ("topk", k, top_p or None, temperature or None) when the params
+    (without a grammar) can run batched; None otherwise."""
+    if p.trace or p.n_probs:
+        return None
+    if greedy_tail(p, has_hist, n_vocab) is not None:
+        return ("greedy",)
+    active, first = _steps_to_run(p, has_hist, n_vocab)
+    names = [s.name for s in active]
+    if first != 0 or not names or names[0] != "top_k" or not 1 < p.top_k <= min(KMAX, _default_cols(n_vocab)):
+        return None
+    rest = names[1:]
+    if rest not in ([], ["top_p"], ["temperature"], ["top_p", "temperature"]):
+        return None
+    if "temperature" in rest and p.temperature <= 0:
+        return None
+    return ("topk", p.top_k, p.top_p if "top_p" in rest else None,
+            p.temperature if "temperature" in rest else None)
+
+
+def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: Sequence[int],
+                masks: Sequence[np.ndarray | None] | None = None,
+                isolate: tuple[type[BaseException], ...] = ()) -> list:
+    """Sample one token for each (sampler, row of ``logits``, grammar mask or None).
+
+    ``logits`` is the decode's [n_out, n_vocab] float32 block (only read). An exception
+    of a type in ``isolate`` (the engine passes a user step's StepFailed) raised by one
+    sequence's ``sample`` takes that sequence's place in the list instead of a
+    SampleResult, so the other sequences of the tick still get theirs; any other
+    exception propagates."""
+    logits = np.asarray(logits)
+    n = len(samplers)
+    out: list[SampleResult | None] = [None] * n
+    greedy: list[int] = []
+    topk: dict[tuple, list[int]] = {}
+    for j, s in enumerate(samplers):
+        mask = masks[j] if masks is not None else None
+        plan = None
+        if mask is None and logits.ndim == 2 and logits.shape[1] == s.n_vocab:
+            p = s.params
+            plan = batch_plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+        if plan is None:
+            try:
+                out[j] = s.sample(logits[rows[j]], mask)
+            except isolate as e:
+                out[j] = e
+        elif plan[0] == "greedy":
+            greedy.append(j)
+        else:
+            topk.setdefault(plan[1:], []).append(j)
+    if greedy:
+        _greedy(samplers, logits, rows, greedy, out)
+    for (k, top_p, temp), js in topk.items():
+        _topk(samplers, logits, rows, js, k, top_p, temp, out)
+    return out  # type: ignore[return-value]
+
+
+def _greedy(samplers, logits, rows, js, out) -> None:
+    r = np.fromiter((rows[j] for j in js), np.intp, len(js))
+    lo = _contiguous(r)
+    if lo is not None:  # one call over a slice of the block (no copy)
+        first = logits[lo: lo + r.size].argmax(axis=1)
+    else:
+        first = np.fromiter((logits[i].argmax() for i in r), np.intp, r.size)
+    ok = logits[r, first] > _NEG_INF  # NaN and -inf tops: per sequence
+    for j, tok, good in zip(js, first.tolist(), ok.tolist()):
+        s = samplers[j]
+        if not good:
+            out[j] = s.sample(logits[rows[j]])
+            continue
+        s.draw()  # the draw sample() makes (the stream stays aligned)
+        out[j] = SampleResult(tok, n_candidates=1)
+
+
+def _contiguous(r: np.ndarray) -> int | None:
+    """r[0] when r is r[0], r[0]+1, ... (a slice of the block, no copy), else None."""
+    return int(r[0]) if r.size and int(r[-1]) - int(r[0]) == r.size - 1 and (np.diff(r) == 1).all() else None
+
+
+def _topk(samplers, logits, rows, js, k, top_p, temp, out) -> None:
+    V = logits.shape[1]
+    cols = _default_cols(V)
+    nr = V // cols
+    r = np.fromiter((rows[j] for j in js), np.intp, len(js))
+    m = r.size
+    # Per row while it is in cache (a 64-row block is far bigger than the cache): column
+    # maxima, the k-th largest of them (and of the tail) as a threshold t with >= k tokens
+    # >= t, and the tokens >= t from the columns that reach it.
+    thr = np.empty(m)
+    seqs, idss, vals = [], [], []
+    head_n = nr * cols
+    for a, i in enumerate(r.tolist()):
+        row = logits[i]
+        head = row[:head_n].reshape(nr, cols)
+        colmax = np.fmax.reduce(head, axis=0)
+        cand = colmax if head_n == V else np.concatenate((colmax, row[head_n:]))
+        t = cand[np.argpartition(cand, cand.size - k)[cand.size - k]]
+        thr[a] = t
+        sel = np.flatnonzero(colmax >= t)
+        block = head.take(sel, axis=1)
+        ri, ci = np.nonzero(block >= t)
+        ids = ri * cols + sel[ci]
+        if head_n < V:
+            ids = np.concatenate((ids, np.flatnonzero(row[head_n:] >= t) + head_n))
+        seqs.append(np.full(ids.size, a, np.intp))
+        idss.append(ids)
+        vals.append(row[ids])
+    seq = np.concatenate(seqs)
+    ids = np.concatenate(idss)
+    if seq.size == 0:
+        for j in js:
+            out[j] = samplers[j].sample(logits[rows[j]])
+        return
+    v = np.fmax(np.concatenate(vals), _NEG_INF, dtype=np.float64)  # as candidates.gather
+    order = np.lexsort((ids, -v, seq))  # per row: canonical order
+    counts = np.bincount(seq, minlength=m)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
+    pick = order[np.minimum(starts[:, None] + np.arange(k), order.size - 1)]
+    top_ids, top_v = ids[pick], v[pick]
+    o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order
+    top_ids = np.take_along_axis(top_ids, o, 1).astype(np.int32)
+    top_v = np.take_along_axis(top_v, o, 1)
+    vmax = top_v.max(axis=1)
+    bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
+    keep = np.ones((m, k), bool)
+    if top_p is not None and top_p < 1.0:
+        with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
+            e = np.exp(top_v - vmax[:, None])
+        target = top_p * (np.add.reduce(e, axis=1) + 0.0)
+        corder = np.lexsort((top_ids, -top_v), axis=1)  # canonical order within each row
+        cum = np.add.accumulate(np.take_along_axis(e, corder, 1), axis=1)
+        cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
+        keep = np.zeros((m, k), bool)
+        np.put_along_axis(keep, corder, np.arange(k)[None, :] <= cut[:, None], 1)
+    lg = np.where(keep, top_v, _NEG_INF)
+    if temp is not None:
+        with np.errstate(over="ignore"):
+            lg = lg / temp
+    lmax = lg.max(axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(lg - lmax[:, None])
+    c = np.add.accumulate(e, axis=1)
+    last = k - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last kept position (id order)
+    size = keep.sum(axis=1)
+    for a, j in enumerate(js):
+        s = samplers[j]
+        if bad[a] or not lmax[a] < np.inf:
+            out[j] = s.sample(logits[rows[j]])
+            continue
+        u = s.draw()
+        if size[a] == 1:
+            tok = int(top_ids[a, last[a]])
+        else:
+            row_c = c[a]
+            jj = int(np.searchsorted(row_c, u * row_c[-1], side="right"))
+            tok = int(top_ids[a, min(jj, int(last[a]))])
+        out[j] = SampleResult(tok, n_candidates=int(size[a]))
