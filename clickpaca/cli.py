@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-last", type=int, default=None,
                    help="score only the last N - 1 tokens of each window (default: its second half, "
                         "N = ctx/2): long-range perplexity, e.g. --ctx 4096 --score-last 512")
+    p.add_argument("--no-server", action="store_true",
+                   help="skip the server's score pass (it computes every type a second time, as a "
+                        "check of the in-process windows): PPL from the in-process windows only")
     p.add_argument("--ref", choices=["f16", "f32"], default="f16",
                    help="KL reference: the first type (f16), or the exact f32 K/V cache with flash "
                         "attention off (then KL vs the first type is shown too)")

@@ -13,6 +13,12 @@ kernel path that changes a token's result with the batch shape or cell placement
   changes the rounding.
 The mode turns each off: weights in file layout, tiled matmul off, flash attention off,
 one KV stream per sequence (its cells at 0..n-1 of its own stream).
+
+A turbo K/V cache needs flash attention (llama.cpp: a quantized V), and the turboquant
+patch sends it down flash attention's tiled path from FA_TILE_ROWS query rows of a stream
+in one micro-batch; the split-KV path takes only f16/f32 K/V. With micro-batches below
+that (ubatch), every row goes row by row and the logits do not depend on the batch shape
+(tests/test_turbo_deterministic.py). Not yet wired into `init` (protocol.py, engine).
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ TILED_ENV = "GGML_CPU_TILED_MM"
 
 #: init field -> the value deterministic mode needs; an explicit other value is an error.
 REQUIRED = {"flashAttn": "off", "kvUnified": False}
+
+#: ggml-cpu's GGML_FA_TILE_Q: flash attention's tiled path from this many query rows.
+FA_TILE_ROWS = 64
+#: micro-batch for a turbo K/V cache in deterministic mode: below FA_TILE_ROWS.
+TURBO_UBATCH = 32
+
+
+def ubatch(types: tuple[str, str], n_batch: int) -> int | None:
+    """n_ubatch that keeps flash attention row by row for a turbo K/V (None: n_batch's)."""
+    return min(n_batch, TURBO_UBATCH) if any(t.startswith("turbo") for t in types) else None
 
 
 def apply_process_settings() -> None:

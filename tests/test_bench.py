@@ -363,3 +363,17 @@ def test_ppl_noise_plan_of_f16_is_unchanged_and_of_another_type_drops_fa_off():
     assert [x.name for x in changed] == [n.name for n in NOISE if n.flash_attn == "on"]
     v, refs, at = plan_variants([("turbo3", "turbo3")], "f16", True, ("turbo3", "turbo3"))
     assert at[0] == 0 and refs == [0]
+
+
+@pytest.mark.model
+def test_ppl_no_server_takes_ppl_from_the_in_process_windows_only(tmp_path):
+    from clickpaca.bench.ppl import measure, table
+
+    a = build_parser().parse_args(["ppl", "--cache", "f16,q8_0", "--ctx", "64", "--chunks", "1", "--no-server",
+                                   "--out", str(tmp_path)])
+    out = measure(a)
+    assert out["params"]["server"] is False and not out["server_problems"]
+    for r in out["rows"]:
+        assert "ppl_server" not in r and "error_server" not in r
+        assert r["ppl_inproc"] > 1 and r["tokens_inproc"] == 31
+    assert "--no-server" in " ".join(out["notes"]) and "q8_0" in table(out)

@@ -92,8 +92,11 @@ def measure(args: Any) -> dict[str, Any]:
     for k, v in pairs:
         name = pair_name(k, v)
         build = build_for(k, v)
-        progress(f"ppl: server score, {name} ({build})")
         rec: dict[str, Any] = {"cache": name, "cache_k": k, "cache_v": v, "build": build}
+        rows[name] = rec
+        if getattr(args, "no_server", False):
+            continue
+        progress(f"ppl: server score, {name} ({build})")
         try:
             with Server({"modelPath": model, "build": build, "nCtx": args.ctx, "nSeqMax": 1,
                          "nThreads": threads, "cacheTypeK": k, "cacheTypeV": v,
@@ -107,7 +110,6 @@ def measure(args: Any) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001
             rec["error_server"] = str(e)
             problems.append(f"score with {name}: {e}")
-        rows[name] = rec
     progress(f"ppl: KL / top-1 in-process ({kl_build} build)")
     ref = getattr(args, "ref", None) or "f16"
     noise_rows: list[dict[str, Any]] = []
@@ -174,7 +176,8 @@ def measure(args: Any) -> dict[str, Any]:
              f"KL(P_ref || P_type) in nats per position and top-1 agreement, vs {ref_name}, computed "
              f"in-process on the {kl_build} build",
              "ppl server = the server's `score`; ppl in-process = the same windows through clickpaca.core "
-             "(should match the server closely)"]
+             "(should match the server closely)" if not getattr(args, "no_server", False) else
+             "--no-server: the server's score pass skipped; PPL from the in-process windows only"]
     if noise_rows and noise_of != ("f16", "f16"):
         notes.append(f"noise floor of {pair_name(*noise_of)} (--noise-of): its default computation changed in "
                      "one thing that should not matter, KL and dPPL against it (shown, not applied to the "
@@ -189,7 +192,7 @@ def measure(args: Any) -> dict[str, Any]:
                        "ref": ref, "noise": bool(noise_rows),
                        **({"noise_of": pair_name(*noise_of)} if noise_rows and noise_of != ("f16", "f16") else {}),
                        "text": text_path, "tokens": n_tok, "threads": threads, "model": model,
-                       "native": bool(args.native),
+                       "native": bool(args.native), "server": not getattr(args, "no_server", False),
                        "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
                        "tokens_sha256": hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()},
             "samples": samples,
@@ -275,8 +278,8 @@ def plot(out: dict[str, Any], args: Any) -> None:
     plot_points(png(args, "ppl-kl"), [(r["cache"], r["bpv"], r.get("kl_mean")) for r in rows],
                 "bits per value (mean of K and V)", "KL divergence vs reference (nats/token)",
                 "KV cache quality vs bits per value", logy=True)
-    plot_points(png(args, "ppl"), [(r["cache"], r["bpv"], r.get("ppl_server")) for r in rows],
-                "bits per value (mean of K and V)", "perplexity (server score)",
+    plot_points(png(args, "ppl"), [(r["cache"], r["bpv"], r.get("ppl_server") or r.get("ppl_inproc")) for r in rows],
+                "bits per value (mean of K and V)", "perplexity (server score, else in-process)",
                 "Perplexity vs bits per value")
 
 
