@@ -31,6 +31,21 @@ CPUINFO_FLAG = {
     "__AMX_FP16__": "amx_fp16",
 }
 
+#: ggml's CPU-variant feature names (ggml/src/CMakeLists.txt, the GGML_CPU_ALL_VARIANTS
+#: list a portable build records in build-info.json) -> the cpuinfo flags each needs.
+GGML_VARIANT_FLAGS = {
+    "SSE42": {"sse4_2"}, "AVX": {"avx"}, "F16C": {"f16c"}, "FMA": {"fma"}, "AVX2": {"avx2"},
+    "BMI2": {"bmi2"}, "AVX_VNNI": {"avx_vnni"},
+    "AVX512": {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"},
+    "AVX512_VBMI": {"avx512vbmi"}, "AVX512_VNNI": {"avx512_vnni"}, "AVX512_BF16": {"avx512_bf16"},
+    "AMX_TILE": {"amx_tile"}, "AMX_INT8": {"amx_int8"},
+}
+
+
+def variant_flags(variant_features: list[str]) -> set[str]:
+    """The cpuinfo flags a portable build's CPU variant was compiled for."""
+    return set().union(*(GGML_VARIANT_FLAGS[f] for f in variant_features))
+
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     """This CPU's feature flags, or None where the kernel does not list them (macOS)."""

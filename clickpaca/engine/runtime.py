@@ -256,9 +256,14 @@ def cpu_report(model: core.Model) -> dict[str, Any]:
     """For `ready`: this CPU, the instruction sets the build was compiled for, and its CPU
     choices (AMX kept, portable variants): what decides which kernels exist at all."""
     built = model.nat.info.get("cpu") or {}
-    return {"name": cpu.cpu_name(), "features": cpu.features(built.get("isa") or []),
+    variant = model.nat.cpu_variant
+    if built.get("portable"):  # no -march: the features are those of the variant ggml loaded
+        features = sorted(cpu.variant_flags((built.get("variants") or {}).get(variant) or []))
+    else:
+        features = cpu.features(built.get("isa") or [])
+    return {"name": cpu.cpu_name(), "features": features,
             "amx": bool(built.get("amx")), "portable": bool(built.get("portable")),
-            "variant": model.nat.cpu_variant,
+            "variant": variant,
             "builtOn": built.get("built_on")}
 
 
