@@ -325,6 +325,12 @@ def _prepared() -> Any:
     return field(default=None, compare=False, repr=False, metadata={"prepared": True})
 
 
+def _given() -> Any:
+    """The wire fields the client wrote (the others took their defaults); not compared:
+    requests are equal by their values."""
+    return field(default=frozenset(), compare=False, repr=False, metadata={"given": True})
+
+
 class Request:
     """A validated request; `type` is its wire name."""
 
@@ -360,7 +366,7 @@ def _request(kind: str) -> Callable[[type], type]:
                 spec[f.name] = (f.metadata["check"], f.default)
             elif "folds" in f.metadata:
                 spec.update((name, (_with_params, MISSING)) for name in f.metadata["folds"])
-            elif "prepared" not in f.metadata:
+            elif "prepared" not in f.metadata and "given" not in f.metadata:
                 raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _prepared()")
         REQUEST_TYPES[kind] = cls
         REQUESTS[kind] = spec
@@ -394,9 +400,12 @@ class InitRequest(Request):
     tensorSplit: tuple[float, ...] | None = wire(_opt(_shares), None)
     rpcTimeout: float = wire(_num(0.1, 86400.0), 120.0)
     outputLocal: bool = wire(_bool, False)
+    # the fields the client gave: a shared server compares those with what it runs
+    given: frozenset[str] = _given()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
+        values["given"] = frozenset(k for k in obj if k != "type")
         _batch_fits(values)
         if values["deterministic"]:
             _deterministic_fits(obj, values)

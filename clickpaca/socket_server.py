@@ -20,6 +20,7 @@ crashed server (nobody accepts on it) is replaced, a live one is an error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import signal
@@ -103,7 +104,7 @@ class ClientConn:
                         inbox.put((self.session, req))
                         continue
                     if req.type == "init":
-                        inbox.put((self.session, lambda line=line: self.server.answer_init(self, line)))
+                        inbox.put((self.session, lambda req=req: self.server.answer_init(self, req)))
                     elif req.type == "quit":
                         break  # a client's quit ends its own connection, not the shared server
                     else:
@@ -138,19 +139,12 @@ class SocketServer:
         if ev.get("type") == "error":
             self.init_error = ev.get("message")
 
-    def answer_init(self, conn: ClientConn, line: bytes) -> None:
-        raw = orjson.loads(line)
+    def answer_init(self, conn: ClientConn, req: InitRequest) -> None:
         if self.engine.lost is not None:
             conn.session.send(error_event(self.engine.lost_answer(), -1, "init"))
             return
         running = self.engine.ready_event or {}
-        names = {"nCtx": "nCtx", "nSeqMax": "nSeqMax", "nBatch": "nBatch", "stateDir": "stateDir",
-                 "cacheTypeK": "cacheTypeK", "cacheTypeV": "cacheTypeV", "build": "build",
-                 "rpcServers": "rpcServers", "tensorSplit": "tensorSplit"}
-        differ = [f"{k}={raw[k]!r} (running: {running.get(v)!r})" for k, v in names.items()
-                  if k in raw and raw[k] != running.get(v)]
-        if "modelPath" in raw and raw["modelPath"] is not None and raw["modelPath"] != running["model"]["path"]:
-            differ.append(f"modelPath={raw['modelPath']!r} (running: {running['model']['path']!r})")
+        differ = init_differences(req, self.init_request, running)
         if differ:
             conn.session.send(error_event("init: this shared server was initialised at start; "
                                           "these fields differ: " + ", ".join(differ), -1, "init"))
@@ -256,6 +250,33 @@ class SocketServer:
             self.cleanup()
             self.engine.shutdown()
         return 0
+
+
+#: Fields whose value the runtime resolves (a default model, build, state directory or
+#: thread count): a client may name the resolved value as well as the one given at start.
+RESOLVED = {"modelPath": lambda ready: ready["model"]["path"], "build": lambda ready: ready["build"],
+            "stateDir": lambda ready: ready["stateDir"], "nThreads": lambda ready: ready["nThreads"]}
+
+
+def init_differences(asked: InitRequest, running: InitRequest, ready: dict) -> list[str]:
+    """Every field the client's `init` gave (InitRequest.given) that differs from what the
+    shared server runs, as `name=asked (running: value)`, in declaration order."""
+    differ = []
+    for f in dataclasses.fields(InitRequest):
+        if f.name not in asked.given:
+            continue
+        want, have = getattr(asked, f.name), getattr(running, f.name)
+        if want == have:
+            continue
+        resolved = RESOLVED[f.name](ready) if f.name in RESOLVED and ready else have
+        if want is not None and want == resolved:
+            continue
+        differ.append(f"{f.name}={_wire(want)} (running: {_wire(resolved)})")
+    return differ
+
+
+def _wire(v) -> str:
+    return orjson.dumps(list(v) if isinstance(v, tuple) else v).decode()
 
 
 def log(message: str) -> None:
