@@ -75,12 +75,12 @@ def _in_range(name: str, v, lo, hi):
 
 
 def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    """An integer field. One rule for every integer field of the protocol, the sampler's
+    (sampling/registry.py `integer`) included: a JSON number written with a fraction or
+    an exponent (`40.0`, `4e1`) is refused, whatever its value."""
     def check(name: str, v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            else:
-                raise ValueError(f"{name}: must be an integer, got {_show(v)}")
+            raise ValueError(f"{name}: must be an integer, got {_show(v)}")
         return _in_range(name, v, lo, hi)
     return check
 

@@ -216,6 +216,16 @@ def test_bad_requests_get_an_error_naming_the_field(server, request_, field):
     assert server.collect(0)[1]["type"] == "done"
 
 
+@pytest.mark.parametrize("field", ["maxTokens", "topK", "seed", "nProbs"])
+def test_integral_floats_get_the_same_answer_in_every_integer_field(server, field):
+    """One integer rule (issue #25): maxTokens 40.0 was accepted, topK 40.0 refused."""
+    server.send({"type": "infer", "seq_id": 0, "prompt": "x", field: 4.0})
+    ev = list(server.stream(0))[-1]
+    assert ev["type"] == "error" and ev["message"] == f"{field}: must be an integer, got 4.0", ev
+    server.send({"type": "infer", "seq_id": 0, "prompt": PROMPT, "temperature": 0, field: 4})
+    assert list(server.stream(0))[-1]["type"] == "done"
+
+
 def test_a_misspelt_field_is_answered_with_a_hint(server):
     """The protocol's "did you mean" hint reaches the client, on the request's seq_id."""
     server.send({"type": "infer", "seq_id": 0, "prompt": "x", "top_k": 5})
