@@ -265,7 +265,7 @@ class Client:
         tokens, final = self.collect(seq_id, timeout)
         if final["type"] == "error":
             raise ServerError(final)
-        return "".join(t["piece"] for t in tokens)
+        return "".join(t["piece"] for t in tokens) + final.get("tail", "")
 
     async def astream(self, seq_id: int, timeout: float = 600):
         """asyncio version of `stream`: `async for ev in client.astream(0): ...`."""

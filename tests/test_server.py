@@ -226,6 +226,20 @@ def test_integral_floats_get_the_same_answer_in_every_integer_field(server, fiel
     assert list(server.stream(0))[-1]["type"] == "done"
 
 
+def test_an_unfinished_character_s_bytes_come_with_done(server):
+    """Issue #25: a multi-byte character cut by maxTokens lost its bytes. Token 478 is the
+    byte 0xF0 (`clickpaca tok` spells U+1F999 as 478 397 404 391); forced, then the
+    request ends."""
+    server.infer(0, PROMPT, maxTokens=1, temperature=0, logit_bias=[{"token": 478, "bias": 1e4}])
+    toks, done = server.collect(0)
+    assert [t["token"] for t in toks] == [478] and toks[0]["piece"] == ""
+    assert done["type"] == "done" and done["tail_bytes"] == [0xF0] and done["tail"] == "\ufffd", done
+    server.infer(0, PROMPT, maxTokens=1, temperature=0, logit_bias=[{"token": 478, "bias": 1e4}])
+    assert server.text(0) == "\ufffd"  # the client's text ends with the tail
+    server.infer(0, PROMPT, maxTokens=2, temperature=0)  # nothing held: no tail
+    assert "tail" not in server.collect(0)[1]
+
+
 def test_a_misspelt_field_is_answered_with_a_hint(server):
     """The protocol's "did you mean" hint reaches the client, on the request's seq_id."""
     server.send({"type": "infer", "seq_id": 0, "prompt": "x", "top_k": 5})

@@ -86,7 +86,15 @@ def done(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
         prompt_tps=round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
         # the first token comes from the prompt's logits: n tokens take n - 1 decodes
         eval_tps=round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None,
-        **_steps_ms(seq))
+        **_tail(seq), **_steps_ms(seq))
+
+
+def _tail(seq: Sequence) -> dict:
+    """`tail`: the bytes of a character the last tokens began but never completed (the
+    request ended first: maxTokens, a stop, a cancel), which no token event carried."""
+    held = seq.utf8.pending
+    seq.utf8.flush()
+    return {"tail": held.decode("utf-8", "replace"), "tail_bytes": list(held)} if held else {}
 
 
 def _steps_ms(seq: Sequence) -> dict:
