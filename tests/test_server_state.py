@@ -147,7 +147,7 @@ def alive(c: Client, seq_id: int = 15) -> None:
 # ------------------------------------------------------------------ fixtures
 
 # These tests are about the state itself, kept in pytest's tmp dirs: absolute paths,
-# which stdio allows only with this opt-in (the path rules: tests/test_state_dir.py).
+# which stdio allows only with this opt-in (the path rules: tests/test_statedir.py).
 ANY = "--allow-any-path"
 
 

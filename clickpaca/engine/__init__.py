@@ -16,8 +16,10 @@ One room per concern:
     stateio.py     state files (`save`, `load`) hashed, written and read on a worker
                    thread; completions come back through the server's inbox
 
-`Engine` only routes: requests to their handler through handlers.HANDLERS (between
-ticks), ticks to the scheduler.
+`Engine` applies `init` itself (it makes the runtime the others work on), routes every
+other request to its handler through handlers.HANDLERS (between ticks) and ticks to the
+scheduler; it also holds a session's requests while its state files are read or
+written, and the books after a lost RPC worker.
 Requests arrive as typed requests (protocol.InferRequest, ...) validated by
 clickpaca.protocol, the edge, where every check that needs only the request is made.
 """

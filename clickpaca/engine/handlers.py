@@ -5,8 +5,10 @@ needs only the request is done), with the work a reader thread may have prepared
 it (prepare.py). It makes the checks that need the server's state (is the seq_id
 in range and free, does the grammar exist, do the logit_bias ids fit the vocabulary,
 does the prompt fit the context), each raising a ProtocolError that names the field,
-and then either answers at once (grammar, cancel, free, fork, save, load) or sets up a
-sequence and appends it to the active order for the scheduler (infer, score, prefill).
+and then either answers at once (grammar, cancel, free, fork, stats), hands the file
+work to the state-file worker and answers when it is done (save, load: stateio.py), or
+sets up a sequence and appends it to the active order for the scheduler (infer, score,
+prefill).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class Sequences:
     def give_back(self) -> None:
         """A request failed: release the slots it took that are still its own (no leak).
 
-        Engine.handle clears `taken` before each request and calls this when one raises,
+        Engine._apply clears `taken` before each request and calls this when one raises,
         so a handler that fails after `new` never needs its own cleanup."""
         taken, self.taken = self.taken, []
         for seq in taken:
