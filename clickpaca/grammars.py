@@ -63,7 +63,7 @@ schema 181/203 us (batch 1), 100/241 (8), 85/172 (64); json.gbnf 137/174, 71/331
 $CLICKPACA_GRAMMAR_PAR_MIN=<batch>) for machines with idle cores;
 tests/test_grammars.py::test_report_mask_timings re-measures.
 The scheduler calls `fill_masks` on a worker thread while llama_decode runs
-(mask_ahead.py), which hides most of a tick's mask time behind the forward pass.
+(engine/mask_ahead.py), which hides most of a tick's mask time behind the forward pass.
 
 Samplers: do not write -inf across the vocabulary; take the top candidates from the
 logits, keep those `is_allowed(row, ids)` says the grammar allows, and fall back to

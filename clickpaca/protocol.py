@@ -23,21 +23,22 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import numpy as np
 import orjson
 
+from . import endings as _endings
 from .chat import Message, check_messages
 from .json_schema import NUMBER_DIGITS
 from .sampling import PROTOCOL_NAMES, SamplerParams
 from .sampling.params import MISSPELLINGS
 
-if TYPE_CHECKING:  # the types of prepared work (prepare.py), for the reader
+if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
     from .grammars import CompiledGrammar, GrammarError
-    from .prepare import PromptTokens
+    from .engine.prepare import PromptTokens
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 # Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
 # a deeper line is refused before anything walks it recursively (repr of a 1,000-deep
 # value raised RecursionError and ended the reader thread).
 MAX_JSON_DEPTH = 32
-MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenized on the reader thread (prepare.py)
+MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenized on the reader thread (engine/prepare.py)
 MAX_MESSAGES = 1024  # chat turns in one infer/prefill: each costs a template turn and two special tokens
 MAX_TEMPLATE_BYTES = 64 << 10  # chatTemplate text (llama.cpp matches it against its built-in ones)
 MAX_STOPS, MAX_STOP_BYTES = 64, 4096  # stop strings: every generated piece is searched for each
@@ -303,7 +304,7 @@ def _prompt_or_messages(values: dict, kind: str) -> None:
 # mixes camelCase and snake_case, and one spelling in docs, error messages and code
 # needs no table translating between them. Attributes that are not on the wire are
 # snake_case: infer's `params` (its sampler fields, folded into one SamplerParams) and
-# the work a reader thread may have prepared (prepare.py).
+# the work a reader thread may have prepared (engine/prepare.py).
 
 
 def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
@@ -320,7 +321,7 @@ def _folded(names: tuple[str, ...], make: Callable[[], Any]) -> Any:
 
 
 def _prepared() -> Any:
-    """Work a reader thread may have done for the engine (prepare.py); None: the engine
+    """Work a reader thread may have done for the engine (engine/prepare.py); None: the engine
     does it itself. Not compared: requests are equal by what the client sent."""
     return field(default=None, compare=False, repr=False, metadata={"prepared": True})
 
@@ -740,3 +741,8 @@ def stats_event(**fields: Any) -> dict:
 def encode(event: dict) -> bytes:
     """One event as one line (orjson: compact, UTF-8; non-finite floats become null)."""
     return orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+
+
+if END_EVENTS != _endings.END_EVENTS:  # an ending event added here needs its row there
+    raise ImportError(f"protocol END_EVENTS {sorted(END_EVENTS)} differ from endings.py's "
+                      f"{sorted(_endings.END_EVENTS)}")

@@ -25,7 +25,7 @@ import threading
 
 import pytest
 
-from clickpaca import kvstate
+from clickpaca.engine import kvstate
 from clickpaca.client import Client, ServerError
 from conftest import LOSSLESS, NEAR_TIE, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 

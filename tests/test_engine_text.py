@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clickpaca.text import StopMatcher, Utf8Assembler, _incomplete_tail
+from clickpaca.engine.text import StopMatcher, Utf8Assembler, _incomplete_tail
 
 
 def split_at(data, cuts):
