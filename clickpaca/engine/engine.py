@@ -145,7 +145,7 @@ class Engine:
                                 request="init")
         self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path,
                                     on_worker_lost=self._worker_lost)
-        self.seqs = Sequences(rt.ctx)
+        self.seqs = Sequences(rt.ctx, frozen=lambda: self.lost is not None)
         self.handlers = Handlers(rt, self.seqs, self.io, stats=self.stats)
         self.scheduler = Scheduler(rt, self.seqs)
         session.send(rt.ready_event)
@@ -182,7 +182,6 @@ class Engine:
             session.send(error_event(message, req.reply_seq_id, req.type))
             answered = (session, req.reply_seq_id)
         if self.seqs is not None:
-            self.seqs.frozen = True
             for seq in list(self.seqs.order):
                 if (seq.session, seq.seq_id) == answered:
                     self.seqs.release(seq)

@@ -63,14 +63,19 @@ class Sequences:
     """The slots of one context, the active (not held) sequences in arrival order, and
     every ending."""
 
-    def __init__(self, ctx: core.Context) -> None:
+    def __init__(self, ctx: core.Context, frozen: Callable[[], bool] = lambda: False) -> None:
         self.ctx = ctx
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
         self.order: list[Sequence] = []  # active (not held) sequences in arrival order
         self.taken: list[Sequence] = []  # slots taken by the request being handled (give_back)
-        # Set after a lost RPC worker: the context belongs to the engine thread, blocked for
-        # good inside llama.cpp, so endings only keep the books (no KV calls).
-        self.frozen = False
+        self._frozen = frozen
+
+    @property
+    def frozen(self) -> bool:
+        """After a lost RPC worker (the engine's `lost`, asked, not copied): the context
+        belongs to the engine thread, blocked for good inside llama.cpp, so endings only
+        keep the books (no KV calls)."""
+        return self._frozen()
 
     def check_id(self, seq_id: int, kind: str, field_: str = "seq_id") -> None:
         if not 0 <= seq_id < self.ctx.n_seq_max:
