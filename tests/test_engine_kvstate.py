@@ -1,4 +1,4 @@
-"""The state file format (clickpaca.kvstate): layout, verification, atomic writes.
+"""The state file format (clickpaca.engine.kvstate): layout, verification, atomic writes.
 
 The parse and write paths are pure Python; they are tested with a stand-in context that
 provides only what `kvstate` reads (the model file for its identity, the build, the

@@ -1,4 +1,4 @@
-"""clickpaca.text without a model: UTF-8 assembly of token bytes, stop strings in pieces."""
+"""clickpaca.engine.text without a model: UTF-8 assembly of token bytes, stop strings in pieces."""
 
 from __future__ import annotations
 
