@@ -31,10 +31,10 @@ from typing import Any, BinaryIO, Iterator
 import orjson
 
 from .cpu import describe_exit
-from .protocol import END_EVENTS
+from .endings import END_EVENTS
 
-#: The events that answer a request on its seq_id (the protocol's END_EVENTS).
-END_TYPES = frozenset(END_EVENTS)
+#: The events that answer a request on its seq_id (endings.py, checked by the protocol).
+END_TYPES = END_EVENTS
 #: How many of a spawned server's last stderr lines a death report carries.
 STDERR_TAIL_LINES = 8
 
@@ -265,7 +265,7 @@ class Client:
         tokens, final = self.collect(seq_id, timeout)
         if final["type"] == "error":
             raise ServerError(final)
-        return "".join(t["piece"] for t in tokens)
+        return "".join(t["piece"] for t in tokens) + final.get("tail", "")
 
     async def astream(self, seq_id: int, timeout: float = 600):
         """asyncio version of `stream`: `async for ev in client.astream(0): ...`."""

@@ -63,7 +63,7 @@ schema 181/203 us (batch 1), 100/241 (8), 85/172 (64); json.gbnf 137/174, 71/331
 $CLICKPACA_GRAMMAR_PAR_MIN=<batch>) for machines with idle cores;
 tests/test_grammars.py::test_report_mask_timings re-measures.
 The scheduler calls `fill_masks` on a worker thread while llama_decode runs
-(mask_ahead.py), which hides most of a tick's mask time behind the forward pass.
+(engine/mask_ahead.py), which hides most of a tick's mask time behind the forward pass.
 
 Samplers: do not write -inf across the vocabulary; take the top candidates from the
 logits, keep those `is_allowed(row, ids)` says the grammar allows, and fall back to
@@ -87,6 +87,8 @@ import llguidance.numpy as llg_np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from .gbnf import gbnf_to_lark
+from .protocol import MAX_GRAMMAR_BYTES
+from .sampling import bitmask
 from .json_schema import NUMBER_DIGITS, bound_numbers, ignored_keywords
 
 __all__ = [
@@ -110,7 +112,8 @@ PARALLEL_MIN_BATCH = int(os.environ.get("CLICKPACA_GRAMMAR_PAR_MIN", "0"))
 # and kills the process (SIGSEGV). Compilation therefore runs on its own thread with a
 # COMPILE_STACK_MB stack, and the limits keep every grammar far inside what that stack
 # holds and what compiles in reasonable time (3,000 chained rules took 8.7 s):
-MAX_GRAMMAR_BYTES = 128 << 10  # text size (memory: ~65 MiB per MB of grammar was measured)
+# MAX_GRAMMAR_BYTES, the text size (memory: ~65 MiB per MB of grammar was measured), is
+# the protocol's: the edge refuses a longer grammar field before it reaches here.
 MAX_GRAMMAR_RULES = 1000       # GBNF rules, Lark rules/terminals, JSON-schema subschemas
 MAX_GRAMMAR_NESTING = 64       # brackets in one rule; objects/arrays in a JSON schema
 COMPILE_STACK_MB = 256         # 4,000 chained rules and 1,000 $refs compile on 64 MiB
@@ -138,31 +141,19 @@ def detect_format(text: str) -> str:
 
 
 def allowed_ids(row: np.ndarray, n_vocab: int | None = None) -> np.ndarray:
-    """The token ids (int64, ascending) whose bits are set in one mask row.
-
-    Cost is proportional to the number of non-zero words, so sparse masks are cheap.
-    """
-    words = np.flatnonzero(row)
-    if words.size == 0:
-        return words
-    if words.size * 4 >= row.size:  # dense: unpack the whole row
-        ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
-    else:
-        idx = np.flatnonzero(np.unpackbits(row[words].view(np.uint8), bitorder="little"))
-        ids = words[idx >> 5] * 32 + (idx & 31)
-    if n_vocab is not None:
-        ids = ids[ids < n_vocab]
-    return ids
+    """The token ids (ascending) whose bits are set in one mask row (all of its bits
+    without `n_vocab`): sampling/bitmask.py's, which expands only non-zero words."""
+    n = n_vocab if n_vocab is not None else 32 * np.asarray(row).size
+    return bitmask.allowed_ids(bitmask.as_words(row, n), n)
 
 
 def is_allowed(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Bool array: which of the token ids `ids` the mask row allows (vectorised bit test).
+    """Bool array: which of the token ids `ids` the mask row allows (sampling/bitmask.py).
 
     The cheap path for samplers: take the top candidates from the logits first, keep the
     allowed ones, and fall back to `allowed_ids` only when none is.
     """
-    ids = np.asarray(ids, dtype=np.int64)
-    return ((row.view(np.uint32)[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
+    return bitmask.allows(np.asarray(row).view(np.uint32), np.asarray(ids, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------------- engine

@@ -23,27 +23,28 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import numpy as np
 import orjson
 
+from . import endings as _endings
 from .chat import Message, check_messages
 from .json_schema import NUMBER_DIGITS
 from .sampling import PROTOCOL_NAMES, SamplerParams
 from .sampling.params import MISSPELLINGS
 
-if TYPE_CHECKING:  # the types of prepared work (prepare.py), for the reader
+if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
     from .grammars import CompiledGrammar, GrammarError
-    from .prepare import PromptTokens
+    from .engine.prepare import PromptTokens
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 # Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
 # a deeper line is refused before anything walks it recursively (repr of a 1,000-deep
 # value raised RecursionError and ended the reader thread).
 MAX_JSON_DEPTH = 32
-MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenized on the reader thread (prepare.py)
+MAX_PROMPT_BYTES = 1 << 20  # infer/prefill prompt (UTF-8 bytes); tokenized on the reader thread (engine/prepare.py)
 MAX_MESSAGES = 1024  # chat turns in one infer/prefill: each costs a template turn and two special tokens
 MAX_TEMPLATE_BYTES = 64 << 10  # chatTemplate text (llama.cpp matches it against its built-in ones)
 MAX_STOPS, MAX_STOP_BYTES = 64, 4096  # stop strings: every generated piece is searched for each
 MAX_LOGIT_BIAS = 16384  # logit_bias entries: the engine builds the sequence's bias arrays from them
 MAX_SCORE_BYTES = 4 << 20  # score text
-MAX_GRAMMAR_BYTES = 128 << 10  # grammar text (see grammars.py: LIMITS)
+MAX_GRAMMAR_BYTES = 128 << 10  # grammar text; grammars.py (its other limits) refuses a longer one too
 MAX_NUMBER_DIGITS = 18  # integral digits of a bounded JSON number: 10**18 - 1 fits an i64
 MAX_THREADS = 512  # GGML_MAX_N_THREADS in ggml.h: the CPU threadpool's fixed arrays
 
@@ -75,12 +76,12 @@ def _in_range(name: str, v, lo, hi):
 
 
 def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    """An integer field. One rule for every integer field of the protocol, the sampler's
+    (sampling/registry.py `integer`) included: a JSON number written with a fraction or
+    an exponent (`40.0`, `4e1`) is refused, whatever its value."""
     def check(name: str, v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            else:
-                raise ValueError(f"{name}: must be an integer, got {_show(v)}")
+            raise ValueError(f"{name}: must be an integer, got {_show(v)}")
         return _in_range(name, v, lo, hi)
     return check
 
@@ -303,7 +304,7 @@ def _prompt_or_messages(values: dict, kind: str) -> None:
 # mixes camelCase and snake_case, and one spelling in docs, error messages and code
 # needs no table translating between them. Attributes that are not on the wire are
 # snake_case: infer's `params` (its sampler fields, folded into one SamplerParams) and
-# the work a reader thread may have prepared (prepare.py).
+# the work a reader thread may have prepared (engine/prepare.py).
 
 
 def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
@@ -320,9 +321,15 @@ def _folded(names: tuple[str, ...], make: Callable[[], Any]) -> Any:
 
 
 def _prepared() -> Any:
-    """Work a reader thread may have done for the engine (prepare.py); None: the engine
+    """Work a reader thread may have done for the engine (engine/prepare.py); None: the engine
     does it itself. Not compared: requests are equal by what the client sent."""
     return field(default=None, compare=False, repr=False, metadata={"prepared": True})
+
+
+def _given() -> Any:
+    """The wire fields the client wrote (the others took their defaults); not compared:
+    requests are equal by their values."""
+    return field(default=frozenset(), compare=False, repr=False, metadata={"given": True})
 
 
 class Request:
@@ -360,7 +367,7 @@ def _request(kind: str) -> Callable[[type], type]:
                 spec[f.name] = (f.metadata["check"], f.default)
             elif "folds" in f.metadata:
                 spec.update((name, (_with_params, MISSING)) for name in f.metadata["folds"])
-            elif "prepared" not in f.metadata:
+            elif "prepared" not in f.metadata and "given" not in f.metadata:
                 raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _prepared()")
         REQUEST_TYPES[kind] = cls
         REQUESTS[kind] = spec
@@ -394,9 +401,12 @@ class InitRequest(Request):
     tensorSplit: tuple[float, ...] | None = wire(_opt(_shares), None)
     rpcTimeout: float = wire(_num(0.1, 86400.0), 120.0)
     outputLocal: bool = wire(_bool, False)
+    # the fields the client gave: a shared server compares those with what it runs
+    given: frozenset[str] = _given()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
+        values["given"] = frozenset(k for k in obj if k != "type")
         _batch_fits(values)
         if values["deterministic"]:
             _deterministic_fits(obj, values)
@@ -731,3 +741,8 @@ def stats_event(**fields: Any) -> dict:
 def encode(event: dict) -> bytes:
     """One event as one line (orjson: compact, UTF-8; non-finite floats become null)."""
     return orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+
+
+if END_EVENTS != _endings.END_EVENTS:  # an ending event added here needs its row there
+    raise ImportError(f"protocol END_EVENTS {sorted(END_EVENTS)} differ from endings.py's "
+                      f"{sorted(_endings.END_EVENTS)}")

@@ -1,10 +1,13 @@
-"""The NDJSON server over stdin/stdout.
+"""The NDJSON server over stdin/stdout, and the transport loop both servers share.
 
-A reader thread turns lines into typed requests (or error events) and queues
-them; the main thread applies queued requests between ticks and runs the engine.
-The main thread is the only writer, so events come out in the order they happen.
-End of input and `quit` are graceful: running sequences finish, then the process
-exits; `{"type": "quit", "now": true}` cancels them instead.
+A reader thread per input (`read_requests`) turns lines into typed requests (or error
+events), prepared (engine/prepare.py), and puts them in the inbox as typed items
+(Arrived, Ended, Call); the engine thread (`run_loop`) applies them between ticks and
+runs the engine, and is the only writer, so events come out in the order they happen.
+A transport gives only its rules (`Rules`): what `init` and `quit` do and what the end
+of one input means. Here (`StdioRules`): init opens the engine; end of input and `quit`
+are graceful, running sequences finish, then the process exits; `{"type": "quit",
+"now": true}` cancels them instead. The socket server's rules are in socket_server.py.
 """
 
 from __future__ import annotations
@@ -20,11 +23,35 @@ import traceback
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator
 
-from .protocol import MAX_LINE_BYTES, InitRequest, ProtocolError, Request, encode, error_event, parse_line
-from .engine import Engine, Session, report_bug
-from .prepare import prepare
+from .protocol import (MAX_LINE_BYTES, InitRequest, ProtocolError, QuitRequest, Request, encode, error_event,
+                       parse_line)
+from .engine.engine import Engine, Session, report_bug
 
-EOF = object()
+
+@dataclass(frozen=True)
+class Arrived:
+    """A line of one input: its typed request, or the error to answer it with."""
+
+    session: Session
+    req: Request | ProtocolError
+
+
+@dataclass(frozen=True)
+class Ended:
+    """One input ended (end of stream, a socket client gone, a stop signal)."""
+
+    session: Session
+
+
+@dataclass(frozen=True)
+class Call:
+    """Work handed to the engine thread: a state-file completion (Engine `post`), an
+    init applied (the reader waits for it), a transport's own action."""
+
+    fn: Callable[[], None]
+
+
+InboxItem = Arrived | Ended | Call
 
 
 def read_lines(stream: BinaryIO, limit: int = MAX_LINE_BYTES) -> Iterator[bytes | ProtocolError]:
@@ -85,25 +112,26 @@ def parse_or_error(line: bytes | ProtocolError) -> Request | ProtocolError:
         return ProtocolError(f"internal error: request not parsed ({type(e).__name__})")
 
 
-def reader(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engine | None = None) -> None:
-    """Lines -> typed requests (prepared, prepare.py) -> the inbox. After an `init` it
-    waits until the engine has applied it before preparing the next request: a prompt
-    read meanwhile would otherwise reach the engine thread untokenized."""
-    init_applied: threading.Event | None = None
+def read_requests(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engine,
+                  quit_ends_input: bool) -> None:
+    """Lines -> typed requests (prepared: slow pure work here, not on the engine thread)
+    -> the inbox, then Ended. After an `init` it waits until the engine thread has applied
+    it before preparing the next request: a prompt read meanwhile would otherwise reach
+    the engine thread untokenized. `quit_ends_input`: stop reading at a quit."""
     try:
         for line in read_lines(stream):
             req = parse_or_error(line)
-            if engine is not None and isinstance(req, Request):
-                if init_applied is not None:
-                    init_applied.wait()
-                    init_applied = None
-                req = prepare(engine, req)  # slow pure work here, not on the engine thread
-            inbox.put((session, req))
+            if isinstance(req, Request):
+                req = engine.prepare(req)
+            inbox.put(Arrived(session, req))
             if isinstance(req, InitRequest):
-                init_applied = threading.Event()
-                inbox.put((session, init_applied.set))
+                applied = threading.Event()
+                inbox.put(Call(applied.set))
+                applied.wait()
+            elif isinstance(req, QuitRequest) and quit_ends_input:
+                return
     finally:
-        inbox.put((session, EOF))
+        inbox.put(Ended(session))
 
 
 @dataclass
@@ -116,31 +144,54 @@ class LoopState:
     thread: int = field(default_factory=threading.get_ident)  # the engine thread
 
 
-def run_loop(engine: Engine, inbox: queue.Queue, flush, sessions_open: int = 1,
-             state: LoopState | None = None) -> None:
-    """Apply requests between ticks until every input has ended and no work is left."""
-    st = state or LoopState(open_inputs=sessions_open)
-    st.thread = threading.get_ident()
-    engine.post = lambda fn: inbox.put((None, fn))  # state-file completions (engine/stateio.py)
+class Rules:
+    """A transport's rules, applied on the engine thread: what `init` and `quit` do and
+    what the end of one input means. These are stdio's: one input, one session."""
 
-    def apply(item) -> None:
-        session, req = item
-        if req is EOF:
-            st.open_inputs -= 1
+    quit_ends_input = False  # stdio answers requests after a quit ("shutting down")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def init(self, st: LoopState, session: Session, req: InitRequest) -> None:
+        self.engine.init(session, req)
+
+    def quit(self, st: LoopState, session: Session, req: QuitRequest) -> None:
+        st.quitting = True
+        if req.now:
+            self.engine.finish_all("shutdown")
+
+    def ended(self, st: LoopState, session: Session) -> None:
+        st.open_inputs -= 1
+
+
+def run_loop(engine: Engine, inbox: queue.Queue, flush, rules: Rules, state: LoopState) -> None:
+    """Apply inbox items between ticks until every input has ended and no work is left."""
+    st = state
+    st.thread = threading.get_ident()
+
+    def apply(item: InboxItem) -> None:
+        if isinstance(item, Call):
+            item.fn()
             return
+        if isinstance(item, Ended):
+            rules.ended(st, item.session)
+            return
+        session, req = item.session, item.req
         if isinstance(req, ProtocolError):
             session.send(req.event())
             return
-        if callable(req):  # a transport's own action (e.g. a socket client went away)
-            req()
+        if isinstance(req, QuitRequest):
+            rules.quit(st, session, req)
             return
-        if st.quitting and req.type != "quit":
+        if st.quitting:
             session.send(error_event("the server is shutting down", req.reply_seq_id, req.type))
             return
-        if req.type == "quit":
-            st.quitting = True
         try:
-            engine.handle(session, req)
+            if isinstance(req, InitRequest):
+                rules.init(st, session, req)
+            else:
+                engine.handle(session, req)
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
             report_bug(session, req, e)
 
@@ -218,7 +269,7 @@ class SignalPipe:
         threading.Thread(target=loop, daemon=True, name="signals").start()
 
 
-def take_over(engine: Engine, inbox: queue.Queue, flush: Callable[[], None], state: LoopState,
+def take_over(engine: Engine, inbox: queue.Queue, flush: Callable[[], None], rules: Rules, state: LoopState,
               message: str, finish: Callable[[], None] | None = None,
               signals: SignalPipe | None = None, stop: Callable[[], None] | None = None) -> None:
     """After a lost RPC worker, on the thread that lost it (rpc/loss.py): the engine
@@ -232,7 +283,7 @@ def take_over(engine: Engine, inbox: queue.Queue, flush: Callable[[], None], sta
         flush()
         if signals is not None and stop is not None:
             signals.watch(stop)
-        run_loop(engine, inbox, flush, state=state)
+        run_loop(engine, inbox, flush, rules, state)
         flush()
         if finish is not None:
             finish()
@@ -264,16 +315,18 @@ def serve_stdio(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
     writer = Writer(stdout)
     session = Session(send=writer.send)
     inbox: queue.Queue = queue.Queue()
-    engine = Engine(state_dir=state_dir, allow_any_path=allow_any_path)
     state = LoopState(open_inputs=1)
     signals = SignalPipe()
-    engine.on_worker_lost = lambda message: take_over(
-        engine, inbox, writer.flush, state, message, signals=signals,
-        stop=lambda: inbox.put((session, EOF)))
-    t = threading.Thread(target=reader, args=(stdin, inbox, session, engine), daemon=True, name="reader")
+    engine = Engine(state_dir=state_dir, allow_any_path=allow_any_path, post=lambda fn: inbox.put(Call(fn)),
+                    on_worker_lost=lambda message: take_over(
+                        engine, inbox, writer.flush, rules, state, message, signals=signals,
+                        stop=lambda: inbox.put(Ended(session))))
+    rules = Rules(engine)
+    t = threading.Thread(target=read_requests, args=(stdin, inbox, session, engine, rules.quit_ends_input),
+                         daemon=True, name="reader")
     t.start()
     try:
-        run_loop(engine, inbox, writer.flush, state=state)
+        run_loop(engine, inbox, writer.flush, rules, state)
     finally:
         writer.flush()
         engine.shutdown()

@@ -20,6 +20,7 @@ crashed server (nobody accepts on it) is replaced, a live one is an error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import signal
@@ -32,10 +33,9 @@ from pathlib import Path
 
 import orjson
 
-from .engine import Engine, Session
-from .prepare import prepare
-from .protocol import InitRequest, ProtocolError, encode, error_event, validate
-from .server import EOF, LoopState, SignalPipe, parse_or_error, read_lines, run_loop, take_over
+from .engine.engine import Engine, Session
+from .protocol import InitRequest, ProtocolError, QuitRequest, encode, error_event, validate
+from .server import Call, Ended, LoopState, Rules, SignalPipe, read_requests, run_loop, take_over
 
 
 class ClientConn:
@@ -94,27 +94,43 @@ class ClientConn:
                 self.drop("connection lost")
 
     def reader(self) -> None:
-        inbox = self.server.inbox
+        """This client's lines into the shared inbox (server.read_requests), up to its quit."""
         try:
             with self.sock.makefile("rb") as f:
-                for line in read_lines(f):
-                    req = parse_or_error(line)
-                    if isinstance(req, ProtocolError):
-                        inbox.put((self.session, req))
-                        continue
-                    if req.type == "init":
-                        inbox.put((self.session, lambda line=line: self.server.answer_init(self, line)))
-                    elif req.type == "quit":
-                        break  # a client's quit ends its own connection, not the shared server
-                    else:
-                        inbox.put((self.session, prepare(self.server.engine, req)))
+                read_requests(f, self.server.inbox, self.session, self.server.engine, quit_ends_input=True)
         except OSError:
             pass
         except Exception:  # noqa: BLE001 - a bug ends this connection only, and is logged
             traceback.print_exc(file=sys.stderr)
-        finally:
-            self.gone.set()
-            inbox.put((self.session, lambda: self.server.client_gone(self)))
+
+
+class SocketRules(Rules):
+    """The shared server's rules: its init was applied at start, so a client's `init` is
+    compared with it; a client's `quit` ends that client's input (its connection), and
+    the end of a client's input frees what it held. The admin session's end (a signal)
+    stops the server."""
+
+    quit_ends_input = True
+
+    def __init__(self, server: "SocketServer") -> None:
+        super().__init__(server.engine)
+        self.server = server
+
+    def init(self, st: LoopState, session: Session, req: InitRequest) -> None:
+        conn = self.server.conns.get(session)
+        if conn is not None:
+            self.server.answer_init(conn, req)
+
+    def quit(self, st: LoopState, session: Session, req: QuitRequest) -> None:
+        pass  # its reader stopped at the quit: the Ended that follows closes the connection
+
+    def ended(self, st: LoopState, session: Session) -> None:
+        conn = self.server.conns.get(session)
+        if conn is None:  # the admin session: SIGINT / SIGTERM
+            st.open_inputs -= 1
+            return
+        conn.gone.set()
+        self.server.client_gone(conn)
 
 
 class SocketServer:
@@ -125,9 +141,13 @@ class SocketServer:
         self.queue_size = queue_size
         self.max_seqs_per_client = max_seqs_per_client
         self.inbox: queue.Queue = queue.Queue()
-        self.engine = Engine(state_dir=state_dir)
-        self.engine.transport_stats = self.stats
+        self.state = LoopState(open_inputs=1)
+        self.signals = SignalPipe()
+        self.engine = Engine(state_dir=state_dir, post=lambda fn: self.inbox.put(Call(fn)),
+                             on_worker_lost=self._lost, transport_stats=self.stats)
+        self.rules = SocketRules(self)
         self.clients: list[ClientConn] = []
+        self.conns: dict[Session, ClientConn] = {}  # (engine thread and accept thread: under lock)
         self.lock = threading.Lock()
         self.admin = Session(send=self._admin_event, name="admin")
         self.listener: socket.socket | None = None
@@ -138,19 +158,12 @@ class SocketServer:
         if ev.get("type") == "error":
             self.init_error = ev.get("message")
 
-    def answer_init(self, conn: ClientConn, line: bytes) -> None:
-        raw = orjson.loads(line)
+    def answer_init(self, conn: ClientConn, req: InitRequest) -> None:
         if self.engine.lost is not None:
             conn.session.send(error_event(self.engine.lost_answer(), -1, "init"))
             return
         running = self.engine.ready_event or {}
-        names = {"nCtx": "nCtx", "nSeqMax": "nSeqMax", "nBatch": "nBatch", "stateDir": "stateDir",
-                 "cacheTypeK": "cacheTypeK", "cacheTypeV": "cacheTypeV", "build": "build",
-                 "rpcServers": "rpcServers", "tensorSplit": "tensorSplit"}
-        differ = [f"{k}={raw[k]!r} (running: {running.get(v)!r})" for k, v in names.items()
-                  if k in raw and raw[k] != running.get(v)]
-        if "modelPath" in raw and raw["modelPath"] is not None and raw["modelPath"] != running["model"]["path"]:
-            differ.append(f"modelPath={raw['modelPath']!r} (running: {running['model']['path']!r})")
+        differ = init_differences(req, self.init_request, running)
         if differ:
             conn.session.send(error_event("init: this shared server was initialised at start; "
                                           "these fields differ: " + ", ".join(differ), -1, "init"))
@@ -170,6 +183,7 @@ class SocketServer:
         with self.lock:
             if conn in self.clients:
                 self.clients.remove(conn)
+            self.conns.pop(conn.session, None)
         try:
             conn.sock.close()
         except OSError:
@@ -215,6 +229,7 @@ class SocketServer:
             conn = ClientConn(self, sock, n)
             with self.lock:
                 self.clients.append(conn)
+                self.conns[conn.session] = conn
             threading.Thread(target=conn.writer, daemon=True, name=f"{conn.name}-w").start()
             threading.Thread(target=conn.reader, daemon=True, name=f"{conn.name}-r").start()
 
@@ -226,18 +241,16 @@ class SocketServer:
         except FileNotFoundError:
             pass
 
-    def run(self) -> int:
-        state = LoopState(open_inputs=1)
-        signals = SignalPipe()
+    def _lost(self, message: str) -> None:
+        """A lost RPC worker (Engine on_worker_lost), on the thread that lost it."""
+        if self.listener is None:  # during the start's init: nobody to answer, just end
+            print(f"clickpaca: init failed: {message}", file=sys.stderr, flush=True)
+            os._exit(1)
+        take_over(self.engine, self.inbox, self.flush, self.rules, self.state, message, finish=self.cleanup,
+                  signals=self.signals, stop=lambda: self.inbox.put(Ended(self.admin)))
 
-        def lost(message: str) -> None:
-            if self.listener is None:  # during the start's init: nobody to answer, just end
-                print(f"clickpaca: init failed: {message}", file=sys.stderr, flush=True)
-                os._exit(1)
-            take_over(self.engine, self.inbox, self.flush, state, message, finish=self.cleanup,
-                      signals=signals, stop=lambda: self.inbox.put((self.admin, EOF)))
-        self.engine.on_worker_lost = lost
-        self.engine.handle(self.admin, self.init_request)
+    def run(self) -> int:
+        self.engine.init(self.admin, self.init_request)
         if self.engine.ready_event is None:
             print(f"clickpaca: init failed: {self.init_error}", file=sys.stderr)
             return 1
@@ -245,17 +258,44 @@ class SocketServer:
         print(f"clickpaca: serving on {self.path}", file=sys.stderr, flush=True)
 
         def stop(*_):
-            self.inbox.put((self.admin, EOF))
+            self.inbox.put(Ended(self.admin))
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         threading.Thread(target=self.accept_loop, daemon=True, name="accept").start()
         try:
-            run_loop(self.engine, self.inbox, self.flush, state=state)
+            run_loop(self.engine, self.inbox, self.flush, self.rules, self.state)
         finally:
             self.cleanup()
             self.engine.shutdown()
         return 0
+
+
+#: Fields whose value the runtime resolves (a default model, build, state directory or
+#: thread count): a client may name the resolved value as well as the one given at start.
+RESOLVED = {"modelPath": lambda ready: ready["model"]["path"], "build": lambda ready: ready["build"],
+            "stateDir": lambda ready: ready["stateDir"], "nThreads": lambda ready: ready["nThreads"]}
+
+
+def init_differences(asked: InitRequest, running: InitRequest, ready: dict) -> list[str]:
+    """Every field the client's `init` gave (InitRequest.given) that differs from what the
+    shared server runs, as `name=asked (running: value)`, in declaration order."""
+    differ = []
+    for f in dataclasses.fields(InitRequest):
+        if f.name not in asked.given:
+            continue
+        want, have = getattr(asked, f.name), getattr(running, f.name)
+        if want == have:
+            continue
+        resolved = RESOLVED[f.name](ready) if f.name in RESOLVED and ready else have
+        if want is not None and want == resolved:
+            continue
+        differ.append(f"{f.name}={_wire(want)} (running: {_wire(resolved)})")
+    return differ
+
+
+def _wire(v) -> str:
+    return orjson.dumps(list(v) if isinstance(v, tuple) else v).decode()
 
 
 def log(message: str) -> None:

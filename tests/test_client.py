@@ -139,3 +139,22 @@ def test_an_in_process_native_death_is_one_line_too():
     lines = [ln for ln in err.splitlines() if ln.startswith("clickpaca ppl: died:")]
     assert len(lines) == 1, err[-3000:]
     assert "SIGILL (illegal instruction)" in lines[0] and cpu_name() in lines[0], lines[0]
+
+
+def test_the_client_imports_neither_numpy_nor_the_protocol_nor_the_sampler():
+    """Issue #25: client.py imported the protocol (numpy, the sampler) to learn the end
+    events; it reads them from endings.py, which the protocol checks at import."""
+    code = ("import sys, clickpaca.client; "
+            "print(sorted(m for m in ('numpy', 'clickpaca.protocol', 'clickpaca.sampling') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-500:])
+    from clickpaca.client import END_TYPES
+    from clickpaca.protocol import END_EVENTS
+    assert END_TYPES == END_EVENTS
+
+
+def test_the_engine_package_imports_nothing_itself():
+    """Engine left the package __init__: the pure engine modules load without the model."""
+    code = "import sys, clickpaca.engine.plan; print('clickpaca.core' in sys.modules, 'cffi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False False", (out.stdout, out.stderr[-500:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from clickpaca.engine.jobs import InferJob, PrefillJob, ScoreJob
 from clickpaca.engine.sequences import Sequences, Session
 from clickpaca.protocol import ProtocolError
 
@@ -57,7 +58,7 @@ def test_slots_run_out_then_come_back():
 def test_the_last_slot_back_clears_the_cache_and_waiting_prompts_retry():
     ctx, seqs, session, _ = setup(2)
     a, b = seqs.new(session, 0, "infer"), seqs.new(session, 1, "infer")
-    seqs.order += [a, b]
+    seqs.start(a, InferJob()), seqs.start(b, InferJob())
     b.kv_wait = True
     seqs.release(a)
     assert seqs.order == [b] and not b.kv_wait and ("clear",) not in ctx.calls
@@ -68,7 +69,8 @@ def test_the_last_slot_back_clears_the_cache_and_waiting_prompts_retry():
 def test_each_ending_says_so_once():
     _, seqs, session, events = setup(3)
     a, b, c = (seqs.new(session, i, kind) for i, kind in enumerate(("infer", "score", "prefill")))
-    seqs.order += [a, b, c]
+    for seq, job in ((a, InferJob()), (b, ScoreJob()), (c, PrefillJob())):
+        seqs.start(seq, job)
     seqs.finish(a, "stop", stop="\n")
     assert events[-1]["type"] == "done" and events[-1]["stop_reason"] == "stop" and events[-1]["stop"] == "\n"
     assert events[-1]["tokens_predicted"] == 0 and "request" not in events[-1]
@@ -83,21 +85,21 @@ def test_finish_all_and_close_session():
     _, seqs, session, events = setup(3)
     other = Session(send=lambda ev: None, name="other")
     a, b = seqs.new(session, 0, "infer"), seqs.new(session, 1, "infer")
-    held = seqs.new(session, 2, "prefill")
-    held.state = "held"
-    seqs.order += [a, b]
+    held = seqs.new(session, 2, "prefill")  # no job: held
+    assert held.held
+    seqs.start(a, InferJob()), seqs.start(b, InferJob())
     seqs.finish_all("shutdown")
     assert [(e["seq_id"], e["stop_reason"]) for e in events] == [(0, "shutdown"), (1, "shutdown")]
     assert session.seqs == {2: held}  # held state is not running: it stays
     mine, theirs = seqs.new(session, 0, "infer"), seqs.new(other, 0, "infer")
-    seqs.order += [mine, theirs]
+    seqs.start(mine, InferJob()), seqs.start(theirs, InferJob())
     seqs.close_session(session)  # the client went away: nobody to tell
     assert len(events) == 2 and session.seqs == {} and seqs.order == [theirs]
     assert len(seqs.free_slots) == 2
 
 
 def test_a_failed_request_gives_back_the_slots_it_took():
-    """Engine.handle clears `taken` before a request and gives it back when the request
+    """Engine._apply clears `taken` before a request and gives it back when the request
     fails: a slot it took is freed; one another ending already freed is left alone."""
     ctx, seqs, session, events = setup(3)
     kept = seqs.new(session, 0, "prefill")  # an earlier request's
@@ -121,3 +123,17 @@ def test_a_client_holds_at_most_its_share():
                                 "(--max-seqs-per-client 2)") and ei.value.seq_id == 2
     assert len(seqs.free_slots) == 2  # nothing taken by the refusal
     seqs.new(other, 0, "infer")  # the others' share is theirs
+
+
+def test_one_place_for_active_a_job_in_the_order():
+    """A sequence is active exactly while it has a job, and then it is in the order."""
+    _, seqs, session, events = setup(2)
+    a = seqs.new(session, 0, "prefill")
+    assert a.held and a.job is None and seqs.order == []
+    seqs.start(a, PrefillJob(n_prompt=3))
+    assert not a.held and seqs.order == [a]
+    seqs.hold(a)  # a prefill's end
+    assert a.held and seqs.order == [] and session.seqs == {0: a}
+    seqs.start(a, InferJob())
+    seqs.fail(a, "boom")
+    assert a.job is None and seqs.order == [] and events[-1]["request"] == "infer"

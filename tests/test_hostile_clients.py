@@ -24,7 +24,7 @@ import pytest
 from clickpaca.engine.handlers import MAX_GRAMMARS_PER_SESSION
 from clickpaca.protocol import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_BYTES, MAX_STOPS, MAX_TEMPLATE_BYTES
 
-from clickpaca import kvstate
+from clickpaca.engine import kvstate
 from clickpaca.client import Client, ServerError
 from conftest import spawn_server
 from test_socket import start_server, stop_server

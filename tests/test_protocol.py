@@ -174,11 +174,14 @@ def test_valid_values_accepted():
     assert validate(req("infer", grammar_id=None, stop=None)).stop is None
 
 
-def test_integral_floats_are_integers():
-    # JSON has one number type: 3.0 is the integer 3, 3.5 is not an integer
-    out = validate(req("infer", seq_id=2.0, maxTokens=3.0))
-    assert out.seq_id == 2 and type(out.seq_id) is int
-    assert out.maxTokens == 3 and type(out.maxTokens) is int
+@pytest.mark.parametrize("field", ["seq_id", "maxTokens", "topK", "seed", "nProbs", "mirostat"])
+def test_integral_floats_are_refused_by_every_integer_field(field):
+    # one rule (issue #25): the protocol's own integer fields refuse 40.0 as the
+    # sampler's always did, so {"maxTokens": 40.0} and {"topK": 40.0} agree
+    with pytest.raises(ProtocolError) as ei:
+        validate(req("infer", **{field: 3.0}))
+    assert ei.value.message.startswith(f"{field}: must be an integer"), ei.value.message
+    assert validate(req("infer", **{field: 1})) is not None
 
 
 # (request, field, bad value, words the message must contain)
@@ -186,7 +189,7 @@ BAD = [
     # init
     ("init", "modelPath", 5, "string"), ("init", "modelPath", "", "empty"),
     ("init", "modelPath", ["a"], "string"),
-    ("init", "nGpuLayers", -1, ">= 0"), ("init", "nGpuLayers", 1e20, "<="), ("init", "nGpuLayers", "1", "integer"),
+    ("init", "nGpuLayers", -1, ">= 0"), ("init", "nGpuLayers", 1e20, "integer"), ("init", "nGpuLayers", 1 << 31, "<="), ("init", "nGpuLayers", "1", "integer"),
     ("init", "nGpuLayers", 1.5, "integer"), ("init", "nGpuLayers", None, "integer"),
     ("init", "nCtx", 15, ">= 16"), ("init", "nCtx", (1 << 24) + 1, "<="), ("init", "nCtx", "4096", "integer"),
     ("init", "nBatch", 0, ">= 1"), ("init", "nBatch", (1 << 16) + 1, "<="), ("init", "nBatch", [], "integer"),
@@ -218,11 +221,11 @@ BAD = [
     # infer
     ("infer", "seq_id", -1, ">= 0"), ("infer", "seq_id", "0", "integer"), ("infer", "seq_id", 0.5, "integer"),
     ("infer", "seq_id", None, "integer"), ("infer", "seq_id", [0], "integer"),
-    ("infer", "seq_id", 1e20, "<="), ("infer", "seq_id", 1 << 31, "<="),
+    ("infer", "seq_id", 1e20, "integer"), ("infer", "seq_id", 1 << 31, "<="),
     ("infer", "prompt", 5, "string"), ("infer", "prompt", None, "string"), ("infer", "prompt", ["a"], "string"),
     ("infer", "maxTokens", -1, ">= 0"), ("infer", "maxTokens", (1 << 24) + 1, "<="),
     ("infer", "maxTokens", "5", "integer"), ("infer", "maxTokens", 2.5, "integer"), ("infer", "maxTokens", None, "integer"),
-    ("infer", "maxTokens", 1e300, "<="),
+    ("infer", "maxTokens", 1e300, "integer"), ("infer", "maxTokens", (1 << 24) + 1, "<="),
     ("infer", "grammar_id", 1.5, "string or an integer"), ("infer", "grammar_id", [], "string or an integer"),
     ("infer", "stop", "x", "list of strings"), ("infer", "stop", [1], "list of strings"),
     ("infer", "stop", [""], "empty"), ("infer", "stop", [["a"]], "list of strings"),
@@ -244,7 +247,7 @@ BAD = [
     ("prefill", "messages", {}, "list"), ("prefill", "chatTemplate", "gemma", "only applies with messages"),
     ("prefill", "addGenerationPrompt", "no", "true or false"),
     ("fork", "seq_id", "a", "integer"), ("fork", "dst_seq_id", -1, ">= 0"), ("fork", "dst_seq_id", "4", "integer"),
-    ("fork", "dst_seq_id", 1e20, "<="),
+    ("fork", "dst_seq_id", 1e20, "integer"), ("fork", "dst_seq_id", 1 << 31, "<="),
     ("save", "path", "", "empty"), ("save", "path", 1, "string"), ("save", "seq_id", None, "integer"),
     ("load", "path", "", "empty"), ("load", "path", ["p"], "string"), ("load", "seq_id", -1, ">= 0"),
     ("save", "shared", 1, "true or false"), ("save", "replace", "yes", "true or false"),

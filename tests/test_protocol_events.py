@@ -2,7 +2,8 @@
 
 Every event the engine sends is built by one constructor in clickpaca.protocol (the
 engine's modules hold no event literal); the client's end types are the protocol's; and
-every request type but init reaches a handler through engine.handlers.HANDLERS.
+every request type but init and quit (the transport's rules, server.Rules) reaches a
+handler through engine.handlers.HANDLERS.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def test_the_engine_builds_no_event_literal():
         assert not literal.search(path.read_text()), f"{path.name} builds an event inline"
 
 
-def test_every_request_but_init_has_a_handler():
-    assert set(HANDLERS) == set(REQUESTS) - {"init"}
+def test_every_request_but_init_and_quit_has_a_handler():
+    from clickpaca.server import Rules
+
+    assert set(HANDLERS) == set(REQUESTS) - {"init", "quit"}
+    assert callable(Rules.init) and callable(Rules.quit)  # the transport's rules for those two
     for kind, handler in HANDLERS.items():
         assert handler is getattr(Handlers, kind)

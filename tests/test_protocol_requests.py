@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from clickpaca.engine.handlers import HANDLERS
-from clickpaca.prepare import PromptTokens
+from clickpaca.engine.prepare import PromptTokens
 from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, SAMPLER_FIELDS, CancelRequest, ForkRequest,
                                 FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
                                 PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
@@ -70,8 +70,9 @@ def test_parsed_values_and_defaults():
     init = parse_line(b'{"type": "init", "nBatch": 64, "nSeqMax": 8, "cacheTypeK": "q8_0"}')
     assert (init.nBatch, init.nSeqMax, init.cacheTypeK, init.cacheTypeV, init.nCtx) == (64, 8, "q8_0", "f16", 8192)
     for f in dataclasses.fields(InitRequest):
-        if f.name not in ("nBatch", "nSeqMax", "cacheTypeK"):
+        if f.name not in ("nBatch", "nSeqMax", "cacheTypeK", "given"):
             assert getattr(init, f.name) == f.default, f.name
+    assert init.given == {"nBatch", "nSeqMax", "cacheTypeK"}  # what a shared server compares
     assert parse_line(LINES["quit"]) == QuitRequest(now=False)
     assert parse_line(b'{"type": "save", "seq_id": 1, "path": "p", "replace": true}') == \
         SaveRequest(seq_id=1, path="p", shared=False, replace=True)
@@ -93,6 +94,9 @@ def test_the_field_table_is_the_dataclass(kind):
             for name in SAMPLER_FIELDS:
                 assert spec[name] == (_with_params, MISSING), name
                 on_the_wire.append(name)
+        elif f.metadata.get("given"):  # init's record of the fields the client wrote
+            assert (kind, f.name, f.compare) == ("init", "given", False)
+            assert f.name not in spec
         else:
             assert f.metadata.get("prepared") and f.default is None and not f.compare, f.name
             assert f.name not in spec, f.name
@@ -118,7 +122,7 @@ def test_a_field_declared_without_its_check_is_refused():
 
 
 def test_each_handler_takes_its_request_class():
-    assert set(HANDLERS) == set(REQUESTS) - {"init"}
+    assert set(HANDLERS) == set(REQUESTS) - {"init", "quit"}  # those two are the transport's rules
     for kind, handler in HANDLERS.items():
         assert handler.__annotations__["req"] == CLASSES[kind].__name__, kind
 

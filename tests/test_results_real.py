@@ -57,7 +57,7 @@ def recorded(tmp_path_factory):
 
 
 def test_a_ppl_run_is_recorded_with_provenance_and_per_token_samples(recorded, model):
-    from clickpaca.kvstate import model_identity
+    from clickpaca.engine.kvstate import model_identity
 
     db, ids = recorded
     rid = ids["ppl_f16_q8"]

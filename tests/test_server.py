@@ -216,6 +216,30 @@ def test_bad_requests_get_an_error_naming_the_field(server, request_, field):
     assert server.collect(0)[1]["type"] == "done"
 
 
+@pytest.mark.parametrize("field", ["maxTokens", "topK", "seed", "nProbs"])
+def test_integral_floats_get_the_same_answer_in_every_integer_field(server, field):
+    """One integer rule (issue #25): maxTokens 40.0 was accepted, topK 40.0 refused."""
+    server.send({"type": "infer", "seq_id": 0, "prompt": "x", field: 4.0})
+    ev = list(server.stream(0))[-1]
+    assert ev["type"] == "error" and ev["message"] == f"{field}: must be an integer, got 4.0", ev
+    server.send({"type": "infer", "seq_id": 0, "prompt": PROMPT, "temperature": 0, field: 4})
+    assert list(server.stream(0))[-1]["type"] == "done"
+
+
+def test_an_unfinished_character_s_bytes_come_with_done(server):
+    """Issue #25: a multi-byte character cut by maxTokens lost its bytes. Token 478 is the
+    byte 0xF0 (`clickpaca tok` spells U+1F999 as 478 397 404 391); forced, then the
+    request ends."""
+    server.infer(0, PROMPT, maxTokens=1, temperature=0, logit_bias=[{"token": 478, "bias": 1e4}])
+    toks, done = server.collect(0)
+    assert [t["token"] for t in toks] == [478] and toks[0]["piece"] == ""
+    assert done["type"] == "done" and done["tail_bytes"] == [0xF0] and done["tail"] == "\ufffd", done
+    server.infer(0, PROMPT, maxTokens=1, temperature=0, logit_bias=[{"token": 478, "bias": 1e4}])
+    assert server.text(0) == "\ufffd"  # the client's text ends with the tail
+    server.infer(0, PROMPT, maxTokens=2, temperature=0)  # nothing held: no tail
+    assert "tail" not in server.collect(0)[1]
+
+
 def test_a_misspelt_field_is_answered_with_a_hint(server):
     """The protocol's "did you mean" hint reaches the client, on the request's seq_id."""
     server.send({"type": "infer", "seq_id": 0, "prompt": "x", "top_k": 5})

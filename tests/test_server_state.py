@@ -25,7 +25,7 @@ import threading
 
 import pytest
 
-from clickpaca import kvstate
+from clickpaca.engine import kvstate
 from clickpaca.client import Client, ServerError
 from conftest import LOSSLESS, NEAR_TIE, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 
@@ -147,7 +147,7 @@ def alive(c: Client, seq_id: int = 15) -> None:
 # ------------------------------------------------------------------ fixtures
 
 # These tests are about the state itself, kept in pytest's tmp dirs: absolute paths,
-# which stdio allows only with this opt-in (the path rules: tests/test_state_dir.py).
+# which stdio allows only with this opt-in (the path rules: tests/test_statedir.py).
 ANY = "--allow-any-path"
 
 

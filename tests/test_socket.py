@@ -173,6 +173,43 @@ def test_client_init_matches_running_server(sock_server):
         assert ev["type"] == "error" and "nCtx" in ev["message"]
 
 
+#: A valid value of every init field that differs from what sock_server runs (issue #25:
+#: the shared server compared 10 fields and said `ready` to, e.g., deterministic: true).
+DIFFERENT = {"modelPath": "/nonexistent/other.gguf", "nGpuLayers": 0, "nCtx": 128, "nBatch": 64,
+             "nSeqMax": 8, "cacheTypeK": "q8_0" if TEST_CACHE_K != "q8_0" else "f16",
+             "cacheTypeV": "q8_0" if TEST_CACHE_V != "q8_0" else "f16", "nThreads": 1,
+             "build": "turboquant" if TEST_BUILD != "turboquant" else "mainline",
+             "flashAttn": "off", "swaFull": False, "kvUnified": False, "stateDir": "/tmp/elsewhere",
+             "deterministic": True, "rpcServers": ["127.0.0.1:50052"], "tensorSplit": [1.0],
+             "rpcTimeout": 30.0, "outputLocal": True}
+
+
+def test_client_init_is_checked_against_every_field(sock_server):
+    from clickpaca.protocol import REQUESTS
+
+    assert set(DIFFERENT) == set(REQUESTS["init"]), "a new init field needs a row here"
+    with Client.connect(sock_server) as c:
+        ready = c.init()
+        same = {"modelPath": ready["model"]["path"], "nGpuLayers": 99, "nCtx": 4096, "nBatch": 512,
+                "nSeqMax": 64, "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V,
+                "nThreads": ready["nThreads"], "build": TEST_BUILD, "flashAttn": "auto", "swaFull": True,
+                "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False,
+                "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0, "outputLocal": False}
+        assert c.init(**same)["type"] == "ready"  # every field given, each as it runs
+        for name, value in DIFFERENT.items():
+            if name == "nThreads" and ready["nThreads"] == 1:
+                value = 2
+            c.send({"type": "init", name: value})
+            ev = c.next_misc()
+            assert ev["type"] == "error", (name, ev)
+            assert f"these fields differ: {name}=" in ev["message"] and "," not in ev["message"].split(
+                "differ: ")[1].split(" (running")[0], (name, ev["message"])
+        c.send({"type": "init", "deterministic": True, "nCtx": 128})  # both named, in field order
+        ev = c.next_misc()
+        assert ev["type"] == "error" and "nCtx=128 (running: 4096)" in ev["message"] \
+            and "deterministic=true (running: false)" in ev["message"], ev
+
+
 def test_stale_socket_is_replaced_and_live_one_refused(tmp_path):
     path = tmp_path / "s.sock"
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

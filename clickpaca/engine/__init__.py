@@ -1,258 +1,36 @@
 """The engine behind both servers: validated requests in, events out, one decode per tick.
 
-One room per concern:
+One room per concern (nothing is imported here: `clickpaca.engine.plan` and the other
+pure modules load without the model's bindings):
 
+    engine.py      Engine: applies `init`, routes requests to their handler between
+                   ticks and ticks to the scheduler; a lost RPC worker's books
     runtime.py     what `init` loads: model, context, batch, grammar engine, mask worker;
                    the `ready` event
-    sequences.py   Session, Sequence; the slots, the active order and every ending
+    prepare.py     a request's own work (tokenizing, compiling), done on the reader
+                   thread that read it (Engine.prepare)
+    sequences.py   Session, Sequence; the slots, the active order (the sequences with a
+                   job) and every ending
                    (`done`, `error`, or silently), each freeing the KV cells at once
     handlers.py    one handler per request type: the checks that need the server's state,
-                   then a sequence set up for the scheduler, or an answer
+                   then a job started for the scheduler, or an answer (statefiles.py:
+                   save and load)
+    jobs.py        a job per request kind that runs over ticks (InferJob, ScoreJob,
+                   PrefillJob): what it wants from a tick, what it does with its rows,
+                   how it ends, the events it sends
     plan.py        the tick's plan, a pure function: what each sequence feeds (tokens,
                    positions, logits rows) and whether it samples, decided once
-    scheduler.py   the tick: fill the batch from the plan, decode (recovering from a full
-                   KV cache), advance each sequence by its plan entry, hand out the rows
+    scheduler.py   the tick: fill the batch from the jobs' plan, decode (recovering from a
+                   full KV cache), advance each sequence by its plan entry, hand each job
+                   its share
     generation.py  a generating sequence's row: sample, emit the token, decide the end
+    mask_ahead.py  grammar masks filled while the decode runs
+    text.py        token bytes -> valid UTF-8 pieces; stop strings
     stateio.py     state files (`save`, `load`) hashed, written and read on a worker
                    thread; completions come back through the server's inbox
+    kvstate.py     the state file format: a sequence's cells and tokens, verified
+    accounting.py  the `stats` books and the per-session grammar bounds
 
-`Engine` only routes: requests to their handler through handlers.HANDLERS (between
-ticks), ticks to the scheduler.
 Requests arrive as typed requests (protocol.InferRequest, ...) validated by
 clickpaca.protocol, the edge, where every check that needs only the request is made.
 """
-
-from __future__ import annotations
-
-import sys
-import threading
-import traceback
-import weakref
-from contextlib import contextmanager
-from typing import Callable
-
-from .. import statedir
-from ..protocol import InitRequest, ProtocolError, Request, error_event
-from . import accounting
-from .handlers import HANDLERS, Handlers
-from .runtime import Runtime
-from .scheduler import Scheduler
-from .sequences import Sequence, Sequences, Session
-from .stateio import StateIO
-
-__all__ = ["Engine", "Session", "Sequence", "report_bug"]
-
-
-def report_bug(session: Session, req: Request, e: Exception) -> None:
-    """A bug met while applying a request costs that request an `error` event (and a
-    traceback on stderr), never the server."""
-    traceback.print_exc(file=sys.stderr)
-    session.send(error_event(f"internal error: {type(e).__name__}: {e}", req.reply_seq_id, req.type))
-
-
-class SharedUse:
-    """Many users at once (`with use:`), or one `exclusive()` holder with no user."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._users = 0
-
-    def __enter__(self) -> "SharedUse":
-        with self._cond:
-            self._users += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._users -= 1
-            self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            self._cond.wait_for(lambda: self._users == 0)
-            yield
-
-
-class Engine:
-    """Owns the runtime and every sequence of every session, once `init` succeeded."""
-
-    def __init__(self, state_dir: str | None = None, allow_any_path: bool = False) -> None:
-        self.state_dir_default = state_dir  # --state-dir; init.stateDir overrides it
-        self.allow_any_path = allow_any_path
-        # Reader threads tokenize with the model (prepare.py), several at once; shutdown
-        # closes it only when none is.
-        self.model_lock = SharedUse()
-        self.rt: Runtime | None = None
-        self.seqs: Sequences | None = None
-        self.handlers: Handlers | None = None
-        self.scheduler: Scheduler | None = None
-        # How a worker thread hands work back to this (the engine) thread: the server
-        # loop sets it (run_loop); None = in-process use, state-file jobs run in place.
-        self.post: Callable[[Callable[[], None]], None] | None = None
-        self.io = StateIO(lambda: self.post, self._resume, refuse=lambda: self.lost)
-        # A lost RPC worker (rpc/loss.py): the message every request is answered with from
-        # then on, and the server's take-over (server.py) that keeps answering.
-        self.lost: str | None = None
-        self.on_worker_lost: Callable[[str], None] | None = None
-        self._current: tuple[Session, Request] | None = None  # the request being handled
-        self.ticks = 0  # decodes run so far (`stats`; tests bound waits in ticks, not seconds)
-        self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session that sent a request
-        self.transport_stats: Callable[[], dict] | None = None  # the socket server's own books
-
-    @property
-    def ready_event(self) -> dict | None:
-        """The `ready` event of the successful `init` (None before)."""
-        return self.rt.ready_event if self.rt is not None else None
-
-    @property
-    def states(self) -> statedir.StateDir | None:
-        """The state directory of the successful `init` (None before)."""
-        return self.rt.states if self.rt is not None else None
-
-    def handle(self, session: Session, req: Request) -> None:
-        """Apply one typed request; errors become `error` events for that session.
-
-        While the session waits for a state file (stateio.py), its requests are held and
-        applied in order afterwards, so it sees the answers in the order it asked."""
-        self.sessions.add(session)
-        if session.io_pending or session.deferred:
-            session.deferred.append(req)
-            return
-        self._apply(session, req)
-
-    def _apply(self, session: Session, req: Request) -> None:
-        kind = req.type
-        if self.lost is not None:
-            if kind != "quit":  # (quit needs no answer: the loop ends)
-                session.send(self.lost_error(req))
-            return
-        if self.seqs is not None:
-            self.seqs.taken = []
-        self._current = (session, req)
-        try:
-            if isinstance(req, InitRequest):
-                self._init(session, req)
-                return
-            if self.handlers is None:
-                raise ProtocolError(f"{kind} before init: send an init request first",
-                                    req.reply_seq_id, kind)
-            HANDLERS[kind](self.handlers, session, req)
-        except ProtocolError as e:
-            self._give_back()
-            if e.request is None:
-                e.request = kind
-            session.send(e.event())
-        except BaseException:
-            self._give_back()
-            raise
-        finally:
-            self._current = None
-
-    def _resume(self, session: Session) -> None:
-        """The session's state files are done: apply its held requests, in order, until
-        one starts another state-file job."""
-        while session.deferred and not session.io_pending:
-            req = session.deferred.pop(0)
-            try:
-                self._apply(session, req)
-            except Exception as e:  # noqa: BLE001 - as the server loop does for a request
-                report_bug(session, req, e)
-
-    def _give_back(self) -> None:
-        """The request failed: free the slots it took (sequences.py: give_back)."""
-        if self.seqs is not None:
-            self.seqs.give_back()
-
-    def _init(self, session: Session, req: InitRequest) -> None:
-        if self.rt is not None:
-            raise ProtocolError("init: the server is already initialised (one init per process)",
-                                request="init")
-        self.rt = rt = Runtime.open(req, self.state_dir_default, self.allow_any_path,
-                                    on_worker_lost=self._worker_lost)
-        self.seqs = Sequences(rt.ctx)
-        self.handlers = Handlers(rt, self.seqs, self.io, stats=self.stats)
-        self.scheduler = Scheduler(rt, self.seqs)
-        session.send(rt.ready_event)
-
-    def has_work(self) -> bool:
-        """Sequences to decode: the server loop ticks while this holds (never after a lost
-        RPC worker: the engine thread is blocked then)."""
-        return self.lost is None and self.seqs is not None and bool(self.seqs.order)
-
-    # ------------------------------------------------------------ a lost RPC worker
-
-    def _worker_lost(self, message: str) -> None:
-        """Called on the thread that lost the worker (rpc/loss.py); the server's take-over
-        runs there and never returns. Without one, that thread just stays parked."""
-        if self.on_worker_lost is not None:
-            self.on_worker_lost(message)
-
-    def lost_error(self, req: Request) -> dict:
-        return error_event(self.lost_answer(), req.reply_seq_id, req.type)
-
-    def lost_answer(self) -> str:
-        """What every request gets after a lost worker."""
-        return f"{self.lost}; this server cannot decode any more (start it again with the workers running)"
-
-    def lose(self, message: str) -> None:
-        """The engine thread is blocked for good inside llama.cpp (a worker was lost): the
-        request it was handling and every running sequence end with an error naming the
-        worker, and from now on every request is answered with one. Nothing here calls
-        into llama.cpp: its state belongs to the blocked thread."""
-        self.lost = message
-        answered = None
-        if self._current is not None:
-            session, req = self._current
-            session.send(error_event(message, req.reply_seq_id, req.type))
-            answered = (session, req.reply_seq_id)
-        if self.seqs is not None:
-            self.seqs.frozen = True
-            for seq in list(self.seqs.order):
-                if (seq.session, seq.seq_id) == answered:
-                    self.seqs.release(seq)
-                else:
-                    self.seqs.fail(seq, message)
-
-    def io_pending(self) -> bool:
-        """State-file jobs whose answer has not been sent yet: the loop waits for them."""
-        return self.io.pending > 0
-
-    def tick(self) -> None:
-        assert self.scheduler is not None
-        self.ticks += 1
-        self.scheduler.tick()
-
-    def stats(self, session: Session) -> dict:
-        """The `stats` answer (accounting.py)."""
-        assert self.rt is not None
-        extra = self.transport_stats() if self.transport_stats is not None else None
-        return accounting.stats(self.rt, list(self.sessions), session, self.ticks, extra)
-
-    def fail_all(self, message: str) -> None:
-        """End every active sequence with an `error` (a tick raised: a bug, not a request)."""
-        if self.seqs is not None:
-            self.seqs.fail_all(message)
-
-    def close_session(self, session: Session) -> None:
-        """A client went away: cancel its sequences, free their KV, forget its grammars
-        and its private state files."""
-        if self.seqs is not None:  # (after a lost worker: the books only, seqs.frozen)
-            self.seqs.close_session(session)
-        session.deferred.clear()
-        session.grammars.clear()
-        session.grammar_bytes = 0
-        self.sessions.discard(session)
-        if self.states is not None:
-            self.states.drop_namespace(session.namespace)
-
-    def shutdown(self) -> None:
-        if self.lost is not None:
-            return  # the model is in use by the blocked thread: the process exit frees it
-        if self.seqs is not None:
-            self.seqs.finish_all("shutdown", notify=False)
-        self.io.close()  # a save in progress completes its rename
-        with self.model_lock.exclusive():  # not while a reader thread tokenizes (prepare.py)
-            if self.rt is not None:
-                self.rt.close()
-            self.rt = self.seqs = self.handlers = self.scheduler = None

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..mask_ahead import MaskJob
+from .mask_ahead import MaskJob
 from ..protocol import token_event
 from ..sampling import SampleResult
 from ..usersteps import StepFailed
+from .jobs import InferJob
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
 
@@ -20,47 +21,52 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
            job: MaskJob) -> None:
     """Sample each (sequence, row) of this tick and accept the token."""
     for seq, row in sampling:
+        gen = seq.job  # an InferJob: only they sample
         # the mask job was started for exactly the plan's sampling entries
-        mask = job.row(seq.slot) if seq.matcher is not None else None
+        mask = job.row(seq.slot) if gen.matcher is not None else None
         try:
-            res = seq.sampler.sample(logits[row], mask)
+            res = gen.sampler.sample(logits[row], mask)
             if res.empty and mask is not None:  # a ban of a token the grammar forces: spell it shorter
-                wider = seq.matcher.widen_forced(mask)
+                wider = gen.matcher.widen_forced(mask)
                 if wider is not None:
-                    res = seq.sampler.sample(logits[row], wider)
+                    res = gen.sampler.sample(logits[row], wider)
         except StepFailed as e:  # a user-defined step raised: this sequence ends, the others go on
             seqs.fail(seq, str(e))
             continue
         if res.empty:
             seqs.fail(seq, f"no token can be sampled: {res.reason}")
             continue
-        _accept(rt, seqs, seq, int(res.token), res)
+        _accept(rt, seqs, seq, gen, int(res.token), res)
 
 
-def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, token: int, res: SampleResult) -> None:
-    seq.append(token)  # the history, the sampler's window; the matcher just below
+def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, gen: InferJob, token: int, res: SampleResult) -> None:
+    # A sampled token enters the context: the history and the sampler's penalty window
+    # take it at the same moment (the next tick feeds it to the KV cells); the matcher
+    # just below.
+    seq.tokens.append(token)
+    gen.sampler.accept(token)
     if rt.model.is_eog(token):
-        grammar_done = seq.matcher is not None and seq.matcher.is_accepting()
+        grammar_done = gen.matcher is not None and gen.matcher.is_accepting()
         seqs.finish(seq, "grammar" if grammar_done else "eos")
         return
-    if seq.matcher is not None and not seq.matcher.consume(token):
-        seqs.fail(seq, f"grammar rejected token {token} (matcher: {seq.matcher.error()})")
+    if gen.matcher is not None and not gen.matcher.consume(token):
+        seqs.fail(seq, f"grammar rejected token {token} (matcher: {gen.matcher.error()})")
         return
-    piece = seq.utf8.feed(rt.model.token_to_piece(token, special=True))
+    piece = gen.utf8.feed(rt.model.token_to_piece(token, special=True))
     logprobs = None
-    if seq.sampler.params.n_probs:
+    if gen.sampler.params.n_probs:
         logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
                     "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
     if res.trace is not None:
         logprobs = {**(logprobs or {}), "trace": res.trace}
     seq.session.send(token_event(seq.seq_id, token, piece, logprobs))
-    seq.n_predicted += 1
-    stop = seq.stops.feed(piece) if seq.stops else None
+    gen.n_predicted += 1
+    stop = gen.stops.feed(piece) if gen.stops else None
     if stop is not None:
         seqs.finish(seq, "stop", stop=stop)
-    elif seq.matcher is not None and seq.matcher.is_stopped():
+    elif gen.matcher is not None and gen.matcher.is_stopped():
         seqs.finish(seq, "grammar")
-    elif seq.n_predicted >= seq.max_tokens:
+    elif gen.n_predicted >= gen.max_tokens:
         seqs.finish(seq, "max_tokens")
 
 

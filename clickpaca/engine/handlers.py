@@ -1,39 +1,41 @@
-"""One handler per request type after `init`, applied between ticks.
+"""One handler per request type but `init` and `quit` (the transport's), applied between ticks.
 
 A handler gets the typed request the protocol layer has validated (every check that
 needs only the request is done), with the work a reader thread may have prepared for
 it (prepare.py). It makes the checks that need the server's state (is the seq_id
 in range and free, does the grammar exist, do the logit_bias ids fit the vocabulary,
 does the prompt fit the context), each raising a ProtocolError that names the field,
-and then either answers at once (grammar, cancel, free, fork, save, load) or sets up a
-sequence and appends it to the active order for the scheduler (infer, score, prefill).
+and then either answers at once (grammar, cancel, free, fork, stats), hands the file
+work to the state-file worker and answers when it is done (save, load: statefiles.py,
+stateio.py), or sets up a sequence and starts its job for the scheduler (infer, score,
+prefill: jobs.py).
 """
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any, Callable
 
 import numpy as np
 
-from .. import kvstate, statedir
 from ..grammars import GrammarError
 from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
-                        LoadRequest, PrefillRequest, ProtocolError, QuitRequest, SaveRequest, ScoreRequest,
-                        StatsRequest, error_event, forked_event, freed_event, grammar_ready_event,
-                        loaded_event, saved_event, stats_event)
+                        PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event, freed_event,
+                        grammar_ready_event, stats_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
-from ..text import StopMatcher, Utf8Assembler
+from .jobs import InferJob, PrefillJob, ScoreJob
+from .text import StopMatcher
 from .accounting import MAX_GRAMMAR_TEXT_PER_SESSION, MAX_GRAMMARS_PER_SESSION, grammar_bytes
 from .runtime import Runtime
 from .sequences import Sequence, Sequences, Session
 from .stateio import StateIO
+from .statefiles import StateFileHandlers
 
 
 
-class Handlers:
+class Handlers(StateFileHandlers):
+    """The handlers of every request after init but quit (save and load: statefiles.py)."""
+
     def __init__(self, rt: Runtime, seqs: Sequences, io: StateIO,
                  stats: Callable[[Session], dict] | None = None) -> None:
         self.rt, self.seqs, self.io = rt, seqs, io
@@ -83,8 +85,6 @@ class Handlers:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
         seq = held if held is not None else seqs.new(session, seq_id, "infer")
-        seq.kind = "infer"
-        seq.t_arrival = time.perf_counter()
         if held is not None:
             self._reopen_held(seq, prompt)
         else:
@@ -92,18 +92,10 @@ class Handlers:
             if req.reusePrefix:
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
-        seq.n_reused = seq.n_past
-        seq.n_prompt = len(seq.tokens) - seq.n_past
-        seq.state = "prompt"
-        seq.sampler = sampler
         sampler.extend(seq.tokens)  # the whole context, at the moment it enters the history
-        seq.matcher = compiled.new_matcher() if compiled is not None else None
-        seq.stops = StopMatcher(req.stop)
-        seq.utf8 = Utf8Assembler()
-        seq.max_tokens = req.maxTokens
-        seq.n_predicted = 0
-        seq.t_prompt = seq.t_first = None
-        seqs.order.append(seq)
+        seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
+                                 matcher=compiled.new_matcher() if compiled is not None else None,
+                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens))
 
     def score(self, session: Session, req: ScoreRequest) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
@@ -125,12 +117,9 @@ class Handlers:
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
         seq = seqs.new(session, seq_id, "score")
-        seq.windows = windows
-        seq.window = 0
         seq.tokens, seq.n_past = windows[0][0].tolist(), 0
-        seq.per_token = req.perToken
-        seq.n_prompt = sum(len(w[0]) for w in windows)
-        seqs.order.append(seq)
+        seqs.start(seq, ScoreJob(n_prompt=sum(len(w[0]) for w in windows), windows=windows,
+                                 per_token=req.perToken))
 
     def prefill(self, session: Session, req: PrefillRequest) -> None:
         seqs = self.seqs
@@ -140,14 +129,9 @@ class Handlers:
         prompt = self._prompt_tokens(req, continuing=held is not None)
         self._check_fits(held, prompt, seq_id, "prefill")
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
-        seq.kind = "prefill"
-        seq.state = "prompt"
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         self._no_lone_prompt_token(seq)
-        seq.n_prompt = len(seq.tokens) - seq.n_past
-        seq.t_arrival = time.perf_counter()
-        seq.t_prompt = None
-        seqs.order.append(seq)
+        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past))
 
     def _prompt_tokens(self, req: InferRequest | PrefillRequest, continuing: bool) -> np.ndarray:
         """The prompt's (or messages') tokens: from the reader thread (prepare.py) if it
@@ -159,7 +143,7 @@ class Handlers:
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""
         held = session.seqs.get(seq_id)
-        if held is not None and held.state != "held":
+        if held is not None and not held.held:
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, kind)
         return held
 
@@ -190,7 +174,7 @@ class Handlers:
         ctx, model = self.rt.ctx, self.rt.model
         best, best_n = None, 0
         for other in seq.session.seqs.values():
-            if other is seq or other.state != "held" or not other.tokens:
+            if other is seq or not other.held or not other.tokens:
                 continue
             m = min(len(other.tokens), len(seq.tokens) - 1)
             a = np.asarray(other.tokens[:m], np.int32)
@@ -215,7 +199,7 @@ class Handlers:
 
     def cancel(self, session: Session, req: CancelRequest) -> None:
         seq = session.seqs.get(req.seq_id)
-        if seq is None or seq.state in ("held", "loading"):
+        if seq is None or seq.job is None:
             raise ProtocolError(f"seq_id: sequence {req.seq_id} is not running "
                                 "(use free to release a held sequence)", req.seq_id, "cancel")
         self.seqs.finish(seq, "cancelled")
@@ -224,7 +208,7 @@ class Handlers:
         seq = session.seqs.get(req.seq_id)
         if seq is None:
             raise ProtocolError(f"seq_id: sequence {req.seq_id} holds nothing", req.seq_id, "free")
-        if seq.state in ("held", "loading"):  # a load in progress then answers with an error
+        if seq.job is None:  # held, or loading (a load in progress then answers with an error)
             self.seqs.release(seq)
         else:
             self.seqs.finish(seq, "cancelled")
@@ -239,137 +223,24 @@ class Handlers:
         except ProtocolError as e:
             e.seq_id = req.seq_id  # answer on the request's seq_id, where the client waits
             raise
-        if src is None or src.state != "held":
+        if src is None or not src.held:
             raise ProtocolError(f"seq_id: sequence {req.seq_id} holds no state to fork "
                                 "(prefill it first)", req.seq_id, "fork")
         if dst_id in session.seqs:
             raise ProtocolError(f"dst_seq_id: sequence {dst_id} is in use", req.seq_id, "fork")
-        dst = seqs.new(session, dst_id, "prefill")
+        dst = seqs.new(session, dst_id, "fork")  # starts held: a fork is how a sequence starts, not a kind
         self.rt.ctx.seq_cp(src.slot, dst.slot, -1, -1)
         dst.tokens, dst.n_past = list(src.tokens), src.n_past
-        dst.state = "held"
         session.send(forked_event(src.seq_id, dst_id, dst.n_past))
-
-    def save(self, session: Session, req: SaveRequest) -> None:
-        """The cells are copied out now (the sequence may change right after); hashing
-        and writing run on the state-file worker, and `saved` follows when the file is
-        in place (stateio.py)."""
-        seq_id = req.seq_id
-        seq = session.seqs.get(seq_id)
-        if seq is None or seq.state != "held":
-            raise ProtocolError(f"seq_id: sequence {seq_id} holds no state to save", seq_id, "save")
-        path, shared, replace = req.path, req.shared, req.replace
-
-        def may_replace(dir_fd: int, name: str) -> None:
-            kvstate.refuse_foreign(dir_fd, name)
-            if shared and not replace:
-                raise kvstate.StateFileError(f"{name!r} already exists in the shared namespace "
-                                             "(save with replace: true to overwrite it)")
-        try:
-            dir_fd, name, label = self.rt.states.locate(path, session.namespace, shared)
-        except statedir.StatePathError as e:
-            raise ProtocolError(_path_message(e), seq_id, "save") from None
-        try:
-            snapshot, n_past = kvstate.Snapshot(self.rt.ctx, seq.slot, seq.tokens), seq.n_past
-        except BaseException:
-            os.close(dir_fd)
-            raise
-
-        def write() -> int:
-            try:
-                return statedir.write_file(dir_fd, name, snapshot.chunks(), label, may_replace)
-            finally:
-                os.close(dir_fd)
-
-        def then(n_bytes: int | None, error: Exception | None) -> None:
-            if error is None:
-                session.send(saved_event(seq_id, path, n_bytes, n_past))
-            else:
-                session.send(_file_error(error, path, "written", seq_id, "save").event())
-
-        self.io.submit(session, write, then, lambda msg: session.send(ProtocolError(msg, seq_id, "save").event()))
-
-    def load(self, session: Session, req: LoadRequest) -> None:
-        """The seq_id is taken now (state "loading": not scheduled, refused to others);
-        the file is read and verified on the state-file worker, then restored into the
-        cells here and answered with `loaded` (stateio.py)."""
-        seqs = self.seqs
-        seq_id, path = req.seq_id, req.path
-        seqs.check_id(seq_id, "load")
-        if seq_id in session.seqs:
-            raise ProtocolError(f"seq_id: sequence {seq_id} is in use (free it first)", seq_id, "load")
-        try:
-            dir_fd, name, label = self.rt.states.locate(path, session.namespace, req.shared)
-        except statedir.StatePathError as e:
-            raise ProtocolError(_path_message(e), seq_id, "load") from None
-        try:
-            seq = seqs.new(session, seq_id, "prefill")
-        except BaseException:
-            os.close(dir_fd)
-            raise
-        seq.state = "loading"
-
-        def read() -> tuple[dict, list[int], bytes]:
-            try:
-                return kvstate.decode(statedir.read_file(dir_fd, name, label), label)
-            finally:
-                os.close(dir_fd)
-
-        def mine() -> bool:
-            return session.seqs.get(seq_id) is seq and seq.state == "loading"
-
-        def then(decoded, error: Exception | None) -> None:
-            if not mine():  # freed, or its client went away, while the file was read
-                session.send(error_event(f"seq_id: sequence {seq_id} was freed before its state "
-                                         "was loaded", seq_id, "load"))
-                return
-            try:
-                if error is not None:
-                    raise _file_error(error, path, "read", seq_id, "load")
-                try:
-                    tokens = kvstate.restore(self.rt.ctx, seq.slot, *decoded, label)
-                except kvstate.StateFileError as e:
-                    raise ProtocolError(_path_message(e), seq_id, "load") from None
-            except ProtocolError as e:
-                seqs.release(seq)
-                session.send(e.event())
-                return
-            seq.tokens, seq.n_past = tokens, len(tokens)
-            seq.state = "held"
-            session.send(loaded_event(seq_id, seq.n_past))
-
-        def on_bug(message: str) -> None:
-            if mine():
-                seqs.release(seq)
-            session.send(error_event(message, seq_id, "load"))
-
-        self.io.submit(session, read, then, on_bug)
 
     def stats(self, session: Session, req: StatsRequest) -> None:
         session.send(stats_event(**(self._stats(session) if self._stats is not None else {})))
 
-    def quit(self, session: Session, req: QuitRequest) -> None:
-        if req.now:
-            self.seqs.finish_all("shutdown")
-
-
-def _file_error(e: Exception, path: str, done: str, seq_id: int, kind: str) -> ProtocolError:
-    """A failed state-file job as the request's error (names the field `path`)."""
-    if isinstance(e, (statedir.StatePathError, kvstate.StateFileError)):
-        return ProtocolError(_path_message(e), seq_id, kind)
-    if isinstance(e, OSError):
-        return ProtocolError(f"path: {path[:60]!r} cannot be {done} ({e.strerror})", seq_id, kind)
-    raise e
-
-
-def _path_message(e: Exception) -> str:
-    """A state-file error as an `error` message that names the field `path`."""
-    msg = str(e)
-    return msg if msg.startswith("path:") else f"path: {msg}"
-
 
 #: Request type -> its handler: every request of the protocol's list (REQUESTS) but
-#: `init`, which the Engine applies itself (it creates what the handlers work on).
+#: `init` and `quit`, whose rules are the transport's (server.Rules): stdio applies init
+#: (Engine.init) and ends at quit, the socket server compares init with what it runs and
+#: ends the client's connection at quit.
 HANDLERS: dict[str, Callable[[Handlers, Session, Any], None]] = {
     "grammar": Handlers.grammar,
     "infer": Handlers.infer,
@@ -380,9 +251,9 @@ HANDLERS: dict[str, Callable[[Handlers, Session, Any], None]] = {
     "fork": Handlers.fork,
     "save": Handlers.save,
     "load": Handlers.load,
-    "quit": Handlers.quit,
     "stats": Handlers.stats,
 }
-if set(HANDLERS) != set(REQUESTS) - {"init"}:  # a request added to the protocol needs a handler
+TRANSPORT_RULES = {"init", "quit"}
+if set(HANDLERS) != set(REQUESTS) - TRANSPORT_RULES:  # a request added to the protocol needs a handler
     raise ImportError(f"engine handlers {sorted(HANDLERS)} do not match the protocol's requests "
-                      f"{sorted(set(REQUESTS) - {'init'})}")
+                      f"{sorted(set(REQUESTS) - TRANSPORT_RULES)}")

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
 from ..grammars import GrammarEngine
-from ..mask_ahead import MaskAhead
+from .mask_ahead import MaskAhead
 from ..models import resolve_model
 from ..native import NativeError, load
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event

@@ -3,8 +3,9 @@
 A `Session` is one client's namespace of seq_ids and grammar ids (stdio has exactly
 one). A `Sequence` is what one seq_id holds: a slot (llama.cpp's sequence id), its one
 token history (`tokens`: the prompt from the moment it arrives, each sampled token from
-the moment it is accepted; the first `n_past` of them are in its KV cells), and what it
-is doing (kind infer, score or prefill; state prompt -> generate, or held). `Sequences` owns the slots and the active order, and every
+the moment it is accepted; the first `n_past` of them are in its KV cells), and the job
+of the request running on it (jobs.py; none: held). `Sequences` owns the slots and the
+active order (the sequences with a job, in arrival order: `start`, `hold`), and every
 ending goes through it: `finish` (a `done` event), `fail` (an `error` event) or
 `release` (silently), each of which frees the slot and its KV cells at once, so the
 seq_id is reusable by the next request.
@@ -17,10 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import core
-from ..protocol import ProtocolError, done_event, error_event
-from ..sampling import SequenceSampler
-from ..text import StopMatcher, Utf8Assembler
-from ..usersteps import step_ms
+from ..protocol import ProtocolError, error_event
+from .jobs import Job
 
 
 @dataclass(eq=False)
@@ -40,73 +39,43 @@ class Session:
 
 @dataclass(eq=False)
 class Sequence:
+    """What one seq_id holds: a slot, its one token history (`tokens`: the prompt from the
+    moment it arrives, each sampled token from the moment it is accepted; the first
+    `n_past` are in its KV cells) and, while a request runs on it, that request's job
+    (jobs.py). With no job it is held (or loading, while a `load` reads its file)."""
+
     session: Session
     seq_id: int
     slot: int
-    kind: str  # "infer" | "score" | "prefill"
-    state: str = "prompt"  # "prompt" -> "generate" | "held"; "loading" -> "held" (load)
     tokens: list[int] = field(default_factory=list)  # its context, in order
     n_past: int = 0  # how many of `tokens` are in its KV cells (fed by a decode)
-    sampler: SequenceSampler | None = None
-    matcher: Any = None
-    stops: StopMatcher | None = None
-    utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
-    max_tokens: int = 0
-    n_predicted: int = 0
-    n_prompt: int = 0
-    n_reused: int = 0
-    t_arrival: float = 0.0
-    t_prompt: float | None = None
-    t_first: float | None = None
-    kv_wait: bool = False
-    # scoring
-    windows: list = field(default_factory=list)
-    window: int = 0
-    nll: list = field(default_factory=list)
-    per_token: bool = False
+    job: Job | None = None  # set and cleared only by Sequences (start, hold, release)
+    loading: bool = False  # a `load` reads its file: taken, not yet held
+    kv_wait: bool = False  # a decode found no KV room for its prompt: retried when cells free up
 
-    def append(self, token: int) -> None:
-        """A sampled token enters the context: the history and the sampler's penalty
-        window take it at the same moment (the next tick feeds it to the KV cells)."""
-        self.tokens.append(token)
-        self.sampler.accept(token)
-
-
-def done(seq: Sequence, reason: str, stop: str | None, now: float) -> dict:
-    """The `done` event that ends a request, with the sequence's timings."""
-    if seq.kind in ("score", "prefill") and reason in ("cancelled", "shutdown"):
-        return done_event(seq.seq_id, reason, request=seq.kind)
-    t_prompt_end = seq.t_first or now
-    prompt_s = (t_prompt_end - seq.t_prompt) if seq.t_prompt else 0.0
-    eval_s = (now - seq.t_first) if seq.t_first else 0.0
-    return done_event(
-        seq.seq_id, reason, stop, tokens_prompt=seq.n_prompt, tokens_reused=seq.n_reused,
-        tokens_predicted=seq.n_predicted, prompt_ms=round(prompt_s * 1000, 3),
-        eval_ms=round(eval_s * 1000, 3),
-        prompt_tps=round(seq.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
-        # the first token comes from the prompt's logits: n tokens take n - 1 decodes
-        eval_tps=round((seq.n_predicted - 1) / eval_s, 2) if eval_s > 0 and seq.n_predicted > 1 else None,
-        **_steps_ms(seq))
-
-
-def _steps_ms(seq: Sequence) -> dict:
-    """`steps_ms`: the CPU time of the user-defined steps this request ran, when any did."""
-    ms = step_ms(seq.sampler.states) if seq.sampler is not None else None
-    return {"steps_ms": ms} if ms else {}
+    @property
+    def held(self) -> bool:
+        """Its cells are kept with nothing running on them (prefill, fork, load, an infer's end)."""
+        return self.job is None and not self.loading
 
 
 class Sequences:
     """The slots of one context, the active (not held) sequences in arrival order, and
     every ending."""
 
-    def __init__(self, ctx: core.Context) -> None:
+    def __init__(self, ctx: core.Context, frozen: Callable[[], bool] = lambda: False) -> None:
         self.ctx = ctx
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
         self.order: list[Sequence] = []  # active (not held) sequences in arrival order
         self.taken: list[Sequence] = []  # slots taken by the request being handled (give_back)
-        # Set after a lost RPC worker: the context belongs to the engine thread, blocked for
-        # good inside llama.cpp, so endings only keep the books (no KV calls).
-        self.frozen = False
+        self._frozen = frozen
+
+    @property
+    def frozen(self) -> bool:
+        """After a lost RPC worker (the engine's `lost`, asked, not copied): the context
+        belongs to the engine thread, blocked for good inside llama.cpp, so endings only
+        keep the books (no KV calls)."""
+        return self._frozen()
 
     def check_id(self, seq_id: int, kind: str, field_: str = "seq_id") -> None:
         if not 0 <= seq_id < self.ctx.n_seq_max:
@@ -120,16 +89,25 @@ class Sequences:
         if session.max_seqs is not None and len(session.seqs) >= session.max_seqs:
             raise ProtocolError(f"seq_id: this client holds {len(session.seqs)} sequences, its share "
                                 f"(--max-seqs-per-client {session.max_seqs})", seq_id, kind)
-        seq = Sequence(session=session, seq_id=seq_id, slot=self.free_slots.pop(), kind=kind,
-                       t_arrival=time.perf_counter())
+        seq = Sequence(session=session, seq_id=seq_id, slot=self.free_slots.pop())
         session.seqs[seq_id] = seq
         self.taken.append(seq)
         return seq
 
+    def start(self, seq: Sequence, job: Job) -> None:
+        """A request's job starts running on the sequence: it joins the active order."""
+        seq.job = job
+        self.order.append(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """Its job is over and its cells are kept (a prefill's end)."""
+        seq.job = None
+        self.order.remove(seq)
+
     def give_back(self) -> None:
         """A request failed: release the slots it took that are still its own (no leak).
 
-        Engine.handle clears `taken` before each request and calls this when one raises,
+        Engine._apply clears `taken` before each request and calls this when one raises,
         so a handler that fails after `new` never needs its own cleanup."""
         taken, self.taken = self.taken, []
         for seq in taken:
@@ -142,8 +120,9 @@ class Sequences:
         """Free the sequence's KV cells and slot at once; its seq_id is reusable now."""
         if not self.frozen:
             self.ctx.seq_rm(seq.slot, -1, -1)
-        if seq in self.order:
+        if seq.job is not None:
             self.order.remove(seq)
+            seq.job = None
         if seq.session.seqs.get(seq.seq_id) is seq:
             del seq.session.seqs[seq.seq_id]
         self.free_slots.append(seq.slot)
@@ -158,14 +137,16 @@ class Sequences:
     def finish(self, seq: Sequence, reason: str, stop: str | None = None, notify: bool = True) -> None:
         """End a request with a `done` event (none when not ``notify``)."""
         now = time.perf_counter()
+        job = seq.job
         self.release(seq)
         if notify:
-            seq.session.send(done(seq, reason, stop, now))
+            seq.session.send(job.done(seq, reason, stop, now))
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an `error` event."""
+        kind = seq.job.kind if seq.job is not None else None
         self.release(seq)
-        seq.session.send(error_event(message, seq.seq_id, seq.kind))
+        seq.session.send(error_event(message, seq.seq_id, kind))
 
     def finish_all(self, reason: str, notify: bool = True) -> None:
         for seq in list(self.order):
@@ -178,7 +159,7 @@ class Sequences:
     def close_session(self, session: Session) -> None:
         """A client went away: end its sequences silently and free their KV cells."""
         for seq in list(session.seqs.values()):
-            if seq.state in ("held", "loading"):
+            if seq.job is None:
                 self.release(seq)
             else:
                 self.finish(seq, "cancelled", notify=False)

@@ -72,6 +72,8 @@ class Generation:
             g.steered_logprobs = [e.get("steered_logprob") for e in toks]
             g.steered_top = [e.get("steered_top") or [] for e in toks]
         final = next((e for e in reversed(events) if e.get("type") != "token"), None)
+        if final is not None and final.get("tail"):
+            g.text += final["tail"]  # an unfinished character's bytes (PROTOCOL.md, done)
         if final is None or final.get("type") == "closed":
             g.error = "the server closed the connection before the request ended"
         elif final["type"] == "error":

@@ -1,4 +1,4 @@
-"""clickpaca.prepare with the real engine in-process: what a reader thread prepares for
+"""clickpaca.engine.prepare with the real engine in-process: what a reader thread prepares for
 any prompt, chat conversation or score text equals what the engine thread would have
 made itself (same text, same tokens, both with and without BOS), a conversation the
 template cannot format carries its error for the engine to answer, and nothing is
@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from clickpaca.engine import Engine, Session
-from clickpaca.prepare import prepare
+from clickpaca.engine.engine import Engine, Session
+
 from clickpaca.protocol import validate
 from conftest import TEST_BUILD
 
@@ -24,7 +24,7 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 400
 def engine(tmp_path_factory):
     eng = Engine(state_dir=str(tmp_path_factory.mktemp("state")))
     events: list[dict] = []
-    eng.handle(Session(send=events.append),
+    eng.init(Session(send=events.append),
                validate({"type": "init", "nCtx": 1024, "nSeqMax": 2, "nBatch": 64, "nThreads": 1,
                          "build": TEST_BUILD}))
     assert events and events[-1]["type"] == "ready", events
@@ -45,7 +45,7 @@ def engine_tokens(eng: Engine, req) -> dict[bool, np.ndarray]:
      "chatTemplate": "gemma"},
 ], ids=["prompt", "messages"])
 def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine, fields):
-    req = prepare(engine, validate({"type": "prefill", "seq_id": 0, **fields}))
+    req = engine.prepare(validate({"type": "prefill", "seq_id": 0, **fields}))
     pre = req.prompt_tokens
     want = engine_tokens(engine, req)
     for continuing in (False, True):
@@ -57,10 +57,10 @@ def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine
 
 @pytest.mark.model
 def test_short_prompts_are_prepared_and_bad_conversations_carry_their_error(engine):
-    short = prepare(engine, validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
+    short = engine.prepare(validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
     assert np.array_equal(short.prompt_tokens.get(False), engine_tokens(engine, short)[False])
     # the base model has no template: the engine answers with the reason, naming messages
-    bad = prepare(engine, validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
+    bad = engine.prepare(validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
                                     "messages": [{"role": "user", "content": LONG}]}))
     assert bad.prompt_tokens is not None and bad.prompt_tokens.error is not None
     events: list[dict] = []
@@ -71,7 +71,7 @@ def test_short_prompts_are_prepared_and_bad_conversations_carry_their_error(engi
 
 @pytest.mark.model
 def test_score_texts_are_tokenized_as_llama_cpp_does(engine):
-    req = prepare(engine, validate({"type": "score", "seq_id": 0, "text": LONG}))
+    req = engine.prepare(validate({"type": "score", "seq_id": 0, "text": LONG}))
     model = engine.rt.model
     assert np.array_equal(req.text_tokens, model.tokenize(LONG, add_special=True, parse_special=False))
 
@@ -80,8 +80,8 @@ def test_score_texts_are_tokenized_as_llama_cpp_does(engine):
 def test_grammars_are_compiled_by_the_reader_and_their_errors_answered_by_the_engine(engine):
     from clickpaca.grammars import CompiledGrammar, GrammarError
 
-    good = prepare(engine, validate({"type": "grammar", "id": "g", "grammar": 'root ::= "a"'}))
-    bad = prepare(engine, validate({"type": "grammar", "id": "b", "grammar": "root ::= ("}))
+    good = engine.prepare(validate({"type": "grammar", "id": "g", "grammar": 'root ::= "a"'}))
+    bad = engine.prepare(validate({"type": "grammar", "id": "b", "grammar": "root ::= ("}))
     assert isinstance(good.compiled, CompiledGrammar) and isinstance(bad.compiled, GrammarError)
     events: list[dict] = []
     session = Session(send=events.append)
@@ -94,10 +94,10 @@ def test_grammars_are_compiled_by_the_reader_and_their_errors_answered_by_the_en
 @pytest.mark.model
 def test_nothing_is_prepared_after_shutdown(tmp_path):
     eng = Engine(state_dir=str(tmp_path))
-    eng.handle(Session(send=lambda ev: None),
+    eng.init(Session(send=lambda ev: None),
                validate({"type": "init", "nCtx": 256, "nSeqMax": 1, "nBatch": 16, "nThreads": 1,
                          "build": TEST_BUILD}))
     assert eng.rt is not None
     eng.shutdown()
-    req = prepare(eng, validate({"type": "prefill", "seq_id": 0, "prompt": LONG}))
+    req = eng.prepare(validate({"type": "prefill", "seq_id": 0, "prompt": LONG}))
     assert req.prompt_tokens is None

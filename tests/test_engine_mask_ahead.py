@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from clickpaca.grammars import GrammarEngine, allowed_ids, fill_masks
-from clickpaca.mask_ahead import MaskAhead
+from clickpaca.engine.mask_ahead import MaskAhead
 
 GRAMMARS = [
     '%json_schema {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',

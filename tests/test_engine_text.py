@@ -1,11 +1,11 @@
-"""clickpaca.text without a model: UTF-8 assembly of token bytes, stop strings in pieces."""
+"""clickpaca.engine.text without a model: UTF-8 assembly of token bytes, stop strings in pieces."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clickpaca.text import StopMatcher, Utf8Assembler, _incomplete_tail
+from clickpaca.engine.text import StopMatcher, Utf8Assembler, _incomplete_tail
 
 
 def split_at(data, cuts):

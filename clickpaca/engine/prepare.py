@@ -20,8 +20,8 @@ declares for it (`prompt_tokens`, `text_tokens`, `compiled`):
 Tokenizing is linear in the text (pretokenize.py) and llama_tokenize and llguidance
 release the GIL, so the engine thread keeps decoding meanwhile. The engine computes a
 missing result itself (in-process use, or a request read before `init`: the stdio
-reader waits for a pending init first, `InitGate`), so a request is answered the same
-either way.
+reader waits for a pending init first), so a request is answered the same either way.
+The transports call it as `Engine.prepare`.
 
 State files are not read here: a `load` must see the file of every `save` before it,
 so they are written and read on the engine's own worker, in order (engine/stateio.py).
@@ -30,12 +30,42 @@ so they are written and read on the engine's own worker, in order (engine/statei
 from __future__ import annotations
 
 import dataclasses
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
+from ..protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+class SharedUse:
+    """Many users at once (`with use:`: reader threads tokenizing with the model), or one
+    `exclusive()` holder with no user (shutdown, closing the model)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._users = 0
+
+    def __enter__(self) -> "SharedUse":
+        with self._cond:
+            self._users += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._users -= 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._users == 0)
+            yield
 
 
 @dataclass(frozen=True)
@@ -53,16 +83,17 @@ class PromptTokens:
         return self.continuing if continuing else self.fresh
 
 
-def prepare(engine: Any, req: Request) -> Request:
-    """`req`, or a copy with the precomputed work attached when the engine is ready;
-    never raises."""
-    rt = engine.rt  # clickpaca.engine.Runtime, None before init and after shutdown
+def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: SharedUse) -> Request:
+    """`req`, or a copy with the precomputed work attached when a runtime is open
+    (`runtime()`: the engine's, None before init and after shutdown; `model_lock` keeps
+    shutdown from closing the model meanwhile); never raises."""
+    rt = runtime()
     if rt is None:
         return req
     try:
         if isinstance(req, (InferRequest, PrefillRequest)) and (req.prompt is not None or req.messages is not None):
-            with engine.model_lock:
-                if engine.rt is rt:
+            with model_lock:
+                if runtime() is rt:
                     try:
                         text = rt.prompt_text(req)
                         tokens = PromptTokens(rt.tokenize_prompt(text, False, req.seq_id, req.type),
@@ -71,11 +102,11 @@ def prepare(engine: Any, req: Request) -> Request:
                         tokens = PromptTokens(None, None, e)
                     return dataclasses.replace(req, prompt_tokens=tokens)
         elif isinstance(req, ScoreRequest):
-            with engine.model_lock:
-                if engine.rt is rt:
+            with model_lock:
+                if runtime() is rt:
                     return dataclasses.replace(req, text_tokens=rt.score_tokens(req.text))
         elif isinstance(req, GrammarRequest):
-            from .grammars import GrammarError
+            from ..grammars import GrammarError
 
             try:
                 compiled = rt.grammars.compile(req.grammar, lenient=req.lenient,

@@ -1,4 +1,4 @@
-"""The state file format (clickpaca.kvstate): layout, verification, atomic writes.
+"""The state file format (clickpaca.engine.kvstate): layout, verification, atomic writes.
 
 The parse and write paths are pure Python; they are tested with a stand-in context that
 provides only what `kvstate` reads (the model file for its identity, the build, the
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from clickpaca import kvstate
-from clickpaca.kvstate import MAGIC, StateFileError
+from clickpaca.engine import kvstate
+from clickpaca.engine.kvstate import MAGIC, StateFileError
 
 TOKENS = [2, 651, 6207, 529, 7001, 563]
 PAYLOAD = bytes(range(256)) * 40
