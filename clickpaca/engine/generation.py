@@ -11,6 +11,7 @@ import numpy as np
 from .mask_ahead import MaskJob
 from ..protocol import token_event
 from ..sampling import SampleResult
+from ..sampling.batch import sample_tick
 from ..usersteps import StepFailed
 from .jobs import InferJob
 from .runtime import Runtime
@@ -19,13 +20,19 @@ from .sequences import Sequence, Sequences
 
 def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], logits: np.ndarray,
            job: MaskJob) -> None:
-    """Sample each (sequence, row) of this tick and accept the token."""
-    for seq, row in sampling:
-        gen = seq.job  # an InferJob: only they sample
-        # the mask job was started for exactly the plan's sampling entries
-        mask = job.row(seq.slot) if gen.matcher is not None else None
+    """Sample each (sequence, row) of this tick and accept the token. The tick's rows go
+    to sampling.batch.sample_tick at once: greedy and top-k chains without a grammar share
+    passes over the block, every other row runs its own chain; the results are bit for bit
+    the per-sequence ones (tests/test_sampling_batch.py)."""
+    gens = [seq.job for seq, _ in sampling]  # InferJobs: only they sample
+    # the mask job was started for exactly the plan's sampling entries
+    masks = [job.row(seq.slot) if gen.matcher is not None else None for (seq, _), gen in zip(sampling, gens)]
+    results = sample_tick([gen.sampler for gen in gens], logits, [row for _, row in sampling], masks,
+                          isolate=(StepFailed,))
+    for (seq, row), gen, mask, res in zip(sampling, gens, masks, results):
         try:
-            res = gen.sampler.sample(logits[row], mask)
+            if isinstance(res, StepFailed):
+                raise res
             if res.empty and mask is not None:  # a ban of a token the grammar forces: spell it shorter
                 wider = gen.matcher.widen_forced(mask)
                 if wider is not None:
