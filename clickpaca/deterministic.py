@@ -18,7 +18,8 @@ A turbo K/V cache needs flash attention (llama.cpp: a quantized V), and the turb
 patch sends it down flash attention's tiled path from FA_TILE_ROWS query rows of a stream
 in one micro-batch; the split-KV path takes only f16/f32 K/V. With micro-batches below
 that (ubatch), every row goes row by row and the logits do not depend on the batch shape
-(tests/test_turbo_deterministic.py). Not yet wired into `init` (protocol.py, engine).
+(tests/test_turbo_deterministic.py). `init` with both K and V turbo types therefore
+sets flash attention on and micro-batches of TURBO_UBATCH (required(), ubatch()).
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ TILED_ENV = "GGML_CPU_TILED_MM"
 
 #: init field -> the value deterministic mode needs; an explicit other value is an error.
 REQUIRED = {"flashAttn": "off", "kvUnified": False}
+#: the same for a turbo K and V cache: flash attention row by row (TURBO_UBATCH below).
+REQUIRED_TURBO = {"flashAttn": "on", "kvUnified": False}
+#: cache types without flash attention (llama.cpp needs it for a quantized V; a quantized K
+#: alone takes other matmul kernels, not measured for this).
+UNQUANTIZED_TYPES = ("f16", "f32", "bf16")
+
+
+def is_turbo(type_name: str) -> bool:
+    return type_name.startswith("turbo")
+
+
+def required(types: tuple[str, str]) -> dict:
+    """The init fields deterministic mode sets for these K/V cache types."""
+    return REQUIRED_TURBO if all(is_turbo(t) for t in types) else REQUIRED
 
 #: ggml-cpu's GGML_FA_TILE_Q: flash attention's tiled path from this many query rows.
 FA_TILE_ROWS = 64
@@ -38,7 +53,7 @@ TURBO_UBATCH = 32
 
 def ubatch(types: tuple[str, str], n_batch: int) -> int | None:
     """n_ubatch that keeps flash attention row by row for a turbo K/V (None: n_batch's)."""
-    return min(n_batch, TURBO_UBATCH) if any(t.startswith("turbo") for t in types) else None
+    return min(n_batch, TURBO_UBATCH) if any(is_turbo(t) for t in types) else None
 
 
 def apply_process_settings() -> None:

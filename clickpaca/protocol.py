@@ -247,26 +247,28 @@ def _batch_fits(values: dict) -> None:
         raise ValueError(f"nCtx: must be >= nSeqMax ({values['nSeqMax']}), got {values['nCtx']}")
 
 
-#: Cache types deterministic mode accepts: unquantized (llama.cpp needs flash attention for a
-#: quantized V cache; a quantized K alone takes other matmul kernels, not measured for this).
-DETERMINISTIC_CACHE_TYPES = ("f16", "f32", "bf16")
-
-
 def _deterministic_fits(obj: dict, values: dict) -> None:
-    """deterministic: true sets flashAttn off and kvUnified false (deterministic.py);
-    an explicit other value, or what needs one of those paths, is refused."""
-    from .deterministic import REQUIRED
+    """deterministic: true sets flashAttn off (on, row by row, for a turbo K and V) and
+    kvUnified false (deterministic.py); an explicit other value, or a cache type that
+    needs another attention path, is refused."""
+    from .deterministic import UNQUANTIZED_TYPES, is_turbo, required
 
-    for name, need in REQUIRED.items():
+    types = (values["cacheTypeK"], values["cacheTypeV"])
+    if any(is_turbo(t) for t in types) and not all(is_turbo(t) for t in types):
+        name = "cacheTypeK" if not is_turbo(types[0]) else "cacheTypeV"
+        raise ValueError(f"{name}: deterministic mode takes turbo types for both K and V or for "
+                         f"neither (the mixed pairs were not measured), got {_show(values[name])}")
+    for name, need in required(types).items():
         if name in obj and values[name] != need:
             raise ValueError(f"{name}: deterministic mode needs {orjson.dumps(need).decode()}, "
                              f"got {_show(values[name])} (docs/DETERMINISM.md)")
         values[name] = need
-    for name in ("cacheTypeK", "cacheTypeV"):
-        if values[name] not in DETERMINISTIC_CACHE_TYPES:
-            raise ValueError(f"{name}: deterministic mode computes attention without flash "
-                             f"attention, which takes only {', '.join(DETERMINISTIC_CACHE_TYPES)} "
-                             f"here, got {_show(values[name])}")
+    if not is_turbo(types[0]):
+        for name in ("cacheTypeK", "cacheTypeV"):
+            if values[name] not in UNQUANTIZED_TYPES:
+                raise ValueError(f"{name}: deterministic mode computes attention without flash "
+                                 f"attention, which takes only {', '.join(UNQUANTIZED_TYPES)} "
+                                 f"(or turbo types for both K and V) here, got {_show(values[name])}")
     if values["nBatch"] < 3:
         raise ValueError(f"nBatch: deterministic mode needs >= 3 (a prompt is never split "
                          f"to leave a chunk of one token), got {values['nBatch']}")

@@ -579,7 +579,10 @@ def test_truncated_or_corrupted_json(obj, cut, junk):
 @pytest.mark.parametrize("extra,field,words", [
     ({"flashAttn": "on"}, "flashAttn", 'needs "off"'), ({"flashAttn": "auto"}, "flashAttn", 'needs "off"'),
     ({"kvUnified": True}, "kvUnified", "needs false"), ({"cacheTypeV": "q8_0"}, "cacheTypeV", "flash attention"),
-    ({"cacheTypeK": "q4_0"}, "cacheTypeK", "f16, f32, bf16"), ({"nBatch": 2, "nSeqMax": 2}, "nBatch", ">= 3")])
+    ({"cacheTypeK": "q4_0"}, "cacheTypeK", "f16, f32, bf16"), ({"nBatch": 2, "nSeqMax": 2}, "nBatch", ">= 3"),
+    ({"cacheTypeK": "turbo3", "cacheTypeV": "turbo3", "flashAttn": "off"}, "flashAttn", 'needs "on"'),
+    ({"cacheTypeV": "turbo3"}, "cacheTypeK", "both K and V"),
+    ({"cacheTypeK": "turbo4", "cacheTypeV": "q8_0"}, "cacheTypeV", "both K and V")])
 def test_deterministic_refuses_what_it_cannot_keep(extra, field, words):
     with pytest.raises(ProtocolError) as ei:
         validate(req("init", deterministic=True, **extra))
@@ -589,5 +592,8 @@ def test_deterministic_refuses_what_it_cannot_keep(extra, field, words):
 def test_deterministic_sets_its_kernel_paths():
     out = validate(req("init", deterministic=True))
     assert (out.flashAttn, out.kvUnified, out.deterministic) == ("off", False, True)
+    # turbo K and V: flash attention on, row by row (deterministic.ubatch; test_turbo_deterministic)
+    out = validate(req("init", deterministic=True, cacheTypeK="turbo3", cacheTypeV="turbo4"))
+    assert (out.flashAttn, out.kvUnified) == ("on", False)
     out = validate(req("init", deterministic=True, flashAttn="off", kvUnified=False, cacheTypeK="bf16"))
     assert (out.flashAttn, out.kvUnified, out.cacheTypeK) == ("off", False, "bf16")

@@ -99,5 +99,46 @@ def test_micro_batches_below_the_tile_give_the_same_bits(measured):
             "48 + 48": 0.0, "95 + 1": 0.0, "beside 3 other prompts": 0.0}, measured
 
 
+def test_the_server_in_deterministic_mode_with_turbo3_keeps_its_bits_across_chunking_and_batch():
+    """`init` deterministic with turbo3 K and V (flash attention on, micro-batches of
+    TURBO_UBATCH): a greedy run of a prompt longer than the tile gives the same bits with
+    the prompt decoded at once (nBatch 512) or in chunks of 40, and beside three other
+    prompts. (Without the pin the nBatch 512 run takes the tiled path: this test fails
+    with TURBO_UBATCH set to 512, checked when it was written.)"""
+    import tempfile
+
+    from clickpaca.client import Client
+    from clickpaca.deterministic import FA_TILE_ROWS
+
+    text = "The river runs through the valley, and the children count the boats until night falls. "
+    prompts = {s: f"{s}. " + text * 6 for s in range(4)}
+
+    def run(c, ids):
+        for s in ids:
+            c.infer(s, prompts[s], maxTokens=8, temperature=0, nProbs=3)
+        out = {}
+        for s in ids:
+            toks, done = c.collect(s)
+            assert done["type"] == "done" and done["tokens_prompt"] > FA_TILE_ROWS, done
+            out[s] = [(t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top"]]) for t in toks]
+        return out
+
+    runs = {}
+    for n_batch in (512, 40):
+        c = Client.spawn()
+        try:
+            ready = c.init(nCtx=2048, nSeqMax=4, nBatch=n_batch, build="turboquant", deterministic=True,
+                           cacheTypeK="turbo3", cacheTypeV="turbo3",
+                           stateDir=tempfile.mkdtemp(prefix="clkp-state-"), timeout=180)
+            assert ready["deterministic"] is True and ready["kernels"]["flashAttn"] is True
+            runs[n_batch] = run(c, [0])[0]
+            if n_batch == 512:
+                runs["batch"] = run(c, [0, 1, 2, 3])[0]
+        finally:
+            c.close()
+    assert runs[40] == runs[512]
+    assert runs["batch"] == runs[512]
+
+
 if __name__ == "__main__":
     print(json.dumps(_measure(sys.argv[1:])))

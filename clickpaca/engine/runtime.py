@@ -115,6 +115,7 @@ class Runtime:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
+                               n_ubatch=deterministic.ubatch(types, req.nBatch) if det else None,
                                n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
                                n_threads=req.nThreads, flash_attn=flash_attn,
                                kv_unified=req.kvUnified, swa_full=req.swaFull)
