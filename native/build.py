@@ -443,11 +443,14 @@ def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
 
 
 def link_build(name: str, out: Path) -> None:
+    """builds/<name> -> out, replaced atomically: two set-ups linking at once (two `make
+    setup` on one checkout) must not meet a link the other has just removed."""
     link = Path(os.environ.get("CLICKPACA_BUILDS", ROOT / "builds")) / name
     link.parent.mkdir(exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(out)
+    tmp = link.with_name(f".{name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(out)
+    os.replace(tmp, link)
     log(f"builds/{name} -> {out}")
 
 

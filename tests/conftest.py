@@ -72,3 +72,14 @@ def server():
     c = spawn_server()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_kernel_settings():
+    """A test module must not leave deterministic mode's process setting (the tiled
+    K-quant matmul off) in this process's environment: every server spawned after it
+    inherits the environment, and the default-mode tests would run other kernels."""
+    before = os.environ.get("GGML_CPU_TILED_MM")
+    yield
+    after = os.environ.get("GGML_CPU_TILED_MM")
+    assert after == before, f"this module left GGML_CPU_TILED_MM={after!r} (was {before!r})"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -27,13 +29,20 @@ def test_flat_is_llama_cpps_layout():
 
 @pytest.fixture(scope="module")
 def setup(model_path, tmp_path_factory):
-    deterministic.apply_process_settings()
+    before = os.environ.get(deterministic.TILED_ENV)
+    deterministic.apply_process_settings()  # for this process's ggml, restored below
     m = core.Model(model_path, repack=False)
     rng = np.random.default_rng(7)
     dirs = {il: rng.normal(scale=20.0, size=m.n_embd).astype(np.float32) for il in range(3, 8)}
     path = cvec.write_gguf(tmp_path_factory.mktemp("cv") / "r.gguf", dirs, "gemma3")
     yield m, dirs, path
     m.close()
+    # every server a later test spawns inherits this process's environment (a leak here
+    # once turned the tiled matmul off for the default-mode tests that followed)
+    if before is None:
+        os.environ.pop(deterministic.TILED_ENV, None)
+    else:
+        os.environ[deterministic.TILED_ENV] = before
 
 
 def _logits(ctx, model, prompts):
