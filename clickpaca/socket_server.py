@@ -143,6 +143,7 @@ class SocketServer:
         self.inbox: queue.Queue = queue.Queue()
         self.state = LoopState(open_inputs=1)
         self.signals = SignalPipe()
+        self.signals_watched = False
         self.engine = Engine(state_dir=state_dir, post=lambda fn: self.inbox.put(Call(fn)),
                              on_worker_lost=self._lost, transport_stats=self.stats)
         self.rules = SocketRules(self)
@@ -247,7 +248,8 @@ class SocketServer:
             print(f"clickpaca: init failed: {message}", file=sys.stderr, flush=True)
             os._exit(1)
         take_over(self.engine, self.inbox, self.flush, self.rules, self.state, message, finish=self.cleanup,
-                  signals=self.signals, stop=lambda: self.inbox.put(Ended(self.admin)))
+                  signals=None if self.signals_watched else self.signals,
+                  stop=lambda: self.inbox.put(Ended(self.admin)))
 
     def run(self) -> int:
         self.engine.init(self.admin, self.init_request)
@@ -260,8 +262,19 @@ class SocketServer:
         def stop(*_):
             self.inbox.put(Ended(self.admin))
 
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        if self.signals.r is not None:
+            # The stop is queued from the signal pipe's own thread, never from a Python
+            # signal handler: a handler runs on the main thread between two bytecodes, where
+            # the engine loop may hold the inbox's lock (inside inbox.get), and its put would
+            # wait for that lock forever (seen: a server that never ended after SIGTERM).
+            # The handlers do nothing; the C-level handler writes the pipe.
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            signal.signal(signal.SIGINT, lambda *_: None)
+            self.signals.watch(stop)
+            self.signals_watched = True
+        else:  # no pipe (not the main thread): the handlers must queue it
+            signal.signal(signal.SIGTERM, stop)
+            signal.signal(signal.SIGINT, stop)
         threading.Thread(target=self.accept_loop, daemon=True, name="accept").start()
         try:
             run_loop(self.engine, self.inbox, self.flush, self.rules, self.state)
