@@ -24,18 +24,12 @@ from clickpaca.sampling.oracle import CSampler
 
 from conftest import TEST_BUILD
 
-from test_sampling_chain import Ambiguous, reference, window_arrays
+from test_sampling_chain import Ambiguous, make_row, reference, window_arrays
 
 
 def row_of(rng, V, style):
-    if style == "coarse":
-        row = np.round(rng.standard_normal(V) * 2) / 2  # many exact ties, at the top too
-    elif style == "peaked":
-        row = rng.standard_normal(V) * 2
-        row[rng.integers(0, V, 4)] += rng.uniform(5, 12, 4)
-    else:
-        row = rng.standard_normal(V) * rng.choice([0.3, 1.0, 4.0])
-    row = row.astype(np.float32)
+    """test_sampling_chain's rows (many exact ties when coarse), with special values."""
+    row = make_row(rng, V, style).copy()  # make_row's rows are read-only
     special = rng.integers(0, 6)
     if special == 1:
         row[rng.integers(0, V, max(1, V // 4))] = -np.inf
