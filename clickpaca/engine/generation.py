@@ -47,11 +47,10 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
 
 
 def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, gen: InferJob, token: int, res: SampleResult) -> None:
-    # A sampled token enters the context: the history and the sampler's penalty window
-    # take it at the same moment (the next tick feeds it to the KV cells); the matcher
-    # just below.
+    # A sampled token enters the context: the sequence's one history takes it (the
+    # sampler reads that list: its penalty window follows at the next draw; the next
+    # tick feeds it to the KV cells); the matcher just below.
     seq.tokens.append(token)
-    gen.sampler.accept(token)
     if rt.model.is_eog(token):
         grammar_done = gen.matcher is not None and gen.matcher.is_accepting()
         seqs.finish(seq, "grammar" if grammar_done else "eos")

@@ -71,7 +71,7 @@ class Handlers(StateFileHandlers):
         seqs.check_id(seq_id, "infer")
         held = self._held_or_free(session, seq_id, "infer")
         try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
-            sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab)
+            req.params.validate(rt.model.n_vocab)
         except SamplerParamError as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
         compiled = None
@@ -92,7 +92,9 @@ class Handlers(StateFileHandlers):
             if req.reusePrefix:
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
-        sampler.extend(seq.tokens)  # the whole context, at the moment it enters the history
+        # The sampler reads the sequence's one history (the whole context: prompt, held,
+        # forked or loaded tokens, then each accepted one), never a copy of it.
+        sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab, history=seq.tokens)
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens))
