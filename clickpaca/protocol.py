@@ -27,6 +27,7 @@ from . import endings as _endings
 from .chat import Message, check_messages
 from .json_schema import NUMBER_DIGITS
 from .sampling import PROTOCOL_NAMES, SamplerParams
+from .scoring import SCORE_LAST_MIN
 from .sampling.params import MISSPELLINGS
 
 if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
@@ -468,7 +469,9 @@ class ScoreRequest(Request):
     seq_id: int = wire(SEQ)
     text: str = wire(_str(True, MAX_SCORE_BYTES))
     window: int | None = wire(_opt(_int(3, 1 << 24)), None)  # 2 would score no token of a long text
-    scoreLast: int | None = wire(_opt(_int(2, 1 << 24)), None)  # below window: checked by the handler
+    # from SCORE_LAST_MIN here (needs only the request), below the window in the handler
+    # (the default window is the context's): both scoring.check_score_last's rule
+    scoreLast: int | None = wire(_opt(_int(SCORE_LAST_MIN, 1 << 24)), None)
     perToken: bool = wire(_bool, False)
     text_tokens: np.ndarray | None = _prepared()
 

@@ -106,10 +106,11 @@ class Handlers(StateFileHandlers):
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
         tokens = req.text_tokens  # tokenized by the reader, or the engine (prepare.attach)
-        if req.scoreLast is not None and req.scoreLast >= window:
-            raise ProtocolError(f"scoreLast: {req.scoreLast} must be below the window ({window})",
-                                seq_id, "score")
-        windows = windows_for(tokens, window, model.bos if model.add_bos else None, req.scoreLast)
+        try:  # scoreLast against the window: scoring.check_score_last, the rule's one place
+            windows = windows_for(tokens, window, model.bos if model.add_bos else None, req.scoreLast,
+                                  field="scoreLast")
+        except ValueError as e:
+            raise ProtocolError(str(e), seq_id, "score") from None
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
         seq = seqs.new(session, seq_id, "score")
