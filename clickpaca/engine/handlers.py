@@ -1,14 +1,14 @@
 """One handler per request type but `init` and `quit` (the transport's), applied between ticks.
 
 A handler gets the typed request the protocol layer has validated (every check that
-needs only the request is done), with its own work attached (prepare.py: by the reader
-thread, or by the engine just before, whichever did it first). It makes the checks that need the server's state (is the seq_id
-in range and free, does the grammar exist, do the logit_bias ids fit the vocabulary,
-does the prompt fit the context), each raising a ProtocolError that names the field,
-and then either answers at once (grammar, cancel, free, fork, stats), hands the file
-work to the state-file worker and answers when it is done (save, load: statefiles.py,
-stateio.py), or sets up a sequence and starts its job for the scheduler (infer, score,
-prefill: jobs.py).
+needs only the request is done), with its own work attached (prepare.attach: by the
+reader thread, else by the engine just before). It makes the checks that need the
+server's state (is the seq_id in range and free, does the grammar exist, do the
+logit_bias ids fit the vocabulary, does the prompt fit the context), each raising a
+ProtocolError that names the field, and then either answers at once (grammar, cancel,
+free, fork, stats), hands the file work to the state-file worker and answers when it
+is done (save, load: statefiles.py, stateio.py), or sets up a sequence and starts its
+job for the scheduler (infer, score, prefill: jobs.py).
 """
 
 from __future__ import annotations
