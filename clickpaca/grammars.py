@@ -87,7 +87,6 @@ import llguidance.numpy as llg_np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from .gbnf import gbnf_to_lark
-from .protocol import MAX_GRAMMAR_BYTES
 from .sampling import bitmask
 from .json_schema import NUMBER_DIGITS, bound_numbers, ignored_keywords
 
@@ -113,7 +112,8 @@ PARALLEL_MIN_BATCH = int(os.environ.get("CLICKPACA_GRAMMAR_PAR_MIN", "0"))
 # COMPILE_STACK_MB stack, and the limits keep every grammar far inside what that stack
 # holds and what compiles in reasonable time (3,000 chained rules took 8.7 s):
 # MAX_GRAMMAR_BYTES, the text size (memory: ~65 MiB per MB of grammar was measured), is
-# the protocol's: the edge refuses a longer grammar field before it reaches here.
+# the protocol's, defined and checked there once: the edge refuses a longer grammar field
+# before it reaches here.
 MAX_GRAMMAR_RULES = 1000       # GBNF rules, Lark rules/terminals, JSON-schema subschemas
 MAX_GRAMMAR_NESTING = 64       # brackets in one rule; objects/arrays in a JSON schema
 COMPILE_STACK_MB = 256         # 4,000 chained rules and 1,000 $refs compile on 64 MiB
@@ -456,10 +456,8 @@ def _bracket_depth(text: str, fmt: str) -> int:
 
 
 def check_limits(text: str, fmt: str) -> None:
-    """Refuse, before compiling, a grammar beyond MAX_GRAMMAR_BYTES, _RULES or _NESTING."""
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > MAX_GRAMMAR_BYTES:
-        raise GrammarError(f"{size} bytes, the limit is {MAX_GRAMMAR_BYTES}", fmt)
+    """Refuse, before compiling, a grammar beyond MAX_GRAMMAR_RULES or _NESTING (its size,
+    MAX_GRAMMAR_BYTES, is the protocol's one check, at the edge)."""
     if fmt == "json_schema":
         try:
             schema = json.loads(text.lstrip()[len(JSON_SCHEMA_HEADER):])

@@ -27,6 +27,7 @@ from . import endings as _endings
 from .chat import Message, check_messages
 from .json_schema import NUMBER_DIGITS
 from .sampling import PROTOCOL_NAMES, SamplerParams
+from .scoring import SCORE_LAST_MIN
 from .sampling.params import MISSPELLINGS
 
 if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
@@ -44,7 +45,7 @@ MAX_TEMPLATE_BYTES = 64 << 10  # chatTemplate text (llama.cpp matches it against
 MAX_STOPS, MAX_STOP_BYTES = 64, 4096  # stop strings: every generated piece is searched for each
 MAX_LOGIT_BIAS = 16384  # logit_bias entries: the engine builds the sequence's bias arrays from them
 MAX_SCORE_BYTES = 4 << 20  # score text
-MAX_GRAMMAR_BYTES = 128 << 10  # grammar text; grammars.py (its other limits) refuses a longer one too
+MAX_GRAMMAR_BYTES = 128 << 10  # grammar text, checked here only (grammars.py checks its other limits)
 MAX_NUMBER_DIGITS = 18  # integral digits of a bounded JSON number: 10**18 - 1 fits an i64
 MAX_THREADS = 512  # GGML_MAX_N_THREADS in ggml.h: the CPU threadpool's fixed arrays
 
@@ -221,7 +222,6 @@ def json_depth(obj: Any, limit: int) -> int:
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
 SAMPLER_FIELDS = tuple(PROTOCOL_NAMES.values())
-N_TOP_MAX = 100  # nProbs: log-probabilities of at most this many tokens per event
 
 
 def _messages(name: str, v: Any) -> Any:
@@ -275,12 +275,10 @@ def _deterministic_fits(obj: dict, values: dict) -> None:
 
 
 def _sampler_params(obj: dict) -> SamplerParams:
-    """The sampler fields, checked together by SamplerParams (its errors name the field);
-    the vocabulary-dependent checks wait for the model (SequenceSampler makes them)."""
-    params = SamplerParams.from_request({k: obj[k] for k in SAMPLER_FIELDS if k in obj})
-    if params.n_probs > N_TOP_MAX:
-        raise ValueError(f"nProbs: must be <= {N_TOP_MAX}, got {params.n_probs}")
-    return params
+    """The sampler fields, checked together by SamplerParams (its errors name the field;
+    each bound is its row's: sampling/table.py); the vocabulary-dependent checks wait for
+    the model (SamplerParams.validate, in the infer handler)."""
+    return SamplerParams.from_request({k: obj[k] for k in SAMPLER_FIELDS if k in obj})
 
 
 def _prompt_or_messages(values: dict, kind: str) -> None:
@@ -471,7 +469,9 @@ class ScoreRequest(Request):
     seq_id: int = wire(SEQ)
     text: str = wire(_str(True, MAX_SCORE_BYTES))
     window: int | None = wire(_opt(_int(3, 1 << 24)), None)  # 2 would score no token of a long text
-    scoreLast: int | None = wire(_opt(_int(2, 1 << 24)), None)  # below window: checked by the handler
+    # from SCORE_LAST_MIN here (needs only the request), below the window in the handler
+    # (the default window is the context's): both scoring.check_score_last's rule
+    scoreLast: int | None = wire(_opt(_int(SCORE_LAST_MIN, 1 << 24)), None)
     perToken: bool = wire(_bool, False)
     text_tokens: np.ndarray | None = _prepared()
 

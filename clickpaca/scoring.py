@@ -14,14 +14,25 @@ from __future__ import annotations
 import numpy as np
 
 
+#: The shortest scored tail: its first row predicts the last token but one.
+SCORE_LAST_MIN = 2
+
+
+def check_score_last(score_last: int | None, window: int, field: str = "score_last") -> None:
+    """The one rule for a scored tail (None: the default half): SCORE_LAST_MIN <=
+    score_last < window; a ValueError naming the caller's `field` (the protocol's
+    scoreLast, the CLI's --score-last)."""
+    if score_last is not None and not SCORE_LAST_MIN <= score_last < window:
+        raise ValueError(f"{field}: must be {SCORE_LAST_MIN} to window - 1 ({window - 1}), got {score_last}")
+
+
 def windows_for(tokens: np.ndarray, window: int, bos: int | None,
-                score_last: int | None = None) -> list[tuple[np.ndarray, int]]:
+                score_last: int | None = None, field: str = "score_last") -> list[tuple[np.ndarray, int]]:
     """(window tokens, first scored row) pairs; the row at p predicts token p + 1.
 
     score_last: with windows, the first scored row is window - score_last (default
-    window // 2); 2 <= score_last < window."""
-    if score_last is not None and not 2 <= score_last < window:
-        raise ValueError(f"score_last: must be 2 to window - 1 ({window - 1}), got {score_last}")
+    window // 2); check_score_last's rule, its error naming `field`."""
+    check_score_last(score_last, window, field)
     first = window // 2 if score_last is None else window - score_last
     tokens = np.asarray(tokens, dtype=np.int32)
     if len(tokens) < 2:

@@ -1,17 +1,17 @@
 """clickpaca.engine.prepare with the real engine in-process: what a reader thread prepares for
-any prompt, chat conversation or score text equals what the engine thread would have
-made itself (same text, same tokens, both with and without BOS), a conversation the
-template cannot format carries its error for the engine to answer, and nothing is
-prepared once the engine has shut down.
+any prompt, chat conversation or score text is what llama.cpp's tokenizer makes of it
+(both with and without BOS), a conversation the template cannot format carries its
+error for the engine to answer, nothing is prepared once the engine has shut down, and
+a request no reader prepared gets the same answers (the engine attaches the same work
+itself: prepare.attach, one path).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
+from clickpaca.chat import format_messages
 from clickpaca.engine.engine import Engine, Session
 
 from clickpaca.protocol import validate
@@ -32,10 +32,13 @@ def engine(tmp_path_factory):
     eng.shutdown()
 
 
-def engine_tokens(eng: Engine, req) -> dict[bool, np.ndarray]:
-    """What the engine thread makes when nothing was prepared (handlers._prompt_tokens)."""
-    return {c: eng.handlers._prompt_tokens(dataclasses.replace(req, prompt_tokens=None), c)
-            for c in (False, True)}
+def llama_tokens(eng: Engine, req) -> dict[bool, np.ndarray]:
+    """llama.cpp's tokens of the request's prompt text (its messages formatted by the
+    template), with BOS (fresh) and without (continuing a held sequence)."""
+    model = eng.rt.model
+    text = req.prompt if req.messages is None else \
+        format_messages(model, req.chatTemplate, req.messages, req.addGenerationPrompt)
+    return {c: model.tokenize(text, add_special=not c, parse_special=True) for c in (False, True)}
 
 
 @pytest.mark.model
@@ -44,10 +47,10 @@ def engine_tokens(eng: Engine, req) -> dict[bool, np.ndarray]:
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG}],
      "chatTemplate": "gemma"},
 ], ids=["prompt", "messages"])
-def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine, fields):
+def test_long_prompts_and_conversations_are_tokenized_as_llama_cpp_does(engine, fields):
     req = engine.prepare(validate({"type": "prefill", "seq_id": 0, **fields}))
     pre = req.prompt_tokens
-    want = engine_tokens(engine, req)
+    want = llama_tokens(engine, req)
     for continuing in (False, True):
         assert np.array_equal(pre.get(continuing), want[continuing]), continuing
     assert pre.fresh[0] == engine.rt.model.bos and len(pre.fresh) == len(pre.continuing) + 1
@@ -55,10 +58,41 @@ def test_long_prompts_and_conversations_are_tokenized_as_the_engine_would(engine
         assert engine.rt.model.detokenize(pre.continuing, special=True).startswith("<start_of_turn>user\n")
 
 
+def run(eng: Engine, req) -> list[dict]:
+    """The events of one request applied in-process, ticked until nothing runs."""
+    events: list[dict] = []
+    session = Session(send=events.append)
+    eng.handle(session, req)
+    while eng.has_work():
+        eng.tick()
+    for seq in list(session.seqs.values()):
+        eng.seqs.release(seq)
+    return [{k: v for k, v in ev.items() if not k.endswith("_ms") and not k.endswith("_tps")} for ev in events]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("line", [
+    {"type": "infer", "seq_id": 0, "prompt": "The capital of France is", "maxTokens": 4, "temperature": 0},
+    {"type": "infer", "seq_id": 1, "maxTokens": 2, "temperature": 0, "chatTemplate": "gemma",
+     "messages": [{"role": "user", "content": "Hi"}]},
+    {"type": "prefill", "seq_id": 0, "prompt": LONG[:400]},
+    {"type": "score", "seq_id": 0, "text": LONG[:300]},
+    {"type": "grammar", "id": "g", "grammar": 'root ::= "a" | "b"'},
+    {"type": "grammar", "id": "bad", "grammar": "root ::= ("},
+    {"type": "infer", "seq_id": 0, "maxTokens": 1, "messages": [{"role": "user", "content": "Hi"}]},
+], ids=["infer", "messages", "prefill", "score", "grammar", "bad-grammar", "no-template"])
+def test_a_request_no_reader_prepared_is_answered_the_same(engine, line):
+    req = validate(line)
+    prepared = engine.prepare(req)
+    assert prepared is not req  # the reader did the work
+    assert run(engine, req) == run(engine, prepared)
+    assert len(engine.seqs.free_slots) == 2
+
+
 @pytest.mark.model
 def test_short_prompts_are_prepared_and_bad_conversations_carry_their_error(engine):
     short = engine.prepare(validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
-    assert np.array_equal(short.prompt_tokens.get(False), engine_tokens(engine, short)[False])
+    assert np.array_equal(short.prompt_tokens.get(False), llama_tokens(engine, short)[False])
     # the base model has no template: the engine answers with the reason, naming messages
     bad = engine.prepare(validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
                                     "messages": [{"role": "user", "content": LONG}]}))

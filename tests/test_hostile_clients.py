@@ -22,7 +22,9 @@ import time
 import pytest
 
 from clickpaca.engine.handlers import MAX_GRAMMARS_PER_SESSION
-from clickpaca.protocol import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_BYTES, MAX_STOPS, MAX_TEMPLATE_BYTES
+from clickpaca.protocol import (MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_BYTES, MAX_STOPS,
+                                MAX_TEMPLATE_BYTES)
+from clickpaca.sampling.table import N_PROBS_MAX
 
 from clickpaca.engine import kvstate
 from clickpaca.client import Client, ServerError
@@ -105,6 +107,16 @@ def test_a_4000_rule_chain_grammar_is_refused_before_compiling(srv):
     srv.send({"type": "grammar", "id": "nested", "grammar": nested})
     ev = srv.next_misc()
     assert ev["type"] == "error" and "nested 100 levels deep" in ev["message"], ev
+    alive(srv)
+
+
+def test_a_grammar_over_the_size_limit_is_refused_once_naming_the_field(srv):
+    # the size's one check is the edge's (protocol.py); grammars.py checks only rules and nesting
+    text = 'root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"'
+    srv.send({"type": "grammar", "id": "big", "grammar": text})
+    ev = srv.next_misc()
+    assert ev["type"] == "error" and ev["request"] == "grammar", ev
+    assert ev["message"] == f"grammar: {len(text)} bytes, the limit is {MAX_GRAMMAR_BYTES}", ev
     alive(srv)
 
 
@@ -501,6 +513,7 @@ def test_a_hostile_socket_client_leaves_another_generating(sock, name):
     ("logit_bias", [{"token": t, "bias": 1.0} for t in range(MAX_LOGIT_BIAS + 1)],
      f"logit_bias: {MAX_LOGIT_BIAS + 1} entries, the limit is {MAX_LOGIT_BIAS}"),
     ("chatTemplate", "t" * (MAX_TEMPLATE_BYTES + 1), f"chatTemplate: {MAX_TEMPLATE_BYTES + 1} bytes"),
+    ("nProbs", N_PROBS_MAX + 1, f"nProbs: must be <= {N_PROBS_MAX}, got {N_PROBS_MAX + 1}"),  # its row's one check
 ])
 def test_request_size_limits_name_the_field(srv, field, value, message):
     req = {"type": "infer", "seq_id": 2, "prompt": "Hi", "maxTokens": 1, field: value}

@@ -354,6 +354,51 @@ def test_history_includes_prompt_and_slides():
         s.accept(V)
 
 
+def test_a_history_read_in_place_is_the_callers_list_and_slides_the_same():
+    V = 16
+    row = np.arange(V, dtype=np.float32)
+    p = SamplerParams(top_k=1, penalty_present=100.0, penalty_last_n=2)
+    tokens = [15]  # a sequence's context: the sampler reads it, never copies it
+    s = SequenceSampler(p, V, history=tokens)
+    assert s.sample(row).token == 14
+    tokens.append(14)  # appended once, by the owner of the list
+    assert s.sample(row).token == 13
+    tokens.append(3)
+    assert s.sample(row).token == 15 and s.history == (15, 14, 3)
+    s.truncate(1)  # truncates the caller's list: there is one history
+    assert tokens == [15] and s.sample(row).token == 14
+
+
+def _window(history, n):
+    w = history if n < 0 else history[max(0, len(history) - n):] if n else []
+    c = Counter(w)
+    ids = sorted(c)
+    return ids, [float(c[t]) for t in ids]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 11), max_size=40), prompt=st.integers(0, 40),
+       n=st.sampled_from([-1, 0, 1, 2, 3, 7, 64]), reads=st.lists(st.booleans(), min_size=40, max_size=40))
+def test_the_window_of_a_history_read_in_place_equals_the_accepted_one(tokens, prompt, n, reads):
+    """However the appends and the reads interleave, the penalty window of a sampler
+    reading the caller's list equals that of one taking each token through accept, and
+    the one computed from the definition (the last n tokens, prompt included)."""
+    p = SamplerParams(penalty_repeat=1.5, penalty_last_n=n)
+    prompt = min(prompt, len(tokens))
+    own = SequenceSampler(p, 12, tokens[:prompt])
+    history = list(tokens[:prompt])
+    read = SequenceSampler(p, 12, history=history)
+    for i, t in enumerate(tokens[prompt:]):
+        own.accept(t)
+        history.append(t)
+        if reads[i]:
+            got = read.penalty_window()
+            assert [a.tolist() for a in got] == [a.tolist() for a in own.penalty_window()]
+    ids, counts = read.penalty_window()
+    assert (ids.tolist(), counts.tolist()) == _window(tokens, n)
+    assert read.history == own.history == tuple(tokens)
+
+
 def test_fork_and_seed():
     V = 1000
     rng = np.random.default_rng(3)

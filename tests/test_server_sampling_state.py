@@ -95,3 +95,30 @@ def test_xtc_draws_from_the_sequences_seeded_stream(c):
     b = run(c, 0, DOC, reusePrefix=False, **XTC)
     assert b == a[0]
     assert a[2] != a[0] or run(c, 0, DOC, reusePrefix=False, **{**XTC, "seed": 7}) != a[0]
+
+
+@pytest.mark.parametrize("last_n", [-1, 4])
+def test_the_penalties_window_is_the_sequences_one_history(c, model, last_n):
+    """The repetition penalties read the sequence's own token history (prompt included,
+    as llama-server's slots accept the whole prompt before the first draw; each sampled
+    token once). A presence penalty of 1000 under greedy decoding makes that visible:
+    no token is drawn that is in its window, the last `last_n` tokens of the context.
+    Held, forked, loaded and reused-prefix sequences carry the same history, so they
+    draw the cold run's tokens bit for bit (deterministic mode)."""
+    pen = {"temperature": 0, "penaltyPresent": 1000.0, "penaltyLastN": last_n}
+    context = model.tokenize(DOC, add_special=True, parse_special=True).tolist()
+    cold = run(c, 0, DOC, reusePrefix=False, **pen)
+    assert cold != run(c, 0, DOC, reusePrefix=False, temperature=0), "the penalty changed nothing"
+    for tok in cold:
+        window = context if last_n < 0 else context[-last_n:]
+        assert tok not in window, (tok, window)
+        context.append(tok)
+    held(c, 1)
+    assert c.request({"type": "fork", "seq_id": 1, "dst_seq_id": 2})["type"] == "forked"
+    assert c.request({"type": "save", "seq_id": 1, "path": f"pen-state{last_n}"})["type"] == "saved"
+    assert c.request({"type": "load", "seq_id": 3, "path": f"pen-state{last_n}"})["type"] == "loaded"
+    c.infer(4, DOC, maxTokens=N, **pen)  # reusePrefix: its prompt's cells from a held one
+    toks, done = c.collect(4)
+    assert done["tokens_reused"] > 0 and [t["token"] for t in toks] == cold, done
+    got = together(c, {1: ("", pen), 2: ("", pen), 3: ("", pen)})
+    assert got == {1: cold, 2: cold, 3: cold}

@@ -59,6 +59,10 @@ def test_score_last_scores_the_tail_of_each_window(server):
         mine = tail["token_nll"][w * 31:(w + 1) * 31]
         theirs = half["token_nll"][(w + 1) * per_window - 31:(w + 1) * per_window]
         assert mine == theirs
-    for bad in (256, 300):
-        with pytest.raises(ServerError, match="scoreLast"):
+    for bad in (256, 300):  # one rule (scoring.check_score_last), naming the field
+        with pytest.raises(ServerError, match=rf"^scoreLast: must be 2 to window - 1 \(255\), got {bad}$"):
             server.score(15, text, window=256, scoreLast=bad)
+    with pytest.raises(ServerError, match=r"^scoreLast: must be 2 to window - 1 \(\d+\), got 100000$"):
+        server.score(15, text, scoreLast=100000)  # against the default window
+    with pytest.raises(ServerError, match=r"^scoreLast: must be >= 2, got 1$"):
+        server.score(15, text, window=256, scoreLast=1)  # at the edge: needs only the request

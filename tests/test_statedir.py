@@ -116,8 +116,8 @@ def test_grammar_limits_are_checked_before_compiling():
     deep = "root ::= " + "(" * (MAX_GRAMMAR_NESTING + 1) + '"a"' + ")" * (MAX_GRAMMAR_NESTING + 1)
     with pytest.raises(GrammarError, match="nested"):
         check_limits(deep, "gbnf")
-    with pytest.raises(GrammarError, match="bytes"):
-        check_limits('root ::= "' + "a" * (128 << 10) + '"', "gbnf")
+    # the text's size is the protocol's one check (tests/test_protocol.py BAD), not here
+    check_limits('root ::= "' + "a" * (128 << 10) + '"', "gbnf")
     schema: dict = {"type": "integer"}
     for _ in range(40):  # two JSON levels per schema level
         schema = {"type": "object", "properties": {"a": schema}}

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..scoring import check_score_last
 from .cachetypes import bits_per_value, build_for, pair_bpv, pair_name, parse_pair
 from .kl import attention, compare_variants
 from .common import model_path, out_dir, png
@@ -72,8 +73,7 @@ def measure(args: Any) -> dict[str, Any]:
     m0 = machine()
     threads = getattr(args, "threads", None) or os.cpu_count()
     score_last = getattr(args, "score_last", None)
-    if score_last is not None and not 2 <= score_last < args.ctx:
-        raise ValueError(f"--score-last: must be 2 to --ctx - 1 ({args.ctx - 1}), got {score_last}")
+    check_score_last(score_last, args.ctx, "--score-last")  # before the model loads
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     text, text_path = read_text(args.text)
     # one build per process: the in-process part (tokenizing here, KL below) uses the

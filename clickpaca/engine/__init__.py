@@ -8,7 +8,8 @@ pure modules load without the model's bindings):
     runtime.py     what `init` loads: model, context, batch, grammar engine, mask worker;
                    the `ready` event
     prepare.py     a request's own work (tokenizing, compiling), done on the reader
-                   thread that read it (Engine.prepare)
+                   thread that read it (Engine.prepare), else by the engine before its
+                   handler: one function (attach)
     sequences.py   Session, Sequence; the slots, the active order (the sequences with a
                    job) and every ending
                    (`done`, `error`, or silently), each freeing the KV cells at once

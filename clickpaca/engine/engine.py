@@ -18,7 +18,7 @@ from .. import statedir
 from ..protocol import InitRequest, ProtocolError, Request, error_event
 from . import accounting
 from .handlers import HANDLERS, Handlers
-from .prepare import SharedUse, prepare
+from .prepare import SharedUse, attach, prepare
 from .runtime import Runtime
 from .scheduler import Scheduler
 from .sequences import Sequence, Sequences, Session
@@ -101,7 +101,7 @@ class Engine:
         if self.handlers is None:
             raise ProtocolError(f"{req.type} before init: send an init request first",
                                 req.reply_seq_id, req.type)
-        HANDLERS[req.type](self.handlers, session, req)
+        HANDLERS[req.type](self.handlers, session, attach(req, self.rt))  # what no reader prepared
 
     def _apply(self, session: Session, req: Request, run: Callable[[Session, Request], None]) -> None:
         kind = req.type

@@ -1,7 +1,9 @@
 """What a generating sequence does with its logits row after a decode: sample through
 its own sampler chain and grammar mask, then emit the token (with log-probabilities
 when asked) and end the request when it is over: an end-of-generation token, a
-completed grammar, a stop string or maxTokens.
+completed grammar, a stop string or maxTokens. The InferJob's half that needs the
+tick's rows; it also starts the tick's grammar masks (the only reader of matchers
+besides the job).
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from ..usersteps import StepFailed
 from .jobs import InferJob
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
+
+
+def start_masks(rt: Runtime, sampling: list[Sequence]) -> MaskJob:
+    """Start filling the grammar masks of the sequences that sample this tick (their
+    InferJobs: only they sample) that have a grammar; mask_ahead.py runs it during the
+    decode."""
+    return rt.masks.start([(seq.slot, seq.job.matcher) for seq in sampling if seq.job.matcher is not None])
 
 
 def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], logits: np.ndarray,
@@ -47,11 +56,10 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
 
 
 def _accept(rt: Runtime, seqs: Sequences, seq: Sequence, gen: InferJob, token: int, res: SampleResult) -> None:
-    # A sampled token enters the context: the history and the sampler's penalty window
-    # take it at the same moment (the next tick feeds it to the KV cells); the matcher
-    # just below.
+    # A sampled token enters the context: the sequence's one history takes it (the
+    # sampler reads that list: its penalty window follows at the next draw; the next
+    # tick feeds it to the KV cells); the matcher just below.
     seq.tokens.append(token)
-    gen.sampler.accept(token)
     if rt.model.is_eog(token):
         grammar_done = gen.matcher is not None and gen.matcher.is_accepting()
         seqs.finish(seq, "grammar" if grammar_done else "eos")

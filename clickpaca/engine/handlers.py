@@ -1,14 +1,14 @@
 """One handler per request type but `init` and `quit` (the transport's), applied between ticks.
 
 A handler gets the typed request the protocol layer has validated (every check that
-needs only the request is done), with the work a reader thread may have prepared for
-it (prepare.py). It makes the checks that need the server's state (is the seq_id
-in range and free, does the grammar exist, do the logit_bias ids fit the vocabulary,
-does the prompt fit the context), each raising a ProtocolError that names the field,
-and then either answers at once (grammar, cancel, free, fork, stats), hands the file
-work to the state-file worker and answers when it is done (save, load: statefiles.py,
-stateio.py), or sets up a sequence and starts its job for the scheduler (infer, score,
-prefill: jobs.py).
+needs only the request is done), with its own work attached (prepare.attach: by the
+reader thread, else by the engine just before). It makes the checks that need the
+server's state (is the seq_id in range and free, does the grammar exist, do the
+logit_bias ids fit the vocabulary, does the prompt fit the context), each raising a
+ProtocolError that names the field, and then either answers at once (grammar, cancel,
+free, fork, stats), hands the file work to the state-file worker and answers when it
+is done (save, load: statefiles.py, stateio.py), or sets up a sequence and starts its
+job for the scheduler (infer, score, prefill: jobs.py).
 """
 
 from __future__ import annotations
@@ -47,13 +47,9 @@ class Handlers(StateFileHandlers):
         if req.id not in session.grammars and len(session.grammars) >= MAX_GRAMMARS_PER_SESSION:
             raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
                                 "limit (re-use an id to replace one)")
-        try:
-            compiled = req.compiled or self.rt.grammars.compile(
-                req.grammar, lenient=req.lenient, number_digits=req.numberDigits)
-            if isinstance(compiled, GrammarError):  # compiled by the reader (prepare.py)
-                raise compiled
-        except GrammarError as e:
-            raise ProtocolError(f"grammar: {e}") from None
+        compiled = req.compiled  # compiled by the reader, or the engine (prepare.attach)
+        if isinstance(compiled, GrammarError):
+            raise ProtocolError(f"grammar: {compiled}")
         old = session.grammars.get(req.id)
         held = session.grammar_bytes - (grammar_bytes(old) if old is not None else 0) + grammar_bytes(compiled)
         if held > MAX_GRAMMAR_TEXT_PER_SESSION:
@@ -71,7 +67,7 @@ class Handlers(StateFileHandlers):
         seqs.check_id(seq_id, "infer")
         held = self._held_or_free(session, seq_id, "infer")
         try:  # the vocabulary-dependent checks: the rest was made at the edge (protocol)
-            sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab)
+            req.params.validate(rt.model.n_vocab)
         except SamplerParamError as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
         compiled = None
@@ -80,7 +76,7 @@ class Handlers(StateFileHandlers):
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {req.grammar_id!r} "
                                     "(send a grammar request first)", seq_id, "infer")
-        prompt = self._prompt_tokens(req, continuing=held is not None)
+        prompt = req.prompt_tokens.get(continuing=held is not None)  # both ways: prepare.attach
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
@@ -92,7 +88,9 @@ class Handlers(StateFileHandlers):
             if req.reusePrefix:
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
-        sampler.extend(seq.tokens)  # the whole context, at the moment it enters the history
+        # The sampler reads the sequence's one history (the whole context: prompt, held,
+        # forked or loaded tokens, then each accepted one), never a copy of it.
+        sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab, history=seq.tokens)
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens))
@@ -107,13 +105,12 @@ class Handlers(StateFileHandlers):
         if window > ctx.n_ctx_seq:
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
-        tokens = req.text_tokens  # tokenized by the reader (prepare.py)
-        if tokens is None:
-            tokens = self.rt.score_tokens(req.text)
-        if req.scoreLast is not None and req.scoreLast >= window:
-            raise ProtocolError(f"scoreLast: {req.scoreLast} must be below the window ({window})",
-                                seq_id, "score")
-        windows = windows_for(tokens, window, model.bos if model.add_bos else None, req.scoreLast)
+        tokens = req.text_tokens  # tokenized by the reader, or the engine (prepare.attach)
+        try:  # scoreLast against the window: scoring.check_score_last, the rule's one place
+            windows = windows_for(tokens, window, model.bos if model.add_bos else None, req.scoreLast,
+                                  field="scoreLast")
+        except ValueError as e:
+            raise ProtocolError(str(e), seq_id, "score") from None
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
         seq = seqs.new(session, seq_id, "score")
@@ -126,19 +123,12 @@ class Handlers(StateFileHandlers):
         seq_id = req.seq_id
         seqs.check_id(seq_id, "prefill")
         held = self._held_or_free(session, seq_id, "prefill")
-        prompt = self._prompt_tokens(req, continuing=held is not None)
+        prompt = req.prompt_tokens.get(continuing=held is not None)  # both ways: prepare.attach
         self._check_fits(held, prompt, seq_id, "prefill")
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         self._no_lone_prompt_token(seq)
         seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past))
-
-    def _prompt_tokens(self, req: InferRequest | PrefillRequest, continuing: bool) -> np.ndarray:
-        """The prompt's (or messages') tokens: from the reader thread (prepare.py) if it
-        made them, both ways, since only here is it known whether a held sequence continues."""
-        if req.prompt_tokens is not None:
-            return req.prompt_tokens.get(continuing)
-        return self.rt.tokenize_prompt(self.rt.prompt_text(req), continuing, req.seq_id, req.type)
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""

@@ -18,10 +18,12 @@ declares for it (`prompt_tokens`, `text_tokens`, `compiled`):
 - `grammar`: the compiled grammar, or the GrammarError to answer with.
 
 Tokenizing is linear in the text (pretokenize.py) and llama_tokenize and llguidance
-release the GIL, so the engine thread keeps decoding meanwhile. The engine computes a
-missing result itself (in-process use, or a request read before `init`: the stdio
-reader waits for a pending init first), so a request is answered the same either way.
-The transports call it as `Engine.prepare`.
+release the GIL, so the engine thread keeps decoding meanwhile. One function does the
+work (`attach`): the reader threads call it through `prepare` (the transports: as
+`Engine.prepare`), and the engine calls it before every handler, where it attaches
+whatever is still missing (in-process use, a request read before `init`, or a reader
+that met a bug), so the handlers only read the attached fields and a request is
+answered the same either way.
 
 State files are not read here: a `load` must see the file of every `save` before it,
 so they are written and read on the engine's own worker, in order (engine/stateio.py).
@@ -83,37 +85,45 @@ class PromptTokens:
         return self.continuing if continuing else self.fresh
 
 
+def attach(req: Request, rt: "Runtime") -> Request:
+    """`req`, or a copy with its own work attached where that is still missing: the
+    prompt's tokens both ways (or the ProtocolError to answer with), the score text's
+    tokens, the compiled grammar (or the GrammarError). Raises only on a bug."""
+    if isinstance(req, (InferRequest, PrefillRequest)) and req.prompt_tokens is None:
+        try:
+            text = rt.prompt_text(req)
+            tokens = PromptTokens(rt.tokenize_prompt(text, False, req.seq_id, req.type),
+                                  rt.tokenize_prompt(text, True, req.seq_id, req.type))
+        except ProtocolError as e:
+            tokens = PromptTokens(None, None, e)
+        return dataclasses.replace(req, prompt_tokens=tokens)
+    if isinstance(req, ScoreRequest) and req.text_tokens is None:
+        return dataclasses.replace(req, text_tokens=rt.score_tokens(req.text))
+    if isinstance(req, GrammarRequest) and req.compiled is None:
+        from ..grammars import GrammarError
+
+        try:
+            compiled = rt.grammars.compile(req.grammar, lenient=req.lenient, number_digits=req.numberDigits)
+        except GrammarError as e:
+            compiled = e
+        return dataclasses.replace(req, compiled=compiled)
+    return req
+
+
 def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: SharedUse) -> Request:
-    """`req`, or a copy with the precomputed work attached when a runtime is open
-    (`runtime()`: the engine's, None before init and after shutdown; `model_lock` keeps
-    shutdown from closing the model meanwhile); never raises."""
+    """`attach` on a reader thread when a runtime is open (`runtime()`: the engine's, None
+    before init and after shutdown; `model_lock` keeps shutdown from closing the model
+    while a prompt or text is tokenized); never raises: on a bug the request goes on as
+    it came, and the engine thread's `attach` meets (and reports) it."""
     rt = runtime()
     if rt is None:
         return req
     try:
-        if isinstance(req, (InferRequest, PrefillRequest)) and (req.prompt is not None or req.messages is not None):
-            with model_lock:
-                if runtime() is rt:
-                    try:
-                        text = rt.prompt_text(req)
-                        tokens = PromptTokens(rt.tokenize_prompt(text, False, req.seq_id, req.type),
-                                              rt.tokenize_prompt(text, True, req.seq_id, req.type))
-                    except ProtocolError as e:
-                        tokens = PromptTokens(None, None, e)
-                    return dataclasses.replace(req, prompt_tokens=tokens)
-        elif isinstance(req, ScoreRequest):
-            with model_lock:
-                if runtime() is rt:
-                    return dataclasses.replace(req, text_tokens=rt.score_tokens(req.text))
-        elif isinstance(req, GrammarRequest):
-            from ..grammars import GrammarError
-
-            try:
-                compiled = rt.grammars.compile(req.grammar, lenient=req.lenient,
-                                               number_digits=req.numberDigits)
-            except GrammarError as e:
-                compiled = e
-            return dataclasses.replace(req, compiled=compiled)
-    except Exception:  # noqa: BLE001 - the engine will do the work itself and report
+        if isinstance(req, GrammarRequest):  # compiles with the grammar engine, not the model
+            return attach(req, rt)
+        with model_lock:
+            if runtime() is rt:
+                return attach(req, rt)
+    except Exception:  # noqa: BLE001 - the engine thread does it again and reports it
         pass
     return req

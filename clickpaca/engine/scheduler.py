@@ -54,9 +54,9 @@ class Scheduler:
             self._consume(plan, job)
 
     def _start_masks(self, plan: list[Feed]) -> MaskJob:
-        """Start filling the masks of the constrained sequences that sample this tick."""
-        return self.rt.masks.start([(f.key.slot, f.key.job.matcher) for f in plan
-                                    if f.samples and f.key.job.matcher is not None])
+        """Start filling the masks of the rows that sample this tick (generation.py knows
+        which jobs have a grammar)."""
+        return generation.start_masks(self.rt, [f.key for f in plan if f.samples])
 
     def _next_is_prompt_tick(self) -> bool:
         """Deterministic mode never mixes generated tokens and prompt chunks in one decode

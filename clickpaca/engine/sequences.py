@@ -41,8 +41,9 @@ class Session:
 class Sequence:
     """What one seq_id holds: a slot, its one token history (`tokens`: the prompt from the
     moment it arrives, each sampled token from the moment it is accepted; the first
-    `n_past` are in its KV cells) and, while a request runs on it, that request's job
-    (jobs.py). With no job it is held (or loading, while a `load` reads its file)."""
+    `n_past` are in its KV cells; an infer's sampler reads this list, it keeps no copy)
+    and, while a request runs on it, that request's job (jobs.py). With no job it is
+    held (or loading, while a `load` reads its file)."""
 
     session: Session
     seq_id: int

@@ -253,10 +253,14 @@ class SequenceSampler:
     (a fresh random seed when None; read it back from ``seed`` to reproduce a run), and
     the token history the repetition penalties look at.
 
-    History: every token of the sequence's context counts, prompt tokens included
-    (pass them as ``prompt_tokens`` or through ``extend``). ``sample`` does not add the
-    drawn token: call ``accept(token)`` for every token that enters the context (sampled
-    or injected by the caller), so the history always equals the context.
+    History: every token of the sequence's context counts, prompt tokens included, as
+    llama-server's slots do (they accept the whole prompt before the first draw). Either
+    the sampler keeps its own (``prompt_tokens``, then ``accept(token)`` for every token
+    that enters the context: ``sample`` does not add the drawn one), or it reads the
+    caller's: ``history`` is a list it never copies (the engine passes the sequence's
+    ``tokens``, so the context is kept once and appended once). That list may only grow
+    (or shrink through ``truncate``); the penalty window's counts follow it when next
+    read.
 
     Randomness: each ``sample`` call draws exactly one uniform number, whatever the params
     (greedy included), so the k-th sampled token always uses the k-th draw of the stream.
@@ -269,12 +273,13 @@ class SequenceSampler:
     """
 
     def __init__(self, params: SamplerParams, n_vocab: int, prompt_tokens: Iterable[int] = (),
-                 vocab=None):
+                 vocab=None, *, history: list[int] | None = None):
         self._n_vocab = int(n_vocab)
         self._params = params.validate(self._n_vocab)
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._rng = np.random.default_rng(self._seed)
-        self._history: list[int] = []
+        self._history: list[int] = [] if history is None else history
+        self._seen = 0  # how many of _history the window's counts have taken in
         self._counts: dict[int, int] = {}
         self._hist_arrays = None
         self._states: dict = {}
@@ -325,6 +330,7 @@ class SequenceSampler:
         other._n_vocab = self._n_vocab
         other._params = self._params
         other._history = list(self._history)
+        other._seen = self._seen
         other._counts = dict(self._counts)
         other._hist_arrays = self._hist_arrays
         other._states = copy.deepcopy(self._states)
@@ -348,25 +354,43 @@ class SequenceSampler:
         self._counts = {}
         for t in self._history[len(self._history) - w:] if w else ():
             self._counts[t] = self._counts.get(t, 0) + 1
+        self._seen = len(self._history)
+        self._hist_arrays = None
+
+    def _sync(self) -> None:
+        """Take the tokens the history gained since the last read into the penalty
+        window's counts (each in, and the one it pushes out of a full window out)."""
+        h = self._history
+        end = len(h)
+        if end == self._seen:
+            return
+        if end < self._seen:
+            self._recount()
+            return
+        n = self._params.penalty_last_n
+        if n != 0:
+            counts = self._counts
+            for i in range(self._seen, end):
+                t = h[i]
+                counts[t] = counts.get(t, 0) + 1
+                if 0 < n <= i:
+                    old = h[i - n]
+                    c = counts[old] - 1
+                    if c:
+                        counts[old] = c
+                    else:
+                        del counts[old]
+        self._seen = end
         self._hist_arrays = None
 
     def accept(self, token: int) -> None:
-        """Add a token that entered the context (updates the penalty window)."""
+        """Add a token that entered the context to the history (and the penalty window).
+        Not for a ``history`` the caller appends to itself: that would add it twice."""
         t = int(token)
         if not 0 <= t < self._n_vocab:
             raise ValueError(f"token {t} out of range [0, {self._n_vocab})")
         self._history.append(t)
-        n = self._params.penalty_last_n
-        if n != 0:
-            self._counts[t] = self._counts.get(t, 0) + 1
-            if 0 < n < len(self._history):
-                old = self._history[-n - 1]
-                c = self._counts[old] - 1
-                if c:
-                    self._counts[old] = c
-                else:
-                    del self._counts[old]
-        self._hist_arrays = None
+        self._sync()
 
     def extend(self, tokens: Iterable[int]) -> None:
         for t in tokens:
@@ -380,6 +404,7 @@ class SequenceSampler:
 
     def penalty_window(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32 sorted, counts float64) of the tokens in the penalty window."""
+        self._sync()
         if self._hist_arrays is None:
             if self._counts:
                 ids = np.fromiter(self._counts.keys(), np.int32, len(self._counts))

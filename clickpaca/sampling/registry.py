@@ -163,7 +163,8 @@ class StepContext:
     """What a step may use besides (ids, logits) and the params, for one sample call.
 
     hist: (ids sorted, counts) of the penalty window; history: every token of the
-    sequence's context, in order (a list; do not change it); rest_mass: for the first
+    sequence's context, in order (the sequence's own list in the engine: do not change
+    it); rest_mass: for the first
     truncation on a superset, the mass left out (see ``cut``); vocab: the model's
     vocabulary helper or None (steps that need token text); n_vocab: the vocabulary
     size (0 when unknown); the sequence's step states and random streams (``state``,

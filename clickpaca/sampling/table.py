@@ -347,8 +347,11 @@ register(Step(
 
 register_chain_param(Param("seed", "seed", None, _seed, (), "per-sequence RNG seed: same seed + same input = same output",
                            shown="random"))
-register_chain_param(Param("n_probs", "nProbs", 0, integer(0), ("n_probs",),
-                           "when > 0 (<= 100), token events carry log-probabilities (below)"))
+#: nProbs: the log-probabilities of at most this many tokens in each token event (the
+#: bound's one definition and, in its row's check, its one check).
+N_PROBS_MAX = 100
+register_chain_param(Param("n_probs", "nProbs", 0, integer(0, N_PROBS_MAX), ("n_probs",),
+                           f"when > 0 (<= {N_PROBS_MAX}), token events carry log-probabilities (below)"))
 register_chain_param(Param("samplers", "samplers", None, _norm_samplers, (), "order of the steps (below)",
                            shown="full chain"))
 register_chain_param(Param("trace", "trace", False, R.boolean, (),
