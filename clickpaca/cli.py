@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="decode, batch: also a server in deterministic mode, in the same alternating rounds "
                         "(docs/DETERMINISM.md)")
+    p.add_argument("--chain", default=None,
+                   help="batch: every sequence's sampler chain: greedy (default) or a bench sampler scenario "
+                        "without a grammar (default, n_probs_5, temperature_only, top_p_only, bias_penalties)")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_bench)

@@ -210,6 +210,29 @@ def test_cli_parses_bench_and_ppl():
     assert a.what == "batch" and a.seqs == "1,8" and a.tokens == 16 and a.repeats is None
     a = ap.parse_args(["ppl", "--cache", "f16,q8_0/q4_0", "--ctx", "256", "--chunks", "2"])
     assert a.cache == "f16,q8_0/q4_0" and a.ctx == 256
+    assert ap.parse_args(["bench", "batch", "--chain", "n_probs_5"]).chain == "n_probs_5"
+
+
+def test_bench_batch_chain_fields():
+    """--chain: a scenario's fields that differ from the defaults, the EOG bans merged into
+    its own logit_bias (a ban wins over the scenario's bias of the same token)."""
+    from clickpaca.bench.batch import chain_params
+    from clickpaca.sampling import SamplerParams
+    from clickpaca.sampling.bench import SCENARIOS
+
+    ban = {"logit_bias": [{"token": 1, "bias": -1e9}, {"token": 2, "bias": -1e9}]}
+    assert chain_params(None, ban) == chain_params("greedy", ban) == {"temperature": 0, **ban}
+    assert chain_params("n_probs_5", ban) == {"nProbs": 5, **ban}
+    assert chain_params("temperature_only", ban) == {"topK": 0, "topP": 1.0, "temperature": 0.9, **ban}
+    bp = chain_params("bias_penalties", ban)
+    assert [b["token"] for b in bp["logit_bias"]] == [1, 2, 106, 1000, 2000]
+    assert {b["token"]: b["bias"] for b in bp["logit_bias"]}[2] == -1e9
+    want = SCENARIOS["bias_penalties"][0]
+    got = SamplerParams.from_request(bp)
+    assert (got.penalty_repeat, got.penalty_freq, got.penalty_present) == (
+        want.penalty_repeat, want.penalty_freq, want.penalty_present)
+    with pytest.raises(ValueError, match="--chain: unknown chain 'grammar_10pct'"):
+        chain_params("grammar_10pct", ban)
 
 
 # ---------------------------------------------------------------- small real runs
@@ -264,9 +287,11 @@ def test_bench_sampler_ticks_real(tmp_path, monkeypatch):
     assert [t["n_seq"] for t in data["ticks"]] == [1, 3]
     for t in out["ticks"]:
         assert t["decode_ms"] > 0
+        assert t["sides"] == ["per_seq", "batched", "threads"]  # threads: the decode's
         assert set(t["scenarios"]) == set(sampler_ticks.TICK_SCENARIOS)
         for s in t["scenarios"].values():
-            assert s["per_seq_wall_ms"] > 0 and s["batched_wall_ms"] > 0
+            assert s["per_seq_wall_ms"] > 0 and s["batched_wall_ms"] > 0 and s["threads_wall_ms"] > 0
+            assert s["threads_proc_cpu_ms"] > 0
             assert s["fraction_per_seq"] == pytest.approx(s["per_seq_wall_ms"] / t["decode_ms"], rel=0.02)
 
 

@@ -5,9 +5,13 @@
   test_sampling_chain (its ``reference``) and against ``apply_chain``;
 - both greedy paths against llama.cpp's greedy sampler through the bindings (oracle);
 - ``batch.sample_tick`` against one ``sample`` call per sequence: the same results
-  (tokens, candidate counts, logprobs) bit for bit, and the same random streams after.
+  (tokens, candidate counts, logprobs) bit for bit, and the same random streams after,
+  on one thread and spread over two or three (``workers.run_all``);
+- user-defined steps stay on the calling thread.
 Rows have exact ties, -inf, NaN and +inf at the top; no model needed.
 """
+
+import threading
 
 import numpy as np
 import pytest
@@ -148,20 +152,20 @@ def ticks(draw):
         else:
             masks.append(None)
     hist = [rng.integers(0, V, int(rng.integers(0, 5))).tolist() for _ in rows]
-    return block, rows, specs, masks, hist, draw(st.integers(1, 3))
+    return block, rows, specs, masks, hist, draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 3]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(case=ticks())
 def test_sample_tick_equals_per_sequence_calls(case):
-    block, rows, specs, masks, hist, n_ticks = case
+    block, rows, specs, masks, hist, n_ticks, threads = case
     V = block.shape[1]
     a = [SequenceSampler(SamplerParams(seed=i, **kw), V, h) for i, (kw, h) in enumerate(zip(specs, hist))]
     b = [s.fork() for s in a]
     for t in range(n_ticks):
         r = [(x + t) % block.shape[0] for x in rows]
         want = [s.sample(block[i], m) for s, i, m in zip(a, r, masks)]
-        got = sample_tick(b, block, r, masks)
+        got = sample_tick(b, block, r, masks, threads=threads)
         assert repr(got) == repr(want)  # repr: bit for bit, NaN logprobs included
         for s, res in zip(a + b, want + got):
             if not res.empty:
@@ -193,11 +197,15 @@ def test_sample_tick_at_the_real_vocabulary():
     block[5, 7] = block[5].max()  # an exact tie at the top
     block[5, 9] = block[5, 7]
     block.flags.writeable = False
-    for kw in (dict(), dict(top_k=1), dict(temperature=0), dict(top_k=20, top_p=0.5, temperature=1.3)):
+    for kw in (dict(), dict(top_k=1), dict(temperature=0), dict(top_k=20, top_p=0.5, temperature=1.3),
+               dict(n_probs=5), dict(top_k=0, top_p=1.0, temperature=0.9), dict(top_k=0, top_p=0.95)):
         a = [SequenceSampler(SamplerParams(seed=i, **kw), V) for i in range(64)]
         b = [s.fork() for s in a]
+        c = [s.fork() for s in a]
         rows = [i % 16 for i in range(64)]
-        assert sample_tick(b, block, rows) == [s.sample(block[r]) for s, r in zip(a, rows)]
+        want = [s.sample(block[r]) for s, r in zip(a, rows)]
+        assert repr(sample_tick(b, block, rows)) == repr(want), kw
+        assert repr(sample_tick(c, block, rows, threads=2)) == repr(want), kw
     # the tie: greedy takes the smaller id
     assert sample_tick([SequenceSampler(SamplerParams(temperature=0), V)], block, [5])[0].token == 7
 
@@ -246,3 +254,31 @@ def test_a_failing_user_step_takes_only_its_own_place():
         assert [got[0], got[2]] == want
     finally:
         R.unregister("boom_29")
+
+
+def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
+    """threads=2: a chain with a user-defined step is sampled on the calling thread
+    (user steps were written for the engine thread); built-in chains may leave it."""
+    from clickpaca.sampling import registry as R
+    from clickpaca.sampling.batch import thread_safe
+
+    seen = []
+
+    def run(ids, logits, p, ctx):
+        seen.append(threading.current_thread())
+        return ids, logits
+
+    V = 512
+    block = np.random.default_rng(1).standard_normal((8, V)).astype(np.float32)
+    built_in = SamplerParams(top_k=0, top_p=0.9)  # made before the registration: without it
+    assert thread_safe(built_in, False, V)
+    assert not thread_safe(SamplerParams(dry_multiplier=0.8, dry_sequence_breakers=()), True, V)
+    R.register(R.Step("where_29", R.GENERAL, run=run, off=lambda p, h: False))
+    try:
+        user = SamplerParams(samplers=["where_29", "top_k"], seed=0)
+        assert not thread_safe(user, False, V)
+        samplers = [SequenceSampler(user.replace(seed=i), V) for i in range(8)]
+        sample_tick(samplers, block, list(range(8)), threads=2)
+        assert seen and all(t is threading.current_thread() for t in seen)
+    finally:
+        R.unregister("where_29")

@@ -6,6 +6,12 @@ same generation length G (--tokens, end-of-generation banned so every sequence m
 exactly G) are sent back to back to one server, alternating with
 `llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV).
 
+Every sequence samples greedily (temperature 0) unless --chain names a `bench sampler`
+scenario without a grammar (sampling/bench.py SCENARIOS: default, n_probs_5,
+temperature_only, top_p_only, bias_penalties): its fields that differ from the defaults
+go into every infer, so the host's sampling cost of that chain is inside the server's
+figure (llama-batched-bench does not sample).
+
 Server throughput = generated tokens after each sequence's first / (last token event -
 first token event): the generation phase only, as S_TG is (nBatch >= N*P, so every
 prompt is decoded in one tick and all sequences generate together). Per-sequence
@@ -24,6 +30,25 @@ from .table import markdown
 from .tools import batched_bench
 
 GOALS = {8: 0.9, 64: 0.8}
+
+
+def chain_params(name: str | None, ban: dict) -> dict[str, Any]:
+    """The infer fields of the chain every sequence runs, the end-of-generation bans of
+    ``ban`` (``Server.ban_eog``) added to its own logit_bias."""
+    from ..sampling import SamplerParams
+    from ..sampling.bench import SCENARIOS
+
+    if name in (None, "greedy"):
+        return {"temperature": 0, **ban}
+    choices = sorted(k for k, (_, density) in SCENARIOS.items() if density is None)
+    if name not in choices:
+        raise ValueError(f"--chain: unknown chain {name!r}; known: greedy, {', '.join(c for c in choices if c != 'greedy')}")
+    params = SCENARIOS[name][0]
+    req, base = params.to_request(), SamplerParams().to_request()
+    out = {k: v for k, v in req.items() if v != base[k] and k != "logit_bias"}
+    bias = {b["token"]: b["bias"] for b in req["logit_bias"]}
+    bias.update({b["token"]: b["bias"] for b in ban.get("logit_bias", ())})
+    return {**out, "logit_bias": [{"token": t, "bias": b} for t, b in sorted(bias.items())]}
 
 
 def server_init(model: str, build: str, t: int, max_seqs: int, p: int, g: int, **extra: Any) -> dict:
@@ -49,8 +74,8 @@ def measure(args: Any) -> dict[str, Any]:
     server = Server(server_init(model, args.build, t, max(seqs), p, g))
     det = Server(server_init(model, args.build, t, max(seqs), p, g, deterministic=True)) \
         if getattr(args, "deterministic", False) else None
-    bias = server.ban_eog()
-    params = {"temperature": 0, **bias}
+    chain = getattr(args, "chain", None) or "greedy"
+    params = chain_params(chain, server.ban_eog())
     rows = []
     try:
         for n in seqs:
@@ -101,7 +126,7 @@ def measure(args: Any) -> dict[str, Any]:
             notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
                        "repeats": args.repeats, "build": args.build, "model": model,
-                       "deterministic": det is not None},
+                       "deterministic": det is not None, "chain": chain, "infer_fields": params},
             "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
             "server_problems": server.problems}
 
@@ -199,7 +224,9 @@ def run(args: Any) -> dict[str, Any]:
              "Batched generation: local against RPC workers (tokens/s)")
         return out
     out = measure(args)
-    emit(out_dir(args), "batch", out, table(out), "Batched generation (tokens/s)")
+    chain = out["params"]["chain"]
+    emit(out_dir(args), "batch", out, table(out),
+         "Batched generation (tokens/s)" + ("" if chain == "greedy" else f", chain {chain}"))
     if args.plot:
         plot(out, png(args, "batch"))
     return out

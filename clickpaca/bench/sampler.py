@@ -154,8 +154,10 @@ def run(args: Any) -> dict[str, Any]:
                                               getattr(args, "model", None), getattr(args, "threads", None)),
                "notes": ["per tick: one llama_decode of one token per sequence (wall, median of the ticks) "
                          "and the host's sampling of its [n, 262144] logits block: one "
-                         "SequenceSampler.sample per row (per seq) and sampling.batch.sample_tick "
-                         "(batched), the same results checked; host / decode = wall over wall"]}
+                         "SequenceSampler.sample per row (per_seq), sampling.batch.sample_tick on one "
+                         "thread (batched) and on the decode's threads (threads), the same results "
+                         "checked; host / decode = wall over wall; CPU figures in the JSON "
+                         "(<side>_cpu_ms: this thread, <side>_proc_cpu_ms: every thread)"]}
         emit(out_dir(args), "sampler", out, sampler_ticks.table(out["ticks"]),
              "Sampler host time per tick beside the decode (262,144 vocab)")
         return out

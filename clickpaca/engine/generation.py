@@ -31,13 +31,14 @@ def sample(rt: Runtime, seqs: Sequences, sampling: list[tuple[Sequence, int]], l
            job: MaskJob) -> None:
     """Sample each (sequence, row) of this tick and accept the token. The tick's rows go
     to sampling.batch.sample_tick at once: greedy and top-k chains without a grammar share
-    passes over the block, every other row runs its own chain; the results are bit for bit
-    the per-sequence ones (tests/test_sampling_batch.py)."""
+    passes over the block, every other row runs its own chain, spread over the decode's
+    threads (idle while the host samples); the results are bit for bit the per-sequence
+    ones (tests/test_sampling_batch.py)."""
     gens = [seq.job for seq, _ in sampling]  # InferJobs: only they sample
     # the mask job was started for exactly the plan's sampling entries
     masks = [job.row(seq.slot) if gen.matcher is not None else None for (seq, _), gen in zip(sampling, gens)]
     results = sample_tick([gen.sampler for gen in gens], logits, [row for _, row in sampling], masks,
-                          isolate=(StepFailed,))
+                          isolate=(StepFailed,), threads=rt.ctx.n_threads)
     for (seq, row), gen, mask, res in zip(sampling, gens, masks, results):
         try:
             if isinstance(res, StepFailed):

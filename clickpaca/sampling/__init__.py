@@ -15,7 +15,8 @@ per step (its wire parameters, kind, state, superset hook; how to add a step),
 shortcuts, ``chain`` the composition and per-sequence state, ``trace`` what each step
 did to a token, ``oracle`` llama.cpp's C samplers through the bindings (tests, bench),
 ``vocab`` token text for steps that need it, ``batch`` one tick's rows at once (exactly
-what per-sequence ``sample`` calls give), ``bench`` the microbenchmark.
+what per-sequence ``sample`` calls give), ``workers`` the threads it may spread them
+over, ``bench`` the microbenchmark.
 """
 
 from .chain import Candidates, SampleResult, SequenceSampler, apply_chain

@@ -16,8 +16,12 @@ drawing the same random numbers. Two plans run batched, everything else per sequ
   array; the tests check it).
 
 A row whose top is NaN or infinite, or whose plan is anything else, takes the
-per-sequence path. The engine calls it once per tick instead of its per-sequence loop
-(docs/BENCHMARKS.md, "Sampler host cost").
+per-sequence path. With ``threads`` > 1 the row passes (the per-sequence rows, the
+greedy argmaxes, the top-k rows' candidates) are spread over that many threads
+(``workers.run_all``): each row is computed by the same calls as on one thread, so the
+results do not change; rows whose chain holds a user-defined step or DRY (which reads
+the shared vocabulary) stay on the calling thread. The engine calls it once per tick
+with its decode's thread count (docs/BENCHMARKS.md, "Sampler host cost").
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import numpy as np
 from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
 from .cut import _default_cols
 from .params import SamplerParams
+from .table import BY_NAME
+from .workers import run_all
 
-__all__ = ["sample_tick", "batch_plan", "KMAX"]
+__all__ = ["sample_tick", "batch_plan", "thread_safe", "KMAX"]
 
 #: The largest top-k run batched (the [n, k] matrices stay small).
 KMAX = 256
@@ -60,50 +66,91 @@ def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
             p.temperature if "temperature" in rest else None)
 
 
+#: Built-in steps that read shared state besides their sequence's own (DRY: the vocabulary
+#: and its memo): their rows stay on the calling thread.
+_SHARED = frozenset(("dry",))
+
+
+@functools.lru_cache(maxsize=1024)
+def thread_safe(p: SamplerParams, has_hist: bool, n_vocab: int) -> bool:
+    """True when every active step of the chain is a built-in one that touches only its
+    sequence's own state, so the row may be sampled on a worker thread. User-defined
+    steps run on the calling thread (they were written for it: usersteps)."""
+    active, _ = _steps_to_run(p, has_hist, n_vocab)  # the same steps whatever the grammar allows
+    return all(s is BY_NAME.get(s.name) and s.name not in _SHARED for s in active)
+
+
 def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: Sequence[int],
                 masks: Sequence[np.ndarray | None] | None = None,
-                isolate: tuple[type[BaseException], ...] = ()) -> list:
+                isolate: tuple[type[BaseException], ...] = (), threads: int = 1) -> list:
     """Sample one token for each (sampler, row of ``logits``, grammar mask or None).
 
-    ``logits`` is the decode's [n_out, n_vocab] float32 block (only read). An exception
-    of a type in ``isolate`` (the engine passes a user step's StepFailed) raised by one
-    sequence's ``sample`` takes that sequence's place in the list instead of a
-    SampleResult, so the other sequences of the tick still get theirs; any other
-    exception propagates."""
+    ``logits`` is the decode's [n_out, n_vocab] float32 block (only read); the samplers
+    are distinct. An exception of a type in ``isolate`` (the engine passes a user step's
+    StepFailed) raised by one sequence's ``sample`` takes that sequence's place in the
+    list instead of a SampleResult, so the other sequences of the tick still get theirs;
+    any other exception propagates. ``threads``: how many threads may share the tick's
+    row passes (1: all on the calling thread, in tick order)."""
     logits = np.asarray(logits)
     n = len(samplers)
     out: list[SampleResult | None] = [None] * n
+    anywhere: list[int] = []  # per sequence, on any thread
+    here: list[int] = []  # per sequence, on this thread
     greedy: list[int] = []
     topk: dict[tuple, list[int]] = {}
     for j, s in enumerate(samplers):
         mask = masks[j] if masks is not None else None
+        p = s.params
+        has_hist = p.penalties_active and s.penalty_window()[0].size > 0
         plan = None
         if mask is None and logits.ndim == 2 and logits.shape[1] == s.n_vocab:
-            p = s.params
-            plan = batch_plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+            plan = batch_plan(p, has_hist, s.n_vocab)
         if plan is None:
-            try:
-                out[j] = s.sample(logits[rows[j]], mask)
-            except isolate as e:
-                out[j] = e
+            (anywhere if threads > 1 and thread_safe(p, has_hist, s.n_vocab) else here).append(j)
         elif plan[0] == "greedy":
             greedy.append(j)
         else:
             topk.setdefault(plan[1:], []).append(j)
+
+    def one(j: int) -> None:
+        try:
+            out[j] = samplers[j].sample(logits[rows[j]], masks[j] if masks is not None else None)
+        except isolate as e:
+            out[j] = e
+
+    tasks: list = [functools.partial(one, j) for j in anywhere]  # the slow rows first
+    g = _greedy_tasks(logits, rows, greedy, threads, tasks) if greedy else None
+    parts = {key: _topk_tasks(logits, rows, js, key[0], tasks) for key, js in topk.items()}
+    run_all(tasks, threads)
+    for j in here:
+        one(j)
     if greedy:
-        _greedy(samplers, logits, rows, greedy, out)
+        _greedy(samplers, logits, rows, greedy, g, out)
     for (k, top_p, temp), js in topk.items():
-        _topk(samplers, logits, rows, js, k, top_p, temp, out)
+        _topk(samplers, logits, rows, js, k, top_p, temp, parts[(k, top_p, temp)], out)
     return out  # type: ignore[return-value]
 
 
-def _greedy(samplers, logits, rows, js, out) -> None:
+def _greedy_tasks(logits, rows, js, threads, tasks) -> np.ndarray:
+    """Tasks that fill the argmax of each greedy row (in chunks, one per thread), and
+    the array they fill."""
     r = np.fromiter((rows[j] for j in js), np.intp, len(js))
+    first = np.empty(r.size, np.intp)
     lo = _contiguous(r)
-    if lo is not None:  # one call over a slice of the block (no copy)
-        first = logits[lo: lo + r.size].argmax(axis=1)
-    else:
-        first = np.fromiter((logits[i].argmax() for i in r), np.intp, r.size)
+    edges = np.linspace(0, r.size, min(max(int(threads), 1), r.size) + 1).astype(np.intp).tolist()
+
+    def chunk(a: int, b: int) -> None:
+        if lo is not None:  # one call over a slice of the block (no copy)
+            first[a:b] = logits[lo + a: lo + b].argmax(axis=1)
+        else:
+            for x in range(a, b):
+                first[x] = logits[r[x]].argmax()
+    tasks.extend(functools.partial(chunk, a, b) for a, b in zip(edges, edges[1:]))
+    return first
+
+
+def _greedy(samplers, logits, rows, js, first, out) -> None:
+    r = np.fromiter((rows[j] for j in js), np.intp, len(js))
     ok = logits[r, first] > _NEG_INF  # NaN and -inf tops: per sequence
     for j, tok, good in zip(js, first.tolist(), ok.tolist()):
         s = samplers[j]
@@ -119,36 +166,42 @@ def _contiguous(r: np.ndarray) -> int | None:
     return int(r[0]) if r.size and int(r[-1]) - int(r[0]) == r.size - 1 and (np.diff(r) == 1).all() else None
 
 
-def _topk(samplers, logits, rows, js, k, top_p, temp, out) -> None:
+def _topk_tasks(logits, rows, js, k, tasks) -> list:
+    """One task per row that finds a threshold t with >= k tokens >= t and the tokens
+    >= t (ids ascending, their values), into the returned list: (t, ids, values)."""
     V = logits.shape[1]
     cols = _default_cols(V)
     nr = V // cols
-    r = np.fromiter((rows[j] for j in js), np.intp, len(js))
-    m = r.size
-    # Per row while it is in cache (a 64-row block is far bigger than the cache): column
-    # maxima, the k-th largest of them (and of the tail) as a threshold t with >= k tokens
-    # >= t, and the tokens >= t from the columns that reach it.
-    thr = np.empty(m)
-    seqs, idss, vals = [], [], []
     head_n = nr * cols
-    for a, i in enumerate(r.tolist()):
+    res: list = [None] * len(js)
+
+    def one(a: int, i: int) -> None:
+        # Per row while it is in cache (a 64-row block is far bigger than the cache): column
+        # maxima, the k-th largest of them (and of the tail) as a threshold t, and the
+        # tokens >= t from the columns that reach it.
         row = logits[i]
         head = row[:head_n].reshape(nr, cols)
         colmax = np.fmax.reduce(head, axis=0)
         cand = colmax if head_n == V else np.concatenate((colmax, row[head_n:]))
-        t = cand[np.argpartition(cand, cand.size - k)[cand.size - k]]
-        thr[a] = t
+        t = np.partition(cand, cand.size - k)[cand.size - k]  # the value argpartition's index has
         sel = np.flatnonzero(colmax >= t)
         block = head.take(sel, axis=1)
         ri, ci = np.nonzero(block >= t)
         ids = ri * cols + sel[ci]
         if head_n < V:
             ids = np.concatenate((ids, np.flatnonzero(row[head_n:] >= t) + head_n))
-        seqs.append(np.full(ids.size, a, np.intp))
-        idss.append(ids)
-        vals.append(row[ids])
-    seq = np.concatenate(seqs)
-    ids = np.concatenate(idss)
+        res[a] = (t, ids, row[ids])
+    tasks.extend(functools.partial(one, a, rows[j]) for a, j in enumerate(js))
+    return res
+
+
+def _topk(samplers, logits, rows, js, k, top_p, temp, parts, out) -> None:
+    """The draw of each top-k row from its candidates (``_topk_tasks``), on [m, k] matrices."""
+    m = len(js)
+    thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
+    seq = np.concatenate([np.full(ids.size, a, np.intp) for a, (_, ids, _) in enumerate(parts)])
+    ids = np.concatenate([ids for _, ids, _ in parts])
+    vals = [v for _, _, v in parts]
     if seq.size == 0:
         for j in js:
             out[j] = samplers[j].sample(logits[rows[j]])

@@ -16,7 +16,7 @@ from . import steps as S
 from .bitmask import allowed_ids, allows
 from .cut import RowView, isin_sorted, scratch, upper_ids
 
-__all__ = ["Candidates", "Dense", "dense_exp", "gather", "raw_logprobs"]
+__all__ = ["Candidates", "Dense", "dense_exp", "dense_terms", "gather", "raw_logprobs"]
 
 _BLOCK = 1024
 
@@ -27,10 +27,10 @@ def gather(row: np.ndarray, ids: np.ndarray, tau: float = 1.0) -> np.ndarray:
     return v / tau if tau != 1.0 else v
 
 
-def dense_exp(view: RowView, tau: float, words: np.ndarray | None, exclude: np.ndarray,
-              ref: float) -> tuple[np.ndarray, float]:
-    """(buf, total): float32 masses exp(row/tau - ref) of the allowed tokens outside
-    ``exclude`` (0 elsewhere) in a reused scratch buffer, and their float64 sum."""
+def dense_terms(view: RowView, tau: float, words: np.ndarray | None, exclude: np.ndarray,
+                ref: float) -> np.ndarray:
+    """float32 masses exp(row/tau - ref) of the allowed tokens outside ``exclude`` (0
+    elsewhere) in a reused scratch buffer; NaN where the row has NaN."""
     buf = scratch(view.n)
     np.subtract(view.row, ref * tau, out=buf, casting="unsafe")
     if tau != 1.0:
@@ -41,6 +41,14 @@ def dense_exp(view: RowView, tau: float, words: np.ndarray | None, exclude: np.n
         np.multiply(buf, flags[: view.n], out=buf, casting="unsafe")
     if exclude.size:
         buf[exclude] = 0.0
+    return buf
+
+
+def dense_exp(view: RowView, tau: float, words: np.ndarray | None, exclude: np.ndarray,
+              ref: float) -> tuple[np.ndarray, float]:
+    """(buf, total): ``dense_terms`` with NaN and +inf masses set to 0 when there are any,
+    and their float64 sum."""
+    buf = dense_terms(view, tau, words, exclude, ref)
     total = float(np.add.reduce(buf, dtype=np.float64))
     if not math.isfinite(total):  # NaN logits in the row
         np.nan_to_num(buf, copy=False, nan=0.0, posinf=0.0)
@@ -114,13 +122,22 @@ class Candidates:
         if not ref > -math.inf:
             return -1
         d = self.dense
-        buf, _ = dense_exp(d.view, d.tau, d.words, d.exclude, ref)
-        if self.ids.size:
-            buf[self.ids] = np.exp(self.logits - ref)
         n = d.view.n
-        blocks = np.add.reduceat(buf, np.arange(0, n, _BLOCK), dtype=np.float64)
-        cb = np.add.accumulate(blocks)
-        total = float(cb[-1])
+        # The block sums straight from dense_terms, without dense_exp's whole-row total (a
+        # pass over the row): here it would only say whether a mass is NaN or inf, which
+        # the block sums say too (a float64 sum of at most 262,144 finite float32 values is
+        # finite). Only then are the masses made again as dense_exp makes them (NaN -> 0),
+        # so every block sum is what it was.
+        for buf in (dense_terms(d.view, d.tau, d.words, d.exclude, ref), None):
+            if buf is None:
+                buf, _ = dense_exp(d.view, d.tau, d.words, d.exclude, ref)
+            if self.ids.size:
+                buf[self.ids] = np.exp(self.logits - ref)
+            blocks = np.add.reduceat(buf, np.arange(0, n, _BLOCK), dtype=np.float64)
+            cb = np.add.accumulate(blocks)
+            total = float(cb[-1])
+            if math.isfinite(total):
+                break
         if not total > 0 or not math.isfinite(total):
             return -1
         self._lse = ref + math.log(total)
