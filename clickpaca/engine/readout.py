@@ -12,7 +12,9 @@ Two parts, one job each:
   `capture` cost nothing. On a build without it the callback can only be given at
   context creation, where llama.cpp asks it about every graph node of every decode
   (~4 ms a decode here): it is installed only when `init` asks (`capture: true`), and a
-  request's `capture` is refused otherwise, naming what to do.
+  request's `capture` is refused otherwise, naming what to do. The batch rows reach the
+  callback through the micro-batches llama.cpp will split the batch into
+  (capture.micro_batches: several when per-sequence KV streams meet slots out of order).
 - `JobCapture`, one per capturing request: its node names, which positions of a feed it
   captures (`captureTokens`), whether it needs logits rows where it captures (nodes of
   the last layer that llama.cpp computes only for rows with logits), the rows gathered
