@@ -209,3 +209,19 @@ def test_slots_out_of_order_split_the_batch_and_rows_stay_right(det):
         assert both["type"] == "done" and both["capture"]["positions"] == alone["capture"]["positions"]
         for node in NODES + [LAST]:
             assert np.array_equal(rows(both, node), rows(alone, node)), node
+
+
+def test_a_cancelled_request_carries_what_it_read(det):
+    det.infer(2, A, temperature=0, maxTokens=200, capture=["l_out-6"])
+    seen = 0
+    for ev in det.stream(2):
+        if ev["type"] == "token":
+            seen += 1
+            if seen == 3:
+                det.cancel(2)
+        else:
+            done = ev
+    assert done["type"] == "done" and done["stop_reason"] == "cancelled"
+    pos = done["capture"]["positions"]
+    assert len(pos) >= 3 and pos == list(range(done["tokens_prompt"] - 1, done["tokens_prompt"] - 1 + len(pos)))
+    assert rows(done, "l_out-6").shape == (len(pos), 640)

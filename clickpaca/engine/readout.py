@@ -92,8 +92,7 @@ class Readout:
         """Arm the callback with each capturing job's rows of this batch (filled from `plan`)."""
         wants = {}
         for f in plan:
-            job = f.key.job
-            jc = getattr(job, "capture", None)
+            jc = f.key.job.capture
             if jc is None:
                 continue
             pos = jc.positions(f)
@@ -103,8 +102,9 @@ class Readout:
         self._armed = bool(wants)
         if self.cap is None:
             return
-        if wants:
-            self.cap.arm_each(wants, batch, C.micro_batches(batch.seq[:batch.n], self.n_ubatch, self.streams))
+        # armed with nothing, it declines every node (a retry after a failed decode disarms it)
+        self.cap.arm_each(wants, batch, C.micro_batches(batch.seq[:batch.n], self.n_ubatch, self.streams)
+                          if wants else None)
         self._set_live(bool(wants))
 
     def take(self) -> dict[Any, dict[str, np.ndarray] | C.CaptureError]:
