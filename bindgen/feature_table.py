@@ -36,8 +36,8 @@ def render_pair(table: dict, old: dict, new: dict) -> list[str]:
     both = sum(x["status"] == y["status"] == "works" for x, y in zip(a, b))
     lines = [f"features (clickpaca/features.py): {both} of {len(a)} work on both"]
     for x, y in zip(a, b):
-        if x["status"] == y["status"] == "works":
-            continue
+        if x["status"] == y["status"] == "works" or features.BY_NAME[x["feature"]].patch is not None:
+            continue  # a patch set's feature (absent upstream) is no difference between versions
         for label, r in ((version_label(old).split(" ")[0], x), (version_label(new).split(" ")[0], y)):
             if r["status"] != "works":
                 lines += textwrap.wrap(f"{r['feature']} on {label}: {_short(r)}", WIDTH,

@@ -35,6 +35,7 @@ class Feature:
     refused: str = ""  # what is refused without it, for the error and the table
     without: str = ""  # no refusal: what happens instead where it is absent
     fallback: tuple[str, ...] = ()  # names used only where it is absent
+    patch: str | None = None  # the patch set under native/ that adds its names (none: upstream's)
 
     @property
     def refuses(self) -> bool:
@@ -99,6 +100,12 @@ FEATURES: tuple[Feature, ...] = (
             ("llama_set_adapter_cvec",),
             without="its earlier name, llama_apply_adapter_cvec or llama_control_vector_apply",
             fallback=("llama_apply_adapter_cvec", "llama_control_vector_apply")),
+    Feature("eval-callback-live", "the eval callback set and unset on a live context: capture "
+            "only on the decodes that capture (engine/readout.py)",
+            ("llama_set_eval_callback",),
+            without="the callback is given at context creation: init capture true installs it "
+                    "(asked once per graph node on every decode); without it capture is refused",
+            patch="activations"),
     Feature("backend-modules", "a CPU backend loaded at run time (a PORTABLE=1 build's variants)",
             ("ggml_backend_load_all_from_path",),
             without="a build whose CPU backend is a run-time module (PORTABLE=1) is refused at "

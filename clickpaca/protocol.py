@@ -187,6 +187,47 @@ def _shares(name: str, v: Any) -> tuple[float, ...]:
     return tuple(out)
 
 
+MAX_CAPTURE_NODES = 64  # capture: node names per request (each is looked for on every decode's ask)
+CAPTURE_TOKENS = ("last", "generated", "all")
+CAPTURE_DTYPES = ("float32", "float16")
+#: captureTokens when not given: what a researcher reads from each kind of request
+#: (docs/ACTIVATIONS.md): the state each generated token was sampled from; every token
+#: of a scored text; a prefilled prompt's summary at its last token
+CAPTURE_DEFAULT = {"infer": "generated", "score": "all", "prefill": "last"}
+
+
+def _node_names(name: str, v: Any) -> tuple[str, ...]:
+    """capture: graph node names (checked against the model's graph by the handler)."""
+    v = _str_list(name, v)
+    if not v:
+        raise ValueError(f"{name}: must name at least one graph node (or leave it out)")
+    if len(v) > MAX_CAPTURE_NODES:
+        raise ValueError(f"{name}: {len(v)} nodes, the limit is {MAX_CAPTURE_NODES}")
+    return tuple(dict.fromkeys(v))
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(name: str, v: Any) -> str:
+        if v not in choices:
+            raise ValueError(f"{name}: must be one of {', '.join(choices)}, got {_show(v)}")
+        return v
+    return check
+
+
+def _capture_fits(obj: dict, values: dict, kind: str) -> None:
+    """captureTokens / captureDtype need capture; captureTokens 'generated' needs a request
+    that generates; the default captureTokens is the request kind's (CAPTURE_DEFAULT)."""
+    if values["capture"] is None:
+        for name in ("captureTokens", "captureDtype"):
+            if name in obj:
+                raise ValueError(f"{name}: only applies with capture")
+        return
+    if values["captureTokens"] is None:
+        values["captureTokens"] = CAPTURE_DEFAULT[kind]
+    elif values["captureTokens"] == "generated" and kind != "infer":
+        raise ValueError(f"captureTokens: a {kind} generates no tokens; use last or all")
+
+
 def _with_params(name: str, v: Any) -> Any:
     """Marks the sampler fields: never checked one by one, but together by SamplerParams
     (InferRequest.check_across), which also decides which bad field to report first."""
@@ -401,6 +442,9 @@ class InitRequest(Request):
     tensorSplit: tuple[float, ...] | None = wire(_opt(_shares), None)
     rpcTimeout: float = wire(_num(0.1, 86400.0), 120.0)
     outputLocal: bool = wire(_bool, False)
+    # requests may `capture`: on a build without llama_set_eval_callback the eval callback
+    # can only be given at context creation, where it costs every decode (docs/ACTIVATIONS.md)
+    capture: bool = wire(_bool, False)
     # the fields the client gave: a shared server compares those with what it runs
     given: frozenset[str] = _given()
 
@@ -448,6 +492,9 @@ class InferRequest(Request):
     grammar_id: str | None = wire(_opt(_grammar_id), None)
     stop: list[str] | None = wire(_opt(_stops), None)
     reusePrefix: bool = wire(_bool, True)
+    capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
+    captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
+    captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
     prompt_tokens: PromptTokens | None = _prepared()
 
@@ -459,6 +506,7 @@ class InferRequest(Request):
                              "(a grammar restricts the vocabulary at any size)")
         values["params"] = _sampler_params(obj)
         _prompt_or_messages(values, "infer")
+        _capture_fits(obj, values, "infer")
 
 
 @_request("score")
@@ -473,7 +521,14 @@ class ScoreRequest(Request):
     # (the default window is the context's): both scoring.check_score_last's rule
     scoreLast: int | None = wire(_opt(_int(SCORE_LAST_MIN, 1 << 24)), None)
     perToken: bool = wire(_bool, False)
+    capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
+    captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
+    captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     text_tokens: np.ndarray | None = _prepared()
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        _capture_fits(obj, values, "score")
 
 
 @_request("cancel")
@@ -502,11 +557,15 @@ class PrefillRequest(Request):
     messages: tuple[Message, ...] | None = wire(_opt(_messages), None)  # instead of prompt
     chatTemplate: str | None = wire(_opt(_str(True, MAX_TEMPLATE_BYTES)), None)
     addGenerationPrompt: bool = wire(_bool, True)
+    capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
+    captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
+    captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
         _prompt_or_messages(values, "prefill")
+        _capture_fits(obj, values, "prefill")
 
 
 @_request("fork")
@@ -699,19 +758,26 @@ def error_event(message: str, seq_id: int = -1, request: str | None = None) -> d
 
 
 @_event("scored", ends=True)
-def scored_event(seq_id: int, nll: list[float], windows: int, per_token: bool) -> dict:
-    """The mean negative log-likelihood of the scored tokens and its perplexity."""
+def scored_event(seq_id: int, nll: list[float], windows: int, per_token: bool,
+                 capture: dict | None = None) -> dict:
+    """The mean negative log-likelihood of the scored tokens and its perplexity (and the
+    request's `capture`, when it asked)."""
     mean = float(np.mean(nll)) if nll else float("nan")
     ev: dict[str, Any] = {"type": "scored", "seq_id": seq_id, "tokens": len(nll), "nll": mean,
                           "ppl": float(np.exp(mean)), "windows": windows}
     if per_token:
         ev["token_nll"] = [round(x, 6) for x in nll]
+    if capture is not None:
+        ev["capture"] = capture
     return ev
 
 
 @_event("prefilled", ends=True)
-def prefilled_event(seq_id: int, tokens: int, prompt_ms: float) -> dict:
-    return {"type": "prefilled", "seq_id": seq_id, "tokens": tokens, "prompt_ms": round(prompt_ms, 3)}
+def prefilled_event(seq_id: int, tokens: int, prompt_ms: float, capture: dict | None = None) -> dict:
+    ev = {"type": "prefilled", "seq_id": seq_id, "tokens": tokens, "prompt_ms": round(prompt_ms, 3)}
+    if capture is not None:
+        ev["capture"] = capture
+    return ev
 
 
 @_event("forked", ends=True)

@@ -163,6 +163,63 @@ def test_several_micro_batches_are_refused(det_model):
     batch.add(toks, 0, 0)
     cap.arm(["l_out-2"], {0: [len(toks) - 1]}, batch)
     assert ctx.decode(batch) == 0
-    with pytest.raises(C.CaptureError, match="several micro-batches"):
+    with pytest.raises(C.CaptureError, match="more micro-batches than the 1 expected"):
         cap.take()
     ctx.close()
+
+
+def test_micro_batches_follow_llama_cpps_split():
+    assert C.micro_batches([0, 0, 0, 1, 1], 2, streams=False) == [[0, 1], [2, 3], [4]]
+    # one stream per sequence: consecutive ids in order of first appearance, equal shares
+    assert C.micro_batches([0, 1, 2], 8, streams=True) == [[0, 1, 2]]
+    assert C.micro_batches([1, 0], 8, streams=True) == [[0], [1]]
+    assert C.micro_batches([0, 2, 1], 8, streams=True) == [[0, 2], [1]]
+    assert C.micro_batches([0, 0, 0, 1], 8, streams=True) == [[0, 3], [1, 2]]
+    assert C.micro_batches([3, 3, 3, 3, 3], 2, streams=True) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("streams", [False, True])
+def test_rows_of_several_micro_batches_equal_opdumps_dump(det_model, streams):
+    """A batch llama.cpp splits (small nUbatch; one KV stream per sequence with the slots
+    out of order): each key's rows equal opdump's per-evaluation dump of the same decode."""
+    m = det_model
+    t0, t1 = m.tokenize("one two three four five"), m.tokenize("six seven eight")
+    nodes = ("attn_norm-1", "l_out-4", f"l_out-{m.n_layer - 1}")
+
+    def decode(cb):
+        ctx = core.Context(m, n_ctx=256, n_batch=64, n_ubatch=4 if not streams else 64, n_seq_max=2,
+                           flash_attn="off", kv_unified=not streams, eval_callback=cb)
+        batch = core.Batch(m.nat, 64)
+        batch.add(t1, 0, 1)  # slot 1 first: with streams, two micro-batches
+        batch.add(t0, 0, 0, output_all=True)
+        return ctx, batch
+
+    cap = C.Capture(m.nat)
+    ctx, batch = decode(cap.callback)
+    ub = C.micro_batches(batch.seq[:batch.n], 4 if not streams else 64, streams)
+    assert len(ub) > 1
+    n1 = len(t1)
+    cap.arm_each({"a": (nodes, list(range(n1, batch.n))), "b": (nodes[:2], list(range(n1)))}, batch, ub)
+    assert ctx.decode(batch) == 0
+    got = cap.take()
+    ctx.close()
+
+    rec = OpRecorder(m.nat, keep=nodes)
+    ctx, batch = decode(rec.callback)
+    rec.armed = True
+    assert ctx.decode(batch) == 0
+    ctx.close()
+    assert len(rec.evals) == len(ub)
+    full = {name: {} for name in nodes}
+    logits = batch.logits[:batch.n]
+    for rows, ev in zip(ub, rec.evals):
+        out = [r for r in rows if logits[r]]
+        for x in ev.nodes:
+            if x.name in nodes:
+                data = x.data.reshape(-1, m.n_embd)
+                order = rows if len(data) == len(rows) else out
+                full[x.name].update(zip(order, data))
+    for key, rows_, names in (("a", range(n1, batch.n), nodes), ("b", range(n1), nodes[:2])):
+        for name in names:
+            assert np.array_equal(got[key][name], np.stack([full[name][r] for r in rows_])), (key, name)

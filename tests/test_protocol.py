@@ -42,17 +42,18 @@ MINIMAL = {
 }
 
 CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": True}
+CAPTURE_DEFAULTS = {"capture": None, "captureTokens": None, "captureDtype": "float32"}
 DEFAULTS = {
     "init": {"modelPath": None, "nGpuLayers": 99, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
              "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None,
              "deterministic": False, "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0,
-             "outputLocal": False},
+             "outputLocal": False, "capture": False},
     "grammar": {"lenient": False, "numberDigits": 16},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
-              "params": SamplerParams(), **CHAT_DEFAULTS},
-    "score": {"window": None, "perToken": False, "scoreLast": None},
-    "cancel": {}, "free": {}, "prefill": dict(CHAT_DEFAULTS), "fork": {},
+              "params": SamplerParams(), **CHAT_DEFAULTS, **CAPTURE_DEFAULTS},
+    "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS},
+    "cancel": {}, "free": {}, "prefill": {**CHAT_DEFAULTS, **CAPTURE_DEFAULTS}, "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
     "stats": {},
 }
@@ -259,6 +260,15 @@ BAD = [
     ("grammar", "numberDigits", 0, ">= 1"), ("grammar", "numberDigits", 19, "<= 18"),
     ("grammar", "numberDigits", 16, "JSON schemas"),  # the minimal grammar is GBNF
     ("infer", "messages", [{"role": "user", "content": "x" * ((1 << 20) + 1)}], "limit"),
+    # activation capture (docs/ACTIVATIONS.md); the names are checked against the model's graph later
+    ("init", "capture", 1, "true or false"),
+    *[(k, f, v, w) for k in ("infer", "score", "prefill") for f, v, w in (
+        ("capture", "l_out-1", "list of strings"), ("capture", [], "at least one"),
+        ("capture", [""], "must not be empty"), ("capture", [f"n{i}" for i in range(65)], "limit"),
+        ("captureTokens", "first", "must be one of last, generated, all"),
+        ("captureTokens", "all", "only applies with capture"),
+        ("captureDtype", "int8", "must be one of float32, float16"),
+        ("captureDtype", "float16", "only applies with capture"))],
     # quit
     ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
 ]

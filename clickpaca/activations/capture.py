@@ -8,10 +8,11 @@ a decode with nothing requested computes its graph in one piece as without a cal
 copies only the rows of the batch each caller named, so a job takes only its own
 sequence's rows.
 
-Rows map to the batch in batch order, which holds when the decode is one micro-batch
-split in order (n_ubatch >= the batch, the way core.Batch fills sequences one after
-another). A node evaluated twice in one decode (several micro-batches) or with a token
-dimension that is neither the batch nor its output rows is an error, never a guess.
+Rows map to the batch through the micro-batches llama.cpp splits it into (`micro_batches`
+predicts them: one, in batch order, unless told otherwise): the k-th evaluation of a node
+is micro-batch k. A node evaluated more or fewer times than predicted, or with a token
+dimension that is neither its micro-batch's tokens nor their output rows, is an error,
+never a guess.
 The last layer's nodes after llama.cpp's `inp_out_ids` selection hold only the output
 rows (the tokens with logits on): those are mapped through the batch's logits flags.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable
 
@@ -47,99 +49,205 @@ class Capture:
         self._float = {int(lib.GGML_TYPE_F32): np.float32, int(lib.GGML_TYPE_F16): np.float16}
         self._names: frozenset[bytes] = frozenset()
         self._rows: dict[Hashable, np.ndarray] = {}
+        self._wanted: dict[Hashable, frozenset[str]] = {}  # key -> the node names it asked for
         self._n = 0
-        self._out_rows: np.ndarray = np.zeros(0, np.int64)
+        self._has_logits: np.ndarray = np.zeros(0, bool)
+        self._ubatches: list[np.ndarray] = []
         self._got: dict[str, dict[int, np.ndarray]] = {}
-        self._error: str | None = None
-        self._evaluated: set[str] = set()
+        self._errors: dict[str, str] = {}  # node name -> why it could not be copied
+        self._count: dict[str, int] = {}  # node name -> its evaluations in this decode
         self.seen: list[str] | None = None  # when a list: every node name asked (graph_nodes)
+        self.shapes: dict[str, list[int]] = {}  # with `seen`: each node's ne (graph_nodes)
         self.callback = nat.ffi.callback("ggml_backend_sched_eval_callback", self._cb)
 
     def arm(self, names, rows: dict[Hashable, Any], batch: Any) -> None:
         """Copy nodes `names` at the batch rows `rows[key]` of the next decode of `batch`
         (a core.Batch, filled)."""
-        self._names = frozenset(n.encode() for n in names)
-        self._rows = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
+        self.arm_each({k: (names, r) for k, r in rows.items()}, batch)
+
+    def arm_each(self, wants: dict[Hashable, tuple[Any, Any]], batch: Any,
+                 ubatches: list[list[int]] | None = None) -> None:
+        """Like `arm`, each key with its own node names: key -> (names, batch rows). A
+        node is copied at the rows of the keys that asked for it only, so one key's
+        request (a last-layer node at a row without logits) cannot fail another's.
+        `ubatches`: how llama.cpp will split the batch (`micro_batches`); None: in one."""
+        self._wanted = {k: frozenset(names) for k, (names, _) in wants.items()}
+        self._names = frozenset(n.encode() for ns in self._wanted.values() for n in ns)
+        self._rows = {k: np.asarray(r, dtype=np.int64) for k, (_, r) in wants.items()}
         self._n = int(batch.n)
-        self._out_rows = np.flatnonzero(batch.logits[:batch.n])
+        self._has_logits = batch.logits[:batch.n] != 0
+        self._ubatches = [np.asarray(u, dtype=np.int64) for u in (ubatches or [range(self._n)])]
         for k, r in self._rows.items():
             if r.size and (r.min() < 0 or r.max() >= self._n):
                 raise CaptureError("captureTokens", f"rows {r.tolist()} of {k!r} outside the batch of {self._n}")
-        self._got, self._error, self._evaluated = {}, None, set()
+        self._got, self._errors, self._count = {}, {}, {}
 
     def take(self) -> dict[Hashable, dict[str, np.ndarray]]:
-        """key -> node name -> [len(rows[key]), *row shape] float32 (a copy); disarms."""
-        got, error, rows, names = self._got, self._error, self._rows, self._names
-        self._names, self._rows, self._got, self._error = frozenset(), {}, {}, None
-        if error:
-            raise CaptureError("capture", error)
-        absent = sorted(n.decode() for n in names if n.decode() not in got)
-        if absent:
-            raise CaptureError("capture", f"nodes {absent} were not evaluated in this decode")
-        return {k: {name: np.stack([data[int(i)] for i in r]) if len(r) else np.zeros((0,), np.float32)
-                    for name, data in got.items()} for k, r in rows.items()}
+        """key -> node name -> [len(rows[key]), *row shape] float32 (a copy); disarms.
+        CaptureError when any node could not be copied."""
+        out = self.take_each()
+        for got in out.values():
+            if isinstance(got, CaptureError):
+                raise got
+        return out
+
+    def take_each(self) -> dict[Hashable, dict[str, np.ndarray] | CaptureError]:
+        """As `take`, but each key gets its own rows or the CaptureError of the first of
+        its nodes that failed; disarms."""
+        got, errors, rows, wanted = self._got, self._errors, self._rows, self._wanted
+        n_ub = len(self._ubatches)
+        for name, k in self._count.items():
+            if k != n_ub and name not in errors:
+                errors[name] = (f"node {name!r} was evaluated {k} times in one decode, in "
+                                f"{'one micro-batch' if n_ub == 1 else f'{n_ub} micro-batches'} "
+                                f"expected: llama.cpp split the batch otherwise; not guessed")
+        self._names, self._rows, self._wanted, self._got, self._errors = frozenset(), {}, {}, {}, {}
+        out: dict[Hashable, dict[str, np.ndarray] | CaptureError] = {}
+        for k, r in rows.items():
+            names = sorted(wanted.get(k, ()))
+            bad = next((n for n in names if n in errors), None)
+            absent = [n for n in names if n not in self._count]
+            if bad is not None:
+                out[k] = CaptureError("capture", errors[bad])
+            elif absent:
+                out[k] = CaptureError("capture", f"nodes {absent} were not evaluated in this decode")
+            elif any(int(i) not in got.get(n, {}) for n in names for i in r):
+                out[k] = CaptureError("capture", f"rows {r.tolist()} were not all in the nodes "
+                                                 f"{names} as evaluated: not guessed")
+            else:
+                out[k] = {n: np.stack([got[n][int(i)] for i in r]) if len(r) else np.zeros((0,), np.float32)
+                          for n in names}
+        return out
 
     # ---------------------------------------------------------------- callback
 
     def _cb(self, t: Any, ask: bool, user_data: Any) -> bool:
         if ask:
             if self.seen is not None:
-                self.seen.append(self.nat.ffi.string(t.name).decode())
+                name = self.nat.ffi.string(t.name).decode()
+                self.seen.append(name)
+                self.shapes.setdefault(name, [int(t.ne[i]) for i in range(4)])
                 return False
             return bool(self._names) and self.nat.ffi.string(t.name) in self._names
         try:
             self._copy(t)
         except Exception as e:  # noqa: BLE001 - never raise into C
-            self._error = f"copying a node failed: {e!r}"
+            self._errors[self.nat.ffi.string(t.name).decode()] = f"copying a node failed: {e!r}"
         return True
 
     def _copy(self, t: Any) -> None:
         ffi = self.nat.ffi
         name = ffi.string(t.name).decode()
-        if name in self._evaluated:  # takes precedence over what the first part said
-            self._error = (f"node {name!r} was evaluated twice in one decode: the batch ran as "
-                           f"several micro-batches; capture needs one (nUbatch >= the batch)")
+        k = self._count.get(name, 0)  # this is the node's evaluation in micro-batch k
+        self._count[name] = k + 1
+        if k >= len(self._ubatches):
+            self._errors[name] = (f"node {name!r} was evaluated {k + 1} times in one decode: the batch "
+                                  f"ran as more micro-batches than the {len(self._ubatches)} expected")
             return
-        self._evaluated.add(name)
+        rows = self._ubatches[k]  # batch rows of this micro-batch, in its order
+        out_rows = rows[self._has_logits[rows]]
         dtype = self._float.get(int(t.type))
-        if dtype is None or t.data == ffi.NULL:
-            self._error = f"node {name!r} is not a float tensor in host memory"
-            return
         ne = [int(t.ne[i]) for i in range(4)]
         nb = [int(t.nb[i]) for i in range(4)]
         tok = max((d for d in range(1, 4) if ne[d] != 1), default=1)  # the outermost dimension
-        if ne[tok] == self._n:
-            dim_rows = None  # rows are batch rows
-        elif ne[tok] == len(self._out_rows):
-            dim_rows = self._out_rows  # rows are the output rows, in batch order
+        if ne[tok] == len(rows):
+            dim_rows = rows  # a per-token node
+        elif ne[tok] == len(out_rows):
+            dim_rows = out_rows  # the output rows only (after llama.cpp's inp_out_ids selection)
         else:
-            self._error = (f"node {name!r} (shape {ne}) has no dimension of the batch's "
-                           f"{self._n} tokens or {len(self._out_rows)} output rows outermost: "
-                           f"not a per-token node")
+            self._errors[name] = (f"node {name!r} (shape {ne}) has no dimension of the batch's "
+                                  f"{len(rows)} tokens or {len(out_rows)} output rows outermost: "
+                                  f"not a per-token node")
+            return
+        want = [r for key, rs in self._rows.items() if name in self._wanted.get(key, ()) for r in rs]
+        if dim_rows is out_rows:
+            missing = sorted(set(want) & set(rows.tolist()) - set(out_rows.tolist()))
+            if missing:
+                self._errors[name] = (f"node {name!r} holds only the output rows; rows {missing} "
+                                      f"have no logits requested")
+                return
+        at = {int(r): i for i, r in enumerate(dim_rows)}
+        mine = sorted({int(r) for r in want if int(r) in at})
+        if not mine:
+            return
+        if dtype is None or t.data == ffi.NULL:
+            self._errors[name] = f"node {name!r} is not a float tensor in host memory"
             return
         span = sum((n - 1) * b for n, b in zip(ne, nb)) + np.dtype(dtype).itemsize
         raw = np.frombuffer(ffi.buffer(ffi.cast("char *", t.data), span), dtype=dtype)
         view = np.lib.stride_tricks.as_strided(raw, shape=ne[tok::-1], strides=nb[tok::-1])
-        want = np.unique(np.concatenate([r for r in self._rows.values()] or [np.zeros(0, np.int64)]))
-        if dim_rows is not None:
-            missing = np.setdiff1d(want, dim_rows)
-            if missing.size:
-                self._error = (f"node {name!r} holds only the output rows; rows {missing.tolist()} "
-                               f"have no logits requested")
-                return
-            idx = np.searchsorted(dim_rows, want)
-        else:
-            idx = want
-        self._got[name] = dict(zip(want.tolist(), view[idx].astype(np.float32)))
+        got = view[[at[r] for r in mine]].astype(np.float32)
+        self._got.setdefault(name, {}).update(zip(mine, got))
+
+
+def micro_batches(seq_of_row: Any, n_ubatch: int, streams: bool) -> list[list[int]]:
+    """How llama.cpp (b11312 llama_batch_allocr) splits a batch whose tokens carry one
+    sequence id each into micro-batches: the batch rows of each, in its order.
+
+    One KV stream (kvUnified): `split_simple`, consecutive runs of n_ubatch tokens. One
+    stream per sequence: `split_equal(sequential)`, where a micro-batch takes sequences
+    of consecutive ids in order of first appearance, the same number of tokens from each,
+    concatenated sequence by sequence. Capture checks each node's evaluations against
+    this (count and token dimension) and refuses rather than guesses when they differ."""
+    seq = [int(s) for s in seq_of_row]
+    n = len(seq)
+    if not streams:
+        return [list(range(i, min(i + n_ubatch, n))) for i in range(0, n, n_ubatch)]
+    rows_of: dict[int, list[int]] = {}
+    for i, s in enumerate(seq):
+        rows_of.setdefault(s, []).append(i)
+    used = [False] * n
+    nxt = {s: 0 for s in rows_of}  # each sequence's first unused token (used in order)
+    out: list[list[int]] = []
+    while not all(used):
+        sets: list[int] = []
+        for i in range(n):
+            if used[i] or seq[i] in sets or (sets and seq[i] != sets[-1] + 1):
+                continue
+            sets.append(seq[i])
+            if len(sets) > n_ubatch:
+                break
+        take: dict[int, list[int]] = {s: [] for s in sets}
+        while all(nxt[s] < len(rows_of[s]) for s in sets):
+            for s in sets:
+                r = rows_of[s][nxt[s]]
+                take[s].append(r)
+                used[r] = True
+                nxt[s] += 1
+            if (len(take[sets[0]]) + 1) * len(sets) > n_ubatch:
+                break
+        out.append([r for s in sets for r in take[s]])
+    return out
 
 
 # -------------------------------------------------------------------- node names
 
 
 def graph_nodes(model: Any, flash_attn: str = "auto") -> list[str]:
-    """The node names of the model's decode graph, in graph order (one token decoded on a
+    """The node names of the model's decode graph, in graph order (a decode on a
     throw-away context whose callback declines every node while listing it). Attention's
     inner nodes differ with flash attention, so pass the serving context's setting."""
+    return graph(model, flash_attn).names
+
+
+@dataclass(frozen=True)
+class Graph:
+    """What the listing decode saw: the names in graph order, and per name the elements
+    of one token's row and whether the node holds only the rows with logits (the last
+    layer's nodes after llama.cpp's `inp_out_ids` selection)."""
+
+    names: list[str]
+    row_elems: dict[str, int]
+    output_rows_only: frozenset[str]
+
+
+LISTING_TOKENS = 3  # the listing decode: 3 tokens, logits on the last only
+
+
+def graph(model: Any, flash_attn: str = "auto") -> Graph:
+    """The model's decode graph (cached per model and flash-attention setting): one
+    decode of LISTING_TOKENS tokens with logits on the last, so a node's token
+    dimension tells a per-token node (3) from one of the output rows only (1)."""
     cache = model.__dict__.setdefault("_graph_nodes", {})
     if flash_attn in cache:
         return cache[flash_attn]
@@ -151,13 +259,20 @@ def graph_nodes(model: Any, flash_attn: str = "auto") -> list[str]:
                        eval_callback=cap.callback)
     try:
         batch = core.Batch(model.nat, 8)
-        batch.add([model.bos], 0, 0)
+        batch.add([model.bos] * LISTING_TOKENS, 0, 0)
         if ctx.decode(batch) != 0:
-            raise RuntimeError("decoding one token to list the graph failed")
+            raise RuntimeError("decoding the listing batch failed")
     finally:
         ctx.close()
-    cache[flash_attn] = names = list(dict.fromkeys(cap.seen))
-    return names
+    names = list(dict.fromkeys(cap.seen))
+    row_elems, only_out = {}, set()
+    for name, ne in cap.shapes.items():
+        tok = max((d for d in range(1, 4) if ne[d] != 1), default=1)
+        row_elems[name] = int(np.prod(ne[:tok]))
+        if ne[tok] == 1:
+            only_out.add(name)
+    cache[flash_attn] = g = Graph(names, row_elems, frozenset(only_out))
+    return g
 
 
 _LAYERED = re.compile(r"^(.*)-(\d+)$")

@@ -2,9 +2,12 @@
 one layer captured, and a context-wide control vector on every layer (no callback).
 
 `python -m clickpaca.activations.cost`: greedy-free decode steps (the argmax of each row fed
-back) of `--seqs` sequences, one token each per llama_decode, through core; the three
-setups alternate round by round on three contexts of the same settings, so the machine's
-load falls on all of them alike. Prints tokens/s per setup, median (min-max) over rounds.
+back) of `--seqs` sequences, one token each per llama_decode, through core; the
+setups alternate round by round on contexts of the same settings, so the machine's
+load falls on all of them alike. Prints tokens/s per setup, median (min-max) over rounds,
+by the wall clock and per CPU second of this process (all its threads: on a machine
+loaded by others the wall clock mostly measures the waiting, the CPU time what the
+setup itself costs).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ SETUPS = ("no callback", "callback, nothing captured", "capture l_out-L every to
 
 
 def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer: int = 9,
-        threads: int = 2) -> dict[str, list[float]]:
+        threads: int = 2, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Tokens/s by the wall clock per setup and round; per CPU second into `cpu` if given."""
     model = core.Model(model_path)
     caps = [None, Capture(model.nat), Capture(model.nat), None]
     ctxs = [core.Context(model, n_ctx=2048, n_batch=256, n_seq_max=seqs, n_threads=threads,
@@ -43,7 +47,7 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
             assert ctx.decode(batch) == 0
             toks = ctx.logits().argmax(axis=1)
             pos = len(prompt)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 batch.clear()
                 for s in range(seqs):
@@ -56,6 +60,8 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
                 toks = ctx.logits().argmax(axis=1)
                 pos += 1
             out[name].append(seqs * steps / (time.perf_counter() - t0))
+            if cpu is not None:
+                cpu.setdefault(name, []).append(seqs * steps / (time.process_time() - c0))
     for c in ctxs:
         c.close()
     model.close()
@@ -73,14 +79,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-    res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads)
-    base = float(np.median(res[SETUPS[0]]))
+    cpu: dict[str, list[float]] = {}
+    res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads, cpu)
     print(f"{a.seqs} sequences, {a.steps} decode steps per round, {a.rounds} alternating rounds, "
           f"{a.threads} threads, load {os.getloadavg()[0]:.2f}")
-    for name, v in res.items():
-        med = float(np.median(v))
-        print(f"  {name.replace('L', str(a.layer)):32s} {med:7.1f} tok/s ({min(v):.1f}-{max(v):.1f})  "
-              f"ratio {med / base:.3f}")
+    for label, table in (("tok/s", res), ("tok/CPU-s", cpu)):
+        base = float(np.median(table[SETUPS[0]]))
+        for name, v in table.items():
+            med = float(np.median(v))
+            print(f"  {name.replace('L', str(a.layer)):32s} {med:7.1f} {label} ({min(v):.1f}-{max(v):.1f})  "
+                  f"ratio {med / base:.3f}")
 
 
 if __name__ == "__main__":

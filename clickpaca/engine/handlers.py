@@ -24,6 +24,7 @@ from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, Gramm
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from .jobs import InferJob, PrefillJob, ScoreJob
+from . import readout
 from .text import StopMatcher
 from .accounting import MAX_GRAMMAR_TEXT_PER_SESSION, MAX_GRAMMARS_PER_SESSION, grammar_bytes
 from .runtime import Runtime
@@ -80,6 +81,8 @@ class Handlers(StateFileHandlers):
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
+        rows = {"last": 1, "generated": req.maxTokens}.get(req.captureTokens, rt.ctx.n_ctx_seq)
+        capture = readout.for_request(rt, req, session.namespace, min(rows, rt.ctx.n_ctx_seq))
         seq = held if held is not None else seqs.new(session, seq_id, "infer")
         if held is not None:
             self._reopen_held(seq, prompt)
@@ -93,7 +96,7 @@ class Handlers(StateFileHandlers):
         sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab, history=seq.tokens)
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
-                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens))
+                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture))
 
     def score(self, session: Session, req: ScoreRequest) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
@@ -113,10 +116,12 @@ class Handlers(StateFileHandlers):
             raise ProtocolError(str(e), seq_id, "score") from None
         if not windows:
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
+        rows = len(windows) if req.captureTokens == "last" else sum(len(w[0]) for w in windows)
+        capture = readout.for_request(self.rt, req, session.namespace, rows)
         seq = seqs.new(session, seq_id, "score")
         seq.tokens, seq.n_past = windows[0][0].tolist(), 0
         seqs.start(seq, ScoreJob(n_prompt=sum(len(w[0]) for w in windows), windows=windows,
-                                 per_token=req.perToken))
+                                 per_token=req.perToken, capture=capture))
 
     def prefill(self, session: Session, req: PrefillRequest) -> None:
         seqs = self.seqs
@@ -125,10 +130,12 @@ class Handlers(StateFileHandlers):
         held = self._held_or_free(session, seq_id, "prefill")
         prompt = req.prompt_tokens.get(continuing=held is not None)  # both ways: prepare.attach
         self._check_fits(held, prompt, seq_id, "prefill")
+        capture = readout.for_request(self.rt, req, session.namespace,
+                                      1 if req.captureTokens == "last" else len(prompt) + 1)
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         self._no_lone_prompt_token(seq)
-        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past))
+        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past, capture=capture))
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""

@@ -27,6 +27,7 @@ from .plan import Feed, Want
 from .text import StopMatcher, Utf8Assembler
 
 if TYPE_CHECKING:
+    from .readout import JobCapture
     from ..sampling import SequenceSampler
     from .runtime import Runtime
     from .sequences import Sequence, Sequences
@@ -41,6 +42,7 @@ class Tick:
     logits: np.ndarray
     now: float
     sampling: list = field(default_factory=list)  # (sequence, row) that sample this tick
+    captured: dict = field(default_factory=dict)  # sequence -> its captured rows or CaptureError (readout.py)
 
 
 @dataclass(eq=False)
@@ -48,9 +50,32 @@ class Job:
     kind: ClassVar[str]
     n_prompt: int = 0  # tokens this request feeds (the `done` stats, accounting)
     t_prompt: float | None = None  # when its first prompt chunk went into a batch
+    capture: "JobCapture | None" = None  # the activations it reads (readout.py)
 
     def want(self, seq: "Sequence") -> Want:
         raise NotImplementedError
+
+    def reads(self, w: Want) -> Want:
+        """Its Want with the logits rows its capture needs (readout.JobCapture.widen)."""
+        return w if self.capture is None else self.capture.widen(w)
+
+    def read(self, tick: Tick, seq: "Sequence") -> bool:
+        """Keep this tick's captured rows, before `fed`; False: the capture failed and the
+        request ended with an error naming it."""
+        got = tick.captured.get(seq)
+        if got is None:
+            return True
+        if isinstance(got, Exception):
+            tick.seqs.fail(seq, str(got))
+            return False
+        self.capture.took(got)
+        return True
+
+    def captured(self, seq: "Sequence") -> dict:
+        """`capture` for its end event, when it asked (readout.JobCapture.event_field)."""
+        if self.capture is None:
+            return {}
+        return {"capture": self.capture.event_field(seq.seq_id)}
 
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         """Its plan entry's tokens are in the KV cells now (seq.n_past moved on)."""
@@ -61,8 +86,8 @@ class Job:
         return None
 
     def done(self, seq: "Sequence", reason: str, stop: str | None, now: float) -> dict:
-        """The `done` event that ends it (cancelled, shutdown)."""
-        return done_event(seq.seq_id, reason, request=self.kind)
+        """The `done` event that ends it (cancelled, shutdown), with what it captured so far."""
+        return done_event(seq.seq_id, reason, request=self.kind, **self.captured(seq))
 
 
 @dataclass(eq=False)
@@ -84,9 +109,9 @@ class InferJob(Job):
     def want(self, seq: "Sequence") -> Want:
         n = len(seq.tokens)
         if self.generating:  # its last sampled token, then a row to sample the next
-            return Want(seq, True, seq.n_past, n, seq.n_past, seq.n_past, True)
+            return self.reads(Want(seq, True, seq.n_past, n, seq.n_past, seq.n_past, True))
         samples = self.max_tokens > 0
-        return Want(seq, False, seq.n_past, n, n - 1 if samples else n, n - 1, samples, seq.kv_wait)
+        return self.reads(Want(seq, False, seq.n_past, n, n - 1 if samples else n, n - 1, samples, seq.kv_wait))
 
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         if f.samples:
@@ -116,7 +141,7 @@ class InferJob(Job):
             prompt_tps=round(self.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
             # the first token comes from the prompt's logits: n tokens take n - 1 decodes
             eval_tps=round((self.n_predicted - 1) / eval_s, 2) if eval_s > 0 and self.n_predicted > 1 else None,
-            **self._tail(), **self._steps_ms())
+            **self._tail(), **self._steps_ms(), **self.captured(seq))
 
     def _tail(self) -> dict:
         """`tail`: the bytes of a character the last tokens began but never completed (the
@@ -144,14 +169,15 @@ class ScoreJob(Job):
 
     def want(self, seq: "Sequence") -> Want:
         n = len(seq.tokens)  # rows from the window's first scored position to the last but one
-        return Want(seq, False, seq.n_past, n, self.windows[self.window][1], n - 2, False, seq.kv_wait)
+        return self.reads(Want(seq, False, seq.n_past, n, self.windows[self.window][1], n - 2, False, seq.kv_wait))
 
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
-        toks, _ = self.windows[self.window]
-        if f.rows:
-            lo = f.row_pos  # the row at position p predicts the token at p + 1
-            rows = tick.logits[f.rows.start:f.rows.stop]
-            self.nll.extend(score_rows(rows, toks[lo + 1: lo + 1 + len(rows)]).tolist())
+        toks, first = self.windows[self.window]
+        # the scored rows among its rows (a capture may have asked logits for others too)
+        lo, hi = max(f.row_pos, first), min(f.row_pos + len(f.rows), len(toks) - 1)
+        if hi > lo:  # the row at position p predicts the token at p + 1
+            rows = tick.logits[f.rows.start + lo - f.row_pos:f.rows.start + hi - f.row_pos]
+            self.nll.extend(score_rows(rows, toks[lo + 1: hi + 1]).tolist())
         if not f.ends:
             return
         self.window += 1
@@ -159,7 +185,8 @@ class ScoreJob(Job):
         if self.window < len(self.windows):
             seq.tokens, seq.n_past = self.windows[self.window][0].tolist(), 0
             return
-        ev = scored_event(seq.seq_id, self.nll, len(self.windows), self.per_token)
+        ev = scored_event(seq.seq_id, self.nll, len(self.windows), self.per_token,
+                          **self.captured(seq))
         tick.seqs.release(seq)
         seq.session.send(ev)
 
@@ -172,10 +199,10 @@ class PrefillJob(Job):
 
     def want(self, seq: "Sequence") -> Want:
         n = len(seq.tokens)  # no row: a prefill only fills cells
-        return Want(seq, False, seq.n_past, n, n, n - 1, False, seq.kv_wait)
+        return self.reads(Want(seq, False, seq.n_past, n, n, n - 1, False, seq.kv_wait))
 
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         if f.ends:
             tick.seqs.hold(seq)
             ms = (tick.now - self.t_prompt) * 1000 if self.t_prompt else 0.0
-            seq.session.send(prefilled_event(seq.seq_id, seq.n_past, ms))
+            seq.session.send(prefilled_event(seq.seq_id, seq.n_past, ms, **self.captured(seq)))

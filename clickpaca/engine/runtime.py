@@ -12,6 +12,7 @@ import numpy as np
 from .. import chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
 from ..grammars import GrammarEngine
 from .mask_ahead import MaskAhead
+from .readout import Readout
 from ..models import resolve_model
 from ..native import NativeError, load
 from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
@@ -30,9 +31,11 @@ class Runtime:
 
     def __init__(self, model: core.Model, ctx: core.Context, states: statedir.StateDir,
                  deterministic: bool = False, workers: rpc.RpcDevices | None = None,
-                 loss: rpc.WorkerLoss | None = None) -> None:
+                 loss: rpc.WorkerLoss | None = None, readout: Readout | None = None) -> None:
         self.model, self.ctx = model, ctx
         self.states = states
+        self.readout = readout if readout is not None else Readout(model.nat, False)
+        self.readout.bind(ctx)
         self.deterministic = deterministic
         self.workers, self.loss = workers, loss
 
@@ -71,6 +74,7 @@ class Runtime:
                    "nCtxTrain": model.n_ctx_train, "addBos": model.add_bos},
             nGpuLayers=req.nGpuLayers,
             outputLocal=bool(req.outputLocal),
+            capture=self.readout.mode,
             devices=rpc.device_rows(model.nat, self.workers, model.load_log + ctx.init_log,
                                     output_layer=model.n_layer if req.outputLocal else None),
         )
@@ -113,17 +117,19 @@ class Runtime:
         except core.ModelError as e:
             close_workers(workers, loss)
             raise ProtocolError(f"modelPath: {e}", request="init") from None
+        readout = Readout(nat, req.capture)  # the eval callback: at creation or live (readout.py)
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
                                n_ubatch=deterministic.ubatch(types, req.nBatch) if det else None,
                                n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
                                n_threads=req.nThreads, flash_attn=flash_attn,
-                               kv_unified=req.kvUnified, swa_full=req.swaFull)
+                               kv_unified=req.kvUnified, swa_full=req.swaFull,
+                               eval_callback=readout.at_creation)
         except core.ContextError as e:
             model.close()
             close_workers(workers, loss)
             raise ProtocolError(str(e), request="init") from None
-        rt = cls(model, ctx, states, det, workers, loss)
+        rt = cls(model, ctx, states, det, workers, loss, readout)
         try:
             rt._start(req)
         except BaseException:

@@ -87,6 +87,7 @@ class Scheduler:
                 batch.logits[first:first + len(f.rows)] = 1
             if not f.generating and seq.job.t_prompt is None:
                 seq.job.t_prompt = now
+        self.rt.readout.arm(plan, batch)  # the rows the jobs capture in this decode (readout.py)
         return plan
 
     def _recover(self, plan: list[Feed], rc: int) -> list[Feed]:
@@ -110,10 +111,12 @@ class Scheduler:
 
     def _consume(self, plan: list[Feed], masks: MaskJob) -> None:
         """The decode succeeded: each sequence's fed tokens are in its KV cells now."""
-        tick = Tick(self.rt, self.seqs, self.rt.ctx.logits(), time.perf_counter())
+        tick = Tick(self.rt, self.seqs, self.rt.ctx.logits(), time.perf_counter(),
+                    captured=self.rt.readout.take())
         for f in plan:
             seq = f.key
             seq.n_past += f.count
-            seq.job.fed(tick, seq, f)
+            if seq.job.read(tick, seq):
+                seq.job.fed(tick, seq, f)
         if tick.sampling:
             generation.sample(self.rt, self.seqs, tick.sampling, tick.logits, masks)

@@ -1,0 +1,226 @@
+"""Activation readout through the jobs: which rows of a tick's batch each job captures,
+and what it keeps of them until its end event.
+
+Two parts, one job each:
+
+- `Readout`, one per runtime: the context's eval callback (activations/capture.py). Before
+  a decode, `arm(plan, batch)` asks every feed's job which of its positions it captures
+  and arms the callback with those batch rows per sequence; after it, `take()` hands each
+  sequence its rows (or the error that stops it). A decode that no job captures in runs
+  without the callback on a build with `llama_set_eval_callback` (features.py row
+  `eval-callback-live`): set for the capturing decodes only, so requests without
+  `capture` cost nothing. On a build without it the callback can only be given at
+  context creation, where llama.cpp asks it about every graph node of every decode
+  (~4 ms a decode here): it is installed only when `init` asks (`capture: true`), and a
+  request's `capture` is refused otherwise, naming what to do. The batch rows reach the
+  callback through the micro-batches llama.cpp will split the batch into
+  (capture.micro_batches: several when per-sequence KV streams meet slots out of order).
+- `JobCapture`, one per capturing request: its node names, which positions of a feed it
+  captures (`captureTokens`), whether it needs logits rows where it captures (nodes of
+  the last layer that llama.cpp computes only for rows with logits), the rows gathered
+  so far, and the `capture` field of its end event (base64, or an `.npy` file in the
+  state directory when large).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import features, statedir
+from ..activations import capture as C
+from ..protocol import ProtocolError
+from .plan import Feed, Want
+
+if TYPE_CHECKING:
+    from .. import core
+
+#: a capture event payload above this many bytes per node goes to an .npy file instead
+MAX_INLINE_BYTES = 1 << 20
+#: the rows one request may gather (float32, all its nodes together): the handler refuses
+#: a request whose worst case exceeds it before it starts
+MAX_CAPTURE_BYTES = 256 << 20
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_files = itertools.count()
+
+
+class Readout:
+    """The runtime's eval callback and the tick's capture (see the module doc)."""
+
+    def __init__(self, nat: Any, at_init: bool) -> None:
+        self.nat = nat
+        self.live = features.available(nat, "eval-callback-live")
+        self.cap = C.Capture(nat) if (self.live or at_init) else None
+        self.ctx: "core.Context | None" = None
+        self.n_ubatch, self.streams = 0, False
+        self._on = False  # live: the callback is set on the context now
+        self._armed = False
+
+    def bind(self, ctx: "core.Context") -> None:
+        """The context it reads: how llama.cpp will split its batches (capture.micro_batches)."""
+        self.ctx = ctx
+        self.n_ubatch = int(self.nat.lib.llama_n_ubatch(ctx.ptr))
+        self.streams = not ctx.kv_unified
+
+    @property
+    def at_creation(self) -> Any:
+        """The callback to create the context with (None: none, or set live per decode)."""
+        return self.cap.callback if self.cap is not None and not self.live else None
+
+    @property
+    def mode(self) -> str | None:
+        """For `ready.capture`: "live" (set per capturing decode), "context" (given at
+        creation, every decode asks it), or None (capture refused)."""
+        return "live" if self.live else "context" if self.cap is not None else None
+
+    def check(self, seq_id: int, kind: str) -> None:
+        """ProtocolError naming `capture` when this server cannot capture."""
+        if self.cap is None:
+            raise ProtocolError(
+                f"capture: build {self.nat.name!r} lacks llama_set_eval_callback, so its eval callback "
+                "can only be given when the context is created, and this server's init did not ask for "
+                "it: send init capture: true (every decode then pays the callback, ~4 ms here: "
+                "docs/ACTIVATIONS.md) or use a build that has it", seq_id, kind)
+
+    def arm(self, plan: list[Feed], batch: Any) -> None:
+        """Arm the callback with each capturing job's rows of this batch (filled from `plan`)."""
+        wants = {}
+        for f in plan:
+            jc = f.key.job.capture
+            if jc is None:
+                continue
+            pos = jc.positions(f)
+            if pos:
+                wants[f.key] = (jc.names, [f.at + p - f.pos for p in pos])
+                jc.pending = pos
+        self._armed = bool(wants)
+        if self.cap is None:
+            return
+        # armed with nothing, it declines every node (a retry after a failed decode disarms it)
+        self.cap.arm_each(wants, batch, C.micro_batches(batch.seq[:batch.n], self.n_ubatch, self.streams)
+                          if wants else None)
+        self._set_live(bool(wants))
+
+    def take(self) -> dict[Any, dict[str, np.ndarray] | C.CaptureError]:
+        """After a successful decode: sequence -> its rows (node -> [rows, ...]) or the
+        CaptureError that ends it; {} when nothing was armed."""
+        if not self._armed or self.cap is None:
+            return {}
+        self._armed = False
+        return self.cap.take_each()
+
+    def _set_live(self, on: bool) -> None:
+        if not self.live or on == self._on or self.ctx is None:
+            return
+        ffi = self.nat.ffi
+        self.nat.lib.llama_set_eval_callback(self.ctx.ptr, self.cap.callback if on else ffi.NULL, ffi.NULL)
+        self._on = on
+
+
+@dataclass(eq=False)
+class JobCapture:
+    """One request's capture: what it reads from each feed and what it has read."""
+
+    names: tuple[str, ...]
+    tokens: str  # captureTokens: last / generated / all
+    dtype: str  # captureDtype
+    needs_logits: bool  # some node holds only rows with logits (the last layer's, after the selection)
+    states: Any = None  # the state directory (statedir.StateDir) and the session's namespace in it,
+    namespace: str | None = None  # where a large capture's .npy goes
+    positions_read: list[int] = field(default_factory=list)
+    rows: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    pending: list[int] = field(default_factory=list)  # the positions armed this tick
+
+    def positions(self, f: Feed) -> list[int]:
+        """The positions of this feed it captures: `all` every token fed; `last` the last
+        token of a prompt (of each window, for a score), `generated` the row each
+        generated token is sampled from (the prompt's last token for the first one)."""
+        if self.tokens == "all":
+            return list(range(f.pos, f.pos + f.count))
+        if self.tokens == "last":
+            return [f.pos + f.count - 1] if f.ends and not f.generating else []
+        return [f.pos + f.count - 1] if f.samples else []
+
+    def widen(self, w: Want) -> Want:
+        """The job's Want with logits rows wherever it captures a node that exists only
+        for rows with logits (each such row costs a logits row: 1 MiB at this vocabulary)."""
+        if not self.needs_logits:
+            return w
+        if self.tokens == "all":
+            lo, hi = w.n_past, w.n_tokens - 1
+        elif self.tokens == "last" and not w.generating:
+            lo = hi = w.n_tokens - 1
+        else:  # generated: its rows are the sampling rows, which have logits
+            return w
+        if w.out_from <= w.out_to:
+            lo, hi = min(lo, w.out_from), max(hi, w.out_to)
+        w.out_from, w.out_to = lo, hi
+        return w
+
+    def took(self, got: dict[str, np.ndarray]) -> None:
+        """This tick's rows (at the positions armed), in position order."""
+        self.positions_read.extend(self.pending)
+        self.pending = []
+        for name, arr in got.items():
+            self.rows.setdefault(name, []).append(arr.astype(self.dtype, copy=False))
+
+    def event_field(self, seq_id: int) -> dict:
+        """The end event's `capture`: positions and one array per node, inline (base64) up
+        to MAX_INLINE_BYTES, else an .npy file in the state directory (its path)."""
+        nodes = {}
+        for name in self.names:
+            parts = self.rows.get(name)
+            arr = np.concatenate(parts) if parts else np.zeros((0,), self.dtype)
+            if arr.nbytes > MAX_INLINE_BYTES:
+                nodes[name] = write_npy(arr, self.states, self.namespace, seq_id, name)
+            else:
+                nodes[name] = C.encode(arr, self.dtype)
+        return {"tokens": self.tokens, "positions": list(self.positions_read), "nodes": nodes}
+
+
+def write_npy(arr: np.ndarray, states: Any, namespace: str | None, seq_id: int, node: str) -> dict:
+    """A large capture as a new .npy file in the session's namespace of the state directory
+    (never replacing a file); the reference that goes in the event."""
+    name = f"capture-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
+    dir_fd, name, label = states.locate(name, namespace, False)
+    try:
+        buf = io.BytesIO()
+        np.save(buf, arr)
+
+        def never(_fd: int, _name: str) -> None:
+            raise FileExistsError(f"{label} exists")
+        statedir.write_file(dir_fd, name, [buf.getvalue()], label, never)
+    finally:
+        os.close(dir_fd)
+    sub = namespace or ""
+    return {"dtype": str(arr.dtype), "shape": list(arr.shape), "file": str(states.root / sub / name)}
+
+
+def for_request(rt: Any, req: Any, namespace: str | None, max_rows: int) -> JobCapture | None:
+    """The request's JobCapture (None without `capture`): the names checked against the
+    model's graph (the error lists the valid ones) and the worst case against
+    MAX_CAPTURE_BYTES; ProtocolError naming the field."""
+    if req.capture is None:
+        return None
+    seq_id, kind = req.seq_id, req.type
+    rt.readout.check(seq_id, kind)
+    fa = {True: "on", False: "off"}.get(rt.ctx.flash_attn, "auto")
+    g = C.graph(rt.model, fa)
+    try:
+        names = tuple(C.validate(list(req.capture), g.names))
+    except C.CaptureError as e:
+        raise ProtocolError(str(e), seq_id, kind) from None
+    per_row = sum(g.row_elems.get(n, rt.model.n_embd) for n in names) * 4
+    if per_row * max_rows > MAX_CAPTURE_BYTES:
+        raise ProtocolError(f"capture: up to {max_rows} rows of {per_row} bytes ({', '.join(names)}) "
+                            f"exceed the {MAX_CAPTURE_BYTES >> 20} MiB a request may gather; capture "
+                            "fewer nodes or tokens (captureTokens last)", seq_id, kind)
+    return JobCapture(names, req.captureTokens, req.captureDtype,
+                      needs_logits=any(n in g.output_rows_only for n in names),
+                      states=rt.states, namespace=namespace)
