@@ -10,6 +10,7 @@ through the top-level CMakeLists.txt and CMakePresets.json.
     python3 native/build.py mainline [--preset linux-cpu]
     python3 native/build.py turboquant
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
+    python3 native/build.py turboquant --march x86-64-v2   # a lower instruction set, keyed apart
 
 Result: builds/<flavor> in the checkout, a link to
 $CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
@@ -373,15 +374,29 @@ def preset_native(preset: str) -> bool:
 
 
 def cpu_from_env() -> dict:
-    """The CPU choices of `make ... AMX=1 PORTABLE=1` (both off by default)."""
-    return cpu_options(os.environ.get("AMX", "0") == "1", os.environ.get("PORTABLE", "0") == "1")
+    """The CPU choices of `make ... AMX=1 PORTABLE=1 MARCH=...` (all off by default)."""
+    return cpu_options(os.environ.get("AMX", "0") == "1", os.environ.get("PORTABLE", "0") == "1",
+                       os.environ.get("MARCH") or None)
 
 
-def cpu_options(amx: bool, portable: bool) -> dict:
-    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1)."""
+# ggml's x86 instruction-set options: all off under --march, so that the one -march decides.
+GGML_X86_ISA_OFF = [f"-DGGML_{o}=OFF" for o in ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX_VNNI", "AVX512")]
+
+
+def cpu_options(amx: bool, portable: bool, march: str | None = None) -> dict:
+    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1, MARCH=...).
+    `march`: the whole build for that instruction set level (e.g. x86-64-v2) instead of this
+    CPU's: an experiment on kernels' ISA dependence, never the default build (issue #27)."""
+    if march and portable:
+        raise BuildError("--march and --portable exclude each other (a portable build picks its variant at run time)")
+    if march and not re.fullmatch(r"[\w.-]+", march):
+        raise BuildError(f"--march: not an architecture name: {march!r}")
     cflags = [] if amx or not is_x86() else list(NO_AMX_FLAGS)
     cmake = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"] if portable else []
-    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable}
+    if march:
+        cflags.append(f"-march={march}")
+        cmake += ["-DGGML_NATIVE=OFF", *GGML_X86_ISA_OFF]
+    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable, "march": march}
 
 
 def target_isa(cflags: list[str], native: bool = True) -> list[str]:
@@ -423,6 +438,8 @@ def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra:
 def build_cpu(preset: str, cpu: dict) -> list[str]:
     """The `isa` of a build with these CPU choices on this machine ([] when portable or
     not native: such a build picks its kernels at run time)."""
+    if cpu.get("march"):
+        return target_isa(cpu["cflags"], native=False)
     if cpu["portable"] or not preset_native(preset):
         return []
     return target_isa(cpu["cflags"])
@@ -461,7 +478,7 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
     out = finished_pinned_build(flavor, preset, cpu)
     if out is not None:
         log(f"{flavor}: cached build {out}")
-        link_build(flavor, out)
+        link_build(link_name(flavor, sdist_version, cpu), out)
         return out
     with cache_lock(flavor):
         return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools)
@@ -534,7 +551,8 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
                if "build_number_from" in source else {}),
             "origin": source["origin"], "source_dir": str(src),
             "tools": sorted(tools),
-            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "cflags": cpu["cflags"],
+            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "march": cpu.get("march"),
+                    "cflags": cpu["cflags"],
                     "cmake": cpu["cmake"], "isa": isa, "machine": platform.machine(),
                     "built_on": cpu_model_name(), **modules},
             "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
@@ -546,8 +564,16 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         (out / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
         done.write_text(key + "\n")
         log(f"{flavor}: built in {info['build_seconds']:.0f} s")
-    link_build(f"compat-{sdist_version}" if flavor == "compat" else flavor, out)
+    link_build(link_name(flavor, sdist_version, cpu), out)
     return out
+
+
+def link_name(flavor: str, sdist_version: str | None, cpu: dict) -> str:
+    """builds/<name>: a compat build by its version, a --march build by its level (it never
+    replaces builds/<flavor>, which the default commands load)."""
+    if flavor == "compat":
+        return f"compat-{sdist_version}"
+    return f"{flavor}-{cpu['march']}" if cpu.get("march") else flavor
 
 
 @functools.lru_cache(maxsize=1)
@@ -688,13 +714,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep ggml's AMX kernels (AMX=1; known to die with SIGILL on the pinned source)")
     ap.add_argument("--portable", action="store_true", default=os.environ.get("PORTABLE", "0") == "1",
                     help="llama.cpp's runtime-dispatched CPU variants instead of -march=native (PORTABLE=1)")
+    ap.add_argument("--march", default=os.environ.get("MARCH") or None,
+                    help="build for this instruction set level instead of this CPU's (e.g. x86-64-v2; MARCH=...): "
+                         "an experiment, linked as builds/<flavor>-<level>")
     ap.add_argument("--smoke-model", type=Path, default=None,
                     help="the GGUF the smoke test runs (default: $CLICKPACA_MODEL, else the default model in the cache)")
     args = ap.parse_args(argv)
     model = args.smoke_model or default_smoke_model()
     try:
         build(args.flavor, args.preset, args.sdist_version, args.jobs,
-              cpu_options(args.amx, args.portable), model, compat_tools=args.tools)
+              cpu_options(args.amx, args.portable, args.march), model, compat_tools=args.tools)
     except BuildError as e:
         log(f"error: {e}")
         return 1
