@@ -101,15 +101,22 @@ def test_above_noise_needs_kl_and_logprob_beyond_every_noise_row():
     assert above_noise(big, floor([])) is None
 
 
-def test_plan_orders_reference_base_noise_types_control():
+def test_plan_runs_reference_base_control_noise_then_types():
     p = plan([("q8_0", "q8_0"), ("f16", "f16"), ("turbo3", "turbo3")], "f32", True)
-    roles = [r for r, _ in p]
-    assert p[0] == ("ref", F32_REF) and p[1] == ("type", BASE)
-    assert [s for _, s in p[2:2 + len(NOISE)]] == list(NOISE)
-    assert [s.name for r, s in p if r == "type" and s != BASE] == ["q8_0", "turbo3"]
-    assert roles[-1] == "control"
+    assert p[0] == ("ref", F32_REF) and p[1] == ("type", BASE) and p[2] == ("control", BASE)
+    assert [s for _, s in p[3:3 + len(NOISE)]] == list(NOISE)
+    assert [s.name for r, s in p[3 + len(NOISE):]] == ["q8_0", "turbo3"]
     p = plan([("q4_0", "q4_0")], "f16", False)
-    assert [r for r, _ in p] == ["base", "type", "control"]
+    assert [r for r, _ in p] == ["base", "control", "type"]
+
+
+def test_the_table_lists_reference_base_types_control_whatever_the_run_order():
+    setups = plan([("f16", "f16"), ("q8_0", "q8_0")], "f32", False)
+    recs = [r for name in (F32_REF.name, "f16", "f16, needles removed", "q8_0")
+            for r in _records(name, 1024, [-4.0, -5.0])]
+    rows, _ = summarize(recs, setups, [1024])
+    assert [r["cache"] for r in rows if r["length"] == 1024] == [F32_REF.name, "f16", "q8_0",
+                                                                  "f16, needles removed"]
 
 
 
@@ -128,5 +135,5 @@ def test_a_stopped_study_summarizes_only_the_setups_it_ran_and_names_the_rest():
     note = _not_run(setups, [1024, 2048], 1024, NOISE[1].name)
     for n in NOISE[1:]:
         assert f"{n.name} at 1024" in note
-    assert "q8_0 at 1024" in note and "f16, needles removed at 1024" in note
+    assert "q8_0 at 1024" in note and "f16, needles removed at" not in note
     assert "every setup at 2048" in note and NOISE[0].name + " at" not in note

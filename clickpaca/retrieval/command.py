@@ -3,13 +3,13 @@
 Per haystack length: the haystack with its needles and the same-length control without
 them; every setup prefills the haystack once and asks every question through forks
 (runner.py). Setups, in order: the exact reference (f32 K/V, flash attention off:
-attention in f32), the f16 default (the base of everything else), the noise floor (the
-f16 default changed in one thing that should not matter, as `clickpaca ppl --noise`), the
-other cache types, and the control (the f16 default on the needle-free haystack: what the
-model answers without the fact, so that the needle is shown to be used). The floor runs
-before the types so that a long study stopped early still holds what the types are read
-against: a run stopped by SIGINT (Ctrl-C) records the setups it finished, marked failed
-with the setups it did not run.
+attention in f32), the f16 default (the base of everything else), the control (the f16
+default on the needle-free haystack: what the model answers without the fact, so that the
+needle is shown to be used), the noise floor (the f16 default changed in one thing that
+should not matter, as `clickpaca ppl --noise`), then the other cache types. What the types
+are read against runs first so that a long study stopped early still holds it: a run
+stopped by SIGINT (Ctrl-C) records the setups it finished, marked failed with the setups
+it did not run. The table lists them as ref, base, types, control.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Stopped(RuntimeError):
 
 
 def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str, Setup]]:
-    """(role, setup) in the order they run: ref, base, noise, the other types, control."""
+    """(role, setup) in the order they run: ref, base, control, noise, the other types."""
     if ref not in ("f16", "f32"):
         raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
     out: list[tuple[str, Setup]] = [("ref", F32_REF)] if ref == "f32" else []
@@ -62,10 +62,14 @@ def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str,
         out.append(("type", BASE))
     else:
         out.append(("base", Setup("f16 default")))
+    out.append(("control", BASE))
     out += [("noise", n) for n in NOISE] if noise else []
     out += [("type", t) for t in types]
-    out.append(("control", BASE))
     return out
+
+
+#: Row order of the table: the reference, the base, the types, the control.
+SHOWN = {"ref": 0, "base": 1, "type": 2, "control": 3}
 
 
 def _breaks(model: core.Model, toks: np.ndarray) -> np.ndarray:
@@ -230,9 +234,8 @@ def summarize(records: list[dict[str, Any]], setups: list[tuple[str, Setup]],
             nrows.append(r)
         fl = floor(nrows)
         noise += nrows
-        for role, s in setups:
-            if role == "noise":
-                continue
+        for role, s in sorted((x for x in setups if x[0] != "noise"),
+                              key=lambda x: (SHOWN[x[0]] if x[1] != BASE or x[0] == "control" else 1)):
             name = CONTROL if role == "control" else s.name
             if not of(name, L):  # not run (a stopped study)
                 continue
