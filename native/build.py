@@ -10,7 +10,7 @@ through the top-level CMakeLists.txt and CMakePresets.json.
     python3 native/build.py mainline [--preset linux-cpu]
     python3 native/build.py turboquant
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
-    python3 native/build.py turboquant --march x86-64-v2   # a lower instruction set, keyed apart
+    python3 native/build.py turboquant --cpu-isa sse42   # the CPU backend for SSE4.2, keyed apart
 
 Result: builds/<flavor> in the checkout, a link to
 $CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
@@ -374,29 +374,34 @@ def preset_native(preset: str) -> bool:
 
 
 def cpu_from_env() -> dict:
-    """The CPU choices of `make ... AMX=1 PORTABLE=1 MARCH=...` (all off by default)."""
+    """The CPU choices of `make ... AMX=1 PORTABLE=1 CPU_ISA=...` (all off by default)."""
     return cpu_options(os.environ.get("AMX", "0") == "1", os.environ.get("PORTABLE", "0") == "1",
-                       os.environ.get("MARCH") or None)
+                       os.environ.get("CPU_ISA") or None)
 
 
-# ggml's x86 instruction-set options: all off under --march, so that the one -march decides.
-GGML_X86_ISA_OFF = [f"-DGGML_{o}=OFF" for o in ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX_VNNI", "AVX512")]
+# ggml's own x86 instruction-set options (GGML_NATIVE=OFF): the compiler flag each adds to
+# the CPU backend alone, and the levels --cpu-isa offers (ggml's CPU variants' names).
+GGML_X86_ISA = {"SSE42": "-msse4.2", "AVX": "-mavx", "AVX2": "-mavx2", "FMA": "-mfma", "F16C": "-mf16c",
+                "BMI2": "-mbmi2", "AVX_VNNI": "-mavxvnni", "AVX512": "-mavx512f"}
+CPU_ISA_LEVELS = {"sse42": ["SSE42"], "sandybridge": ["SSE42", "AVX"],
+                  "haswell": ["SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2"]}
 
 
-def cpu_options(amx: bool, portable: bool, march: str | None = None) -> dict:
-    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1, MARCH=...).
-    `march`: the whole build for that instruction set level (e.g. x86-64-v2) instead of this
-    CPU's: an experiment on kernels' ISA dependence, never the default build (issue #27)."""
-    if march and portable:
-        raise BuildError("--march and --portable exclude each other (a portable build picks its variant at run time)")
-    if march and not re.fullmatch(r"[\w.-]+", march):
-        raise BuildError(f"--march: not an architecture name: {march!r}")
+def cpu_options(amx: bool, portable: bool, cpu_isa: str | None = None) -> dict:
+    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1, CPU_ISA=...).
+    `cpu_isa`: the CPU backend (ggml-cpu, the only part -march=native reaches) compiled for
+    that instruction set level instead of this CPU's, everything else as in the native
+    build: an experiment on the kernels' ISA dependence (issue #27), never the default."""
+    if cpu_isa and portable:
+        raise BuildError("--cpu-isa and --portable exclude each other (a portable build picks its variant at run time)")
+    if cpu_isa and cpu_isa not in CPU_ISA_LEVELS:
+        raise BuildError(f"--cpu-isa: {cpu_isa!r} is not one of {', '.join(CPU_ISA_LEVELS)}")
     cflags = [] if amx or not is_x86() else list(NO_AMX_FLAGS)
     cmake = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"] if portable else []
-    if march:
-        cflags.append(f"-march={march}")
-        cmake += ["-DGGML_NATIVE=OFF", *GGML_X86_ISA_OFF]
-    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable, "march": march}
+    if cpu_isa:
+        on = CPU_ISA_LEVELS[cpu_isa]
+        cmake += ["-DGGML_NATIVE=OFF", *(f"-DGGML_{o}={'ON' if o in on else 'OFF'}" for o in GGML_X86_ISA)]
+    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable, "cpu_isa": cpu_isa}
 
 
 def target_isa(cflags: list[str], native: bool = True) -> list[str]:
@@ -438,8 +443,8 @@ def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra:
 def build_cpu(preset: str, cpu: dict) -> list[str]:
     """The `isa` of a build with these CPU choices on this machine ([] when portable or
     not native: such a build picks its kernels at run time)."""
-    if cpu.get("march"):
-        return target_isa(cpu["cflags"], native=False)
+    if cpu.get("cpu_isa"):
+        return target_isa([*cpu["cflags"], *(GGML_X86_ISA[o] for o in CPU_ISA_LEVELS[cpu["cpu_isa"]])], native=False)
     if cpu["portable"] or not preset_native(preset):
         return []
     return target_isa(cpu["cflags"])
@@ -551,7 +556,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
                if "build_number_from" in source else {}),
             "origin": source["origin"], "source_dir": str(src),
             "tools": sorted(tools),
-            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "march": cpu.get("march"),
+            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "cpu_isa": cpu.get("cpu_isa"),
                     "cflags": cpu["cflags"],
                     "cmake": cpu["cmake"], "isa": isa, "machine": platform.machine(),
                     "built_on": cpu_model_name(), **modules},
@@ -569,11 +574,11 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
 
 
 def link_name(flavor: str, sdist_version: str | None, cpu: dict) -> str:
-    """builds/<name>: a compat build by its version, a --march build by its level (it never
+    """builds/<name>: a compat build by its version, a --cpu-isa build by its level (it never
     replaces builds/<flavor>, which the default commands load)."""
     if flavor == "compat":
         return f"compat-{sdist_version}"
-    return f"{flavor}-{cpu['march']}" if cpu.get("march") else flavor
+    return f"{flavor}-{cpu['cpu_isa']}" if cpu.get("cpu_isa") else flavor
 
 
 @functools.lru_cache(maxsize=1)
@@ -714,8 +719,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep ggml's AMX kernels (AMX=1; known to die with SIGILL on the pinned source)")
     ap.add_argument("--portable", action="store_true", default=os.environ.get("PORTABLE", "0") == "1",
                     help="llama.cpp's runtime-dispatched CPU variants instead of -march=native (PORTABLE=1)")
-    ap.add_argument("--march", default=os.environ.get("MARCH") or None,
-                    help="build for this instruction set level instead of this CPU's (e.g. x86-64-v2; MARCH=...): "
+    ap.add_argument("--cpu-isa", default=os.environ.get("CPU_ISA") or None, choices=sorted(CPU_ISA_LEVELS),
+                    help="the CPU backend for this instruction set level instead of this CPU's (CPU_ISA=...): "
                          "an experiment, linked as builds/<flavor>-<level>")
     ap.add_argument("--smoke-model", type=Path, default=None,
                     help="the GGUF the smoke test runs (default: $CLICKPACA_MODEL, else the default model in the cache)")
@@ -723,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.smoke_model or default_smoke_model()
     try:
         build(args.flavor, args.preset, args.sdist_version, args.jobs,
-              cpu_options(args.amx, args.portable, args.march), model, compat_tools=args.tools)
+              cpu_options(args.amx, args.portable, args.cpu_isa), model, compat_tools=args.tools)
     except BuildError as e:
         log(f"error: {e}")
         return 1

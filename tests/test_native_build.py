@@ -397,23 +397,24 @@ def test_only_portable_builds_arrange_backend_modules():
     assert not nb.backend_dl(None)
 
 
-def test_a_march_build_is_keyed_apart_and_linked_under_its_own_name():
-    """--march x86-64-v2 (issue #27's ISA experiment): the whole build targets that level
-    (ggml's own ISA options off, so its -m flags cannot add AVX2 back), its key and link
-    differ from the default build's, and the default key is unchanged by the option."""
+def test_a_cpu_isa_build_is_keyed_apart_and_linked_under_its_own_name():
+    """--cpu-isa sse42 (issue #27's ISA experiment): the CPU backend for SSE4.2 through
+    ggml's own options (every other one off, so nothing adds AVX2 back), keyed and linked
+    apart from the default build, whose key the option leaves unchanged."""
     default = nb.cpu_options(amx=False, portable=False)
-    v2 = nb.cpu_options(amx=False, portable=False, march="x86-64-v2")
-    assert "-march=x86-64-v2" in v2["cflags"] and "-DGGML_NATIVE=OFF" in v2["cmake"]
-    assert "-DGGML_AVX2=OFF" in v2["cmake"] and "-DGGML_FMA=OFF" in v2["cmake"]
-    isa = nb.build_cpu("linux-cpu", v2)
+    low = nb.cpu_options(amx=False, portable=False, cpu_isa="sse42")
+    assert "-DGGML_NATIVE=OFF" in low["cmake"] and "-DGGML_SSE42=ON" in low["cmake"]
+    assert "-DGGML_AVX2=OFF" in low["cmake"] and "-DGGML_FMA=OFF" in low["cmake"] and "-DGGML_AVX=OFF" in low["cmake"]
+    assert low["cflags"] == default["cflags"]  # the rest of the build as the native one
+    isa = nb.build_cpu("linux-cpu", low)
     assert "__SSE4_2__" in isa and "__AVX__" not in isa and "__AVX2__" not in isa
     keys = {nb.build_key("turboquant", "linux-cpu", "s", "p", [], cpu=c, isa=nb.build_cpu("linux-cpu", c))
-            for c in (default, v2)}
+            for c in (default, low)}
     assert len(keys) == 2
     assert nb.finished_pinned_build("mainline", "linux-cpu", default) == cached_build()
-    assert nb.link_name("turboquant", None, v2) == "turboquant-x86-64-v2"
+    assert nb.link_name("turboquant", None, low) == "turboquant-sse42"
     assert nb.link_name("turboquant", None, default) == "turboquant"
-    with pytest.raises(nb.BuildError, match="--march"):
-        nb.cpu_options(amx=False, portable=True, march="x86-64-v2")
-    with pytest.raises(nb.BuildError, match="architecture"):
-        nb.cpu_options(amx=False, portable=False, march="native -O0")
+    with pytest.raises(nb.BuildError, match="--cpu-isa"):
+        nb.cpu_options(amx=False, portable=True, cpu_isa="sse42")
+    with pytest.raises(nb.BuildError, match="not one of"):
+        nb.cpu_options(amx=False, portable=False, cpu_isa="x86-64-v2")
