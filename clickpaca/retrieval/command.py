@@ -8,8 +8,8 @@ default on the needle-free haystack: what the model answers without the fact, so
 needle is shown to be used), the noise floor (the f16 default changed in one thing that
 should not matter, as `clickpaca ppl --noise`), then the other cache types. What the types
 are read against runs first so that a long study stopped early still holds it: a run
-stopped by SIGINT (Ctrl-C) records the setups it finished, marked failed with the setups
-it did not run. The table lists them as ref, base, types, control.
+stopped by SIGTERM or SIGINT (Ctrl-C) records the setups it finished, marked failed with
+the setups it did not run. The table lists them as ref, base, types, control.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -48,7 +49,12 @@ CONTROL = "f16, needles removed"
 
 
 class Stopped(RuntimeError):
-    """The study was stopped (SIGINT) after some setups; their rows were still emitted."""
+    """The study was stopped (SIGTERM, SIGINT) after some setups; their rows were still emitted."""
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM stops the study as Ctrl-C does (a background job ignores SIGINT)."""
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str, Setup]]:
@@ -119,8 +125,8 @@ def measure(args: Any) -> dict[str, Any]:
                 try:
                     answers, t = run(models[s.repack], s, control if role == "control" else hay, qa, max_new,
                                      threads)
-                except KeyboardInterrupt:
-                    stopped = _not_run(setups, lengths, L, name)
+                except KeyboardInterrupt as e:
+                    stopped = _not_run(setups, lengths, L, name, str(e) or "SIGINT")
                     break
                 timings.append({"setup": name, "length": L, **t})
                 if role in ("ref", "base") or (role == "type" and s == BASE):
@@ -179,12 +185,12 @@ def measure(args: Any) -> dict[str, Any]:
             **({"stopped": stopped} if stopped else {})}
 
 
-def _not_run(setups: list[tuple[str, Setup]], lengths: list[int], L: int, at: str) -> str:
+def _not_run(setups: list[tuple[str, Setup]], lengths: list[int], L: int, at: str, why: str = "SIGINT") -> str:
     """The note of a stopped study: which setups at which lengths did not run."""
     names = [CONTROL if role == "control" else s.name for role, s in setups]
     rest = [f"{n} at {L}" for n in names[names.index(at):]]
     rest += [f"every setup at {x}" for x in lengths[lengths.index(L) + 1:]]
-    return f"stopped (SIGINT) during {at} at {L} tokens; not run: {', '.join(rest)}"
+    return f"stopped ({why}) during {at} at {L} tokens; not run: {', '.join(rest)}"
 
 
 def _partial(args: Any, records: list[dict[str, Any]], setups: list[tuple[str, Setup]], done: list[int],
@@ -300,6 +306,7 @@ def plot(out: dict[str, Any], args: Any) -> None:
 def run_kv_retrieval(args: argparse.Namespace) -> int:
     from ..results import recording
 
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         with recording("kv-retrieval", args):
             out = measure(args)
