@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -249,6 +250,9 @@ def run_guarded(argv: list[str]) -> int:
 
     proc = subprocess.Popen([sys.executable, "-m", "clickpaca", *argv],
                             env=dict(os.environ, CLICKPACA_GUARDED="1"))
+    # `kill PID` of this process reaches the command (which may end in its own way) instead
+    # of leaving it running without its parent
+    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     while True:
         try:
             status = proc.wait()

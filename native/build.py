@@ -10,6 +10,7 @@ through the top-level CMakeLists.txt and CMakePresets.json.
     python3 native/build.py mainline [--preset linux-cpu]
     python3 native/build.py turboquant
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
+    python3 native/build.py turboquant --cpu-isa sse42   # the CPU backend for SSE4.2, keyed apart
 
 Result: builds/<flavor> in the checkout, a link to
 $CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
@@ -373,15 +374,34 @@ def preset_native(preset: str) -> bool:
 
 
 def cpu_from_env() -> dict:
-    """The CPU choices of `make ... AMX=1 PORTABLE=1` (both off by default)."""
-    return cpu_options(os.environ.get("AMX", "0") == "1", os.environ.get("PORTABLE", "0") == "1")
+    """The CPU choices of `make ... AMX=1 PORTABLE=1 CPU_ISA=...` (all off by default)."""
+    return cpu_options(os.environ.get("AMX", "0") == "1", os.environ.get("PORTABLE", "0") == "1",
+                       os.environ.get("CPU_ISA") or None)
 
 
-def cpu_options(amx: bool, portable: bool) -> dict:
-    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1)."""
+# ggml's own x86 instruction-set options (GGML_NATIVE=OFF): the compiler flag each adds to
+# the CPU backend alone, and the levels --cpu-isa offers (ggml's CPU variants' names).
+GGML_X86_ISA = {"SSE42": "-msse4.2", "AVX": "-mavx", "AVX2": "-mavx2", "FMA": "-mfma", "F16C": "-mf16c",
+                "BMI2": "-mbmi2", "AVX_VNNI": "-mavxvnni", "AVX512": "-mavx512f"}
+CPU_ISA_LEVELS = {"sse42": ["SSE42"], "sandybridge": ["SSE42", "AVX"],
+                  "haswell": ["SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2"]}
+
+
+def cpu_options(amx: bool, portable: bool, cpu_isa: str | None = None) -> dict:
+    """Compiler flags and CMake options of the CPU choices (AMX=1, PORTABLE=1, CPU_ISA=...).
+    `cpu_isa`: the CPU backend (ggml-cpu, the only part -march=native reaches) compiled for
+    that instruction set level instead of this CPU's, everything else as in the native
+    build: an experiment on the kernels' ISA dependence (issue #27), never the default."""
+    if cpu_isa and portable:
+        raise BuildError("--cpu-isa and --portable exclude each other (a portable build picks its variant at run time)")
+    if cpu_isa and cpu_isa not in CPU_ISA_LEVELS:
+        raise BuildError(f"--cpu-isa: {cpu_isa!r} is not one of {', '.join(CPU_ISA_LEVELS)}")
     cflags = [] if amx or not is_x86() else list(NO_AMX_FLAGS)
     cmake = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"] if portable else []
-    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable}
+    if cpu_isa:
+        on = CPU_ISA_LEVELS[cpu_isa]
+        cmake += ["-DGGML_NATIVE=OFF", *(f"-DGGML_{o}={'ON' if o in on else 'OFF'}" for o in GGML_X86_ISA)]
+    return {"cflags": cflags, "cmake": cmake, "amx": amx, "portable": portable, "cpu_isa": cpu_isa}
 
 
 def target_isa(cflags: list[str], native: bool = True) -> list[str]:
@@ -423,6 +443,8 @@ def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra:
 def build_cpu(preset: str, cpu: dict) -> list[str]:
     """The `isa` of a build with these CPU choices on this machine ([] when portable or
     not native: such a build picks its kernels at run time)."""
+    if cpu.get("cpu_isa"):
+        return target_isa([*cpu["cflags"], *(GGML_X86_ISA[o] for o in CPU_ISA_LEVELS[cpu["cpu_isa"]])], native=False)
     if cpu["portable"] or not preset_native(preset):
         return []
     return target_isa(cpu["cflags"])
@@ -461,7 +483,7 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
     out = finished_pinned_build(flavor, preset, cpu)
     if out is not None:
         log(f"{flavor}: cached build {out}")
-        link_build(flavor, out)
+        link_build(link_name(flavor, sdist_version, cpu), out)
         return out
     with cache_lock(flavor):
         return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools)
@@ -534,7 +556,8 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
                if "build_number_from" in source else {}),
             "origin": source["origin"], "source_dir": str(src),
             "tools": sorted(tools),
-            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "cflags": cpu["cflags"],
+            "cpu": {"amx": cpu["amx"], "portable": cpu["portable"], "cpu_isa": cpu.get("cpu_isa"),
+                    "cflags": cpu["cflags"],
                     "cmake": cpu["cmake"], "isa": isa, "machine": platform.machine(),
                     "built_on": cpu_model_name(), **modules},
             "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
@@ -546,8 +569,16 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         (out / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
         done.write_text(key + "\n")
         log(f"{flavor}: built in {info['build_seconds']:.0f} s")
-    link_build(f"compat-{sdist_version}" if flavor == "compat" else flavor, out)
+    link_build(link_name(flavor, sdist_version, cpu), out)
     return out
+
+
+def link_name(flavor: str, sdist_version: str | None, cpu: dict) -> str:
+    """builds/<name>: a compat build by its version, a --cpu-isa build by its level (it never
+    replaces builds/<flavor>, which the default commands load)."""
+    if flavor == "compat":
+        return f"compat-{sdist_version}"
+    return f"{flavor}-{cpu['cpu_isa']}" if cpu.get("cpu_isa") else flavor
 
 
 @functools.lru_cache(maxsize=1)
@@ -688,13 +719,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep ggml's AMX kernels (AMX=1; known to die with SIGILL on the pinned source)")
     ap.add_argument("--portable", action="store_true", default=os.environ.get("PORTABLE", "0") == "1",
                     help="llama.cpp's runtime-dispatched CPU variants instead of -march=native (PORTABLE=1)")
+    ap.add_argument("--cpu-isa", default=os.environ.get("CPU_ISA") or None, choices=sorted(CPU_ISA_LEVELS),
+                    help="the CPU backend for this instruction set level instead of this CPU's (CPU_ISA=...): "
+                         "an experiment, linked as builds/<flavor>-<level>")
     ap.add_argument("--smoke-model", type=Path, default=None,
                     help="the GGUF the smoke test runs (default: $CLICKPACA_MODEL, else the default model in the cache)")
     args = ap.parse_args(argv)
     model = args.smoke_model or default_smoke_model()
     try:
         build(args.flavor, args.preset, args.sdist_version, args.jobs,
-              cpu_options(args.amx, args.portable), model, compat_tools=args.tools)
+              cpu_options(args.amx, args.portable, args.cpu_isa), model, compat_tools=args.tools)
     except BuildError as e:
         log(f"error: {e}")
         return 1

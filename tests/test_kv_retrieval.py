@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clickpaca.retrieval.command import BASE, F32_REF, NOISE, plan
+from clickpaca.retrieval.command import BASE, F32_REF, NOISE, _not_run, plan, summarize
 from clickpaca.retrieval.haystack import assemble, depths, make_needles
 from clickpaca.retrieval.stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
 
@@ -101,13 +101,39 @@ def test_above_noise_needs_kl_and_logprob_beyond_every_noise_row():
     assert above_noise(big, floor([])) is None
 
 
-def test_plan_orders_reference_base_types_noise_control():
+def test_plan_runs_reference_base_control_noise_then_types():
     p = plan([("q8_0", "q8_0"), ("f16", "f16"), ("turbo3", "turbo3")], "f32", True)
-    roles = [r for r, _ in p]
-    assert p[0] == ("ref", F32_REF) and p[1] == ("type", BASE)
-    assert [s.name for _, s in p[2:4]] == ["q8_0", "turbo3"]
-    assert [s for r, s in p if r == "noise"] == list(NOISE)
-    assert roles[-1] == "control"
+    assert p[0] == ("ref", F32_REF) and p[1] == ("type", BASE) and p[2] == ("control", BASE)
+    assert [s for _, s in p[3:3 + len(NOISE)]] == list(NOISE)
+    assert [s.name for r, s in p[3 + len(NOISE):]] == ["q8_0", "turbo3"]
     p = plan([("q4_0", "q4_0")], "f16", False)
-    assert [r for r, _ in p] == ["base", "type", "control"]
+    assert [r for r, _ in p] == ["base", "control", "type"]
 
+
+def test_the_table_lists_reference_base_types_control_whatever_the_run_order():
+    setups = plan([("f16", "f16"), ("q8_0", "q8_0")], "f32", False)
+    recs = [r for name in (F32_REF.name, "f16", "f16, needles removed", "q8_0")
+            for r in _records(name, 1024, [-4.0, -5.0])]
+    rows, _ = summarize(recs, setups, [1024])
+    assert [r["cache"] for r in rows if r["length"] == 1024] == [F32_REF.name, "f16", "q8_0",
+                                                                  "f16, needles removed"]
+
+
+
+def _records(setup: str, length: int, logps: list[float]) -> list[dict]:
+    return [{"setup": setup, "length": length, "needle": i, "exact": False, "answer_logp": lp,
+             "kl_f16": 0.01} for i, lp in enumerate(logps)]
+
+
+def test_a_stopped_study_summarizes_only_the_setups_it_ran_and_names_the_rest():
+    setups = plan([("f16", "f16"), ("q8_0", "q8_0")], "f16", True)
+    recs = _records("f16", 1024, [-4.0, -5.0]) + _records(NOISE[0].name, 1024, [-4.0, -5.5])
+    rows, noise = summarize(recs, setups, [1024])
+    assert [r["cache"] for r in rows] == ["f16", "f16"]  # at 1024 and over all lengths
+    assert [r["source"] for r in noise] == [NOISE[0].name]
+    assert noise[0]["dlogp"]["mean"] == -0.25
+    note = _not_run(setups, [1024, 2048], 1024, NOISE[1].name)
+    for n in NOISE[1:]:
+        assert f"{n.name} at 1024" in note
+    assert "q8_0 at 1024" in note and "f16, needles removed at" not in note
+    assert "every setup at 2048" in note and NOISE[0].name + " at" not in note

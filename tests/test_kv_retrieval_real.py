@@ -67,3 +67,33 @@ def test_the_run_is_recorded_with_its_per_needle_samples(run):
     assert list(smp["f16"]["answer_logp"]) == [x["answer_logp"] for x in out["needle_records"]
                                                 if x["setup"] == "f16"]
     assert "Retrieval from a held haystack" in stdout and "f16, needles removed" in stdout
+
+
+def test_a_study_stopped_by_sigterm_records_the_setups_it_finished(tmp_path):
+    """SIGTERM to the command (its guarded parent passes it on) during the third setup:
+    exit 130, the run recorded failed with the base's and the control's rows and samples,
+    and the note naming every setup that did not run."""
+    import signal
+    import time
+
+    db = tmp_path / "results.sqlite3"
+    log = tmp_path / "log"
+    env = dict(os.environ, CLICKPACA_RESULTS=str(db), OMP_WAIT_POLICY="passive")
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "clickpaca", "kv-retrieval", "--cache", "f16,q8_0",
+                              "--lengths", "1024", "--needles", "2", "--noise", "--out", str(tmp_path / "out")],
+                             stdout=subprocess.DEVNULL, stderr=f, env=env)
+    deadline = time.monotonic() + 600
+    while "prompt chunks of 64" not in log.read_text():
+        assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=300) == 130, log.read_text()[-3000:]
+    rid = int(re.search(r"\[results\] run (\d+) failed", log.read_text()).group(1))
+    with Store(db) as s:
+        r, smp = s.run(rid), s.samples(rid)
+    assert r["status"] == "failed" and "stopped (SIGTERM) during prompt chunks of 64" in r["error"]
+    assert "q8_0 at 1024" in r["error"] and "weights not repacked at 1024" in r["error"]
+    assert sorted(smp) == ["f16", "f16, needles removed"]
+    out = json.loads((tmp_path / "out" / "kv-retrieval.json").read_text())
+    assert [x["cache"] for x in out["rows"] if x["length"] == 1024] == ["f16", "f16, needles removed"]

@@ -395,3 +395,26 @@ def test_only_portable_builds_arrange_backend_modules():
     assert nb.backend_dl(nb.cpu_options(amx=False, portable=True))
     assert not nb.backend_dl(nb.cpu_options(amx=False, portable=False))
     assert not nb.backend_dl(None)
+
+
+def test_a_cpu_isa_build_is_keyed_apart_and_linked_under_its_own_name():
+    """--cpu-isa sse42 (issue #27's ISA experiment): the CPU backend for SSE4.2 through
+    ggml's own options (every other one off, so nothing adds AVX2 back), keyed and linked
+    apart from the default build, whose key the option leaves unchanged."""
+    default = nb.cpu_options(amx=False, portable=False)
+    low = nb.cpu_options(amx=False, portable=False, cpu_isa="sse42")
+    assert "-DGGML_NATIVE=OFF" in low["cmake"] and "-DGGML_SSE42=ON" in low["cmake"]
+    assert "-DGGML_AVX2=OFF" in low["cmake"] and "-DGGML_FMA=OFF" in low["cmake"] and "-DGGML_AVX=OFF" in low["cmake"]
+    assert low["cflags"] == default["cflags"]  # the rest of the build as the native one
+    isa = nb.build_cpu("linux-cpu", low)
+    assert "__SSE4_2__" in isa and "__AVX__" not in isa and "__AVX2__" not in isa
+    keys = {nb.build_key("turboquant", "linux-cpu", "s", "p", [], cpu=c, isa=nb.build_cpu("linux-cpu", c))
+            for c in (default, low)}
+    assert len(keys) == 2
+    assert nb.finished_pinned_build("mainline", "linux-cpu", default) == cached_build()
+    assert nb.link_name("turboquant", None, low) == "turboquant-sse42"
+    assert nb.link_name("turboquant", None, default) == "turboquant"
+    with pytest.raises(nb.BuildError, match="--cpu-isa"):
+        nb.cpu_options(amx=False, portable=True, cpu_isa="sse42")
+    with pytest.raises(nb.BuildError, match="not one of"):
+        nb.cpu_options(amx=False, portable=False, cpu_isa="x86-64-v2")

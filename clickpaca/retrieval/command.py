@@ -3,10 +3,13 @@
 Per haystack length: the haystack with its needles and the same-length control without
 them; every setup prefills the haystack once and asks every question through forks
 (runner.py). Setups, in order: the exact reference (f32 K/V, flash attention off:
-attention in f32), the cache types (the f16 default first: the base of the noise floor),
-the noise floor (the f16 default changed in one thing that should not matter, as
-`clickpaca ppl --noise`), and the control (the f16 default on the needle-free haystack:
-what the model answers without the fact, so that the needle is shown to be used).
+attention in f32), the f16 default (the base of everything else), the control (the f16
+default on the needle-free haystack: what the model answers without the fact, so that the
+needle is shown to be used), the noise floor (the f16 default changed in one thing that
+should not matter, as `clickpaca ppl --noise`), then the other cache types. What the types
+are read against runs first so that a long study stopped early still holds it: a run
+stopped by SIGTERM or SIGINT (Ctrl-C) records the setups it finished, marked failed with
+the setups it did not run. The table lists them as ref, base, types, control.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
+import sys
 import time
 from typing import Any
 
@@ -43,8 +48,17 @@ NOISE = (
 CONTROL = "f16, needles removed"
 
 
+class Stopped(RuntimeError):
+    """The study was stopped (SIGTERM, SIGINT) after some setups; their rows were still emitted."""
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM stops the study as Ctrl-C does (a background job ignores SIGINT)."""
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str, Setup]]:
-    """(role, setup) in the order they run: ref, base, the other types, noise, control."""
+    """(role, setup) in the order they run: ref, base, control, noise, the other types."""
     if ref not in ("f16", "f32"):
         raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
     out: list[tuple[str, Setup]] = [("ref", F32_REF)] if ref == "f32" else []
@@ -54,10 +68,14 @@ def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str,
         out.append(("type", BASE))
     else:
         out.append(("base", Setup("f16 default")))
-    out += [("type", t) for t in types]
-    out += [("noise", n) for n in NOISE] if noise else []
     out.append(("control", BASE))
+    out += [("noise", n) for n in NOISE] if noise else []
+    out += [("type", t) for t in types]
     return out
+
+
+#: Row order of the table: the reference, the base, the types, the control.
+SHOWN = {"ref": 0, "base": 1, "type": 2, "control": 3}
 
 
 def _breaks(model: core.Model, toks: np.ndarray) -> np.ndarray:
@@ -96,15 +114,20 @@ def measure(args: Any) -> dict[str, Any]:
                 raise ValueError(f"--lengths: {L} with its questions exceeds the model's context ({limit})")
         records: list[dict[str, Any]] = []
         timings: list[dict[str, Any]] = []
+        stopped = None
         for L in lengths:
             hay, starts = assemble(filler, breaks, n_tok, depths(len(needles)), L)
             control, _ = assemble(filler, breaks, [], [], L)
             kept: dict[str, list] = {}
             for role, s in setups:
-                progress(f"kv-retrieval: {L} tokens, {s.name if role != 'control' else CONTROL} "
-                         f"({time.strftime('%H:%M:%S', time.gmtime())} UTC)")
-                answers, t = run(models[s.repack], s, control if role == "control" else hay, qa, max_new, threads)
                 name = CONTROL if role == "control" else s.name
+                progress(f"kv-retrieval: {L} tokens, {name} ({time.strftime('%H:%M:%S', time.gmtime())} UTC)")
+                try:
+                    answers, t = run(models[s.repack], s, control if role == "control" else hay, qa, max_new,
+                                     threads)
+                except KeyboardInterrupt as e:
+                    stopped = _not_run(setups, lengths, L, name, str(e) or "SIGINT")
+                    break
                 timings.append({"setup": name, "length": L, **t})
                 if role in ("ref", "base") or (role == "type" and s == BASE):
                     kept[role if role == "ref" else "base"] = [a.logp for a in answers]
@@ -119,10 +142,15 @@ def measure(args: Any) -> dict[str, Any]:
                             rec[key] = float(kl_rows(kept[ref_role][i], a.logp).mean())
                     records.append(rec)
                 del answers
+            if stopped:
+                break
             _partial(args, records, setups, lengths[:lengths.index(L) + 1], timings)
     finally:
         for x in models.values():
             x.close()
+    if stopped and not records:
+        raise Stopped(stopped)
+    lengths = [L for L in lengths if any(r["length"] == L for r in records)]
     rows, noise_rows = summarize(records, setups, lengths)
     for r in rows + noise_rows:
         r["build"] = build
@@ -143,6 +171,8 @@ def measure(args: Any) -> dict[str, Any]:
         notes.append("noise floor: the f16 default changed in one thing that should not matter; a type stands "
                      "above the noise when its KL vs f16 and its |Δ log-prob| exceed every noise row's and "
                      "its Δ interval excludes zero")
+    if stopped:
+        notes.append(stopped)
     if split:
         notes.append(f"question and answer tokenize differently joined than apart for: {', '.join(split)} "
                      "(the answer is scored as tokenized apart)")
@@ -151,7 +181,16 @@ def measure(args: Any) -> dict[str, Any]:
                        "model": path, "build": build, "threads": threads or os.cpu_count(),
                        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()},
             "rows": rows, "noise": noise_rows, "needle_records": records, "timings": timings,
-            "samples": samples, "notes": notes, "machine_start": m0, "server_problems": []}
+            "samples": samples, "notes": notes, "machine_start": m0, "server_problems": [],
+            **({"stopped": stopped} if stopped else {})}
+
+
+def _not_run(setups: list[tuple[str, Setup]], lengths: list[int], L: int, at: str, why: str = "SIGINT") -> str:
+    """The note of a stopped study: which setups at which lengths did not run."""
+    names = [CONTROL if role == "control" else s.name for role, s in setups]
+    rest = [f"{n} at {L}" for n in names[names.index(at):]]
+    rest += [f"every setup at {x}" for x in lengths[lengths.index(L) + 1:]]
+    return f"stopped ({why}) during {at} at {L} tokens; not run: {', '.join(rest)}"
 
 
 def _partial(args: Any, records: list[dict[str, Any]], setups: list[tuple[str, Setup]], done: list[int],
@@ -190,20 +229,22 @@ def summarize(records: list[dict[str, Any]], setups: list[tuple[str, Setup]],
 
     base_name = next(s.name for role, s in setups if role in ("base",) or (role == "type" and s == BASE))
     rows, noise = [], []
+    ran = {(r["setup"], r["length"]) for r in records}
     for L in lengths + [None]:
         base = of(base_name, L)
         nrows = []
         for role, s in setups:
-            if role != "noise" or L is None:
+            if role != "noise" or L is None or (s.name, L) not in ran:
                 continue
             r = {"source": s.name, "length": L, **_row(of(s.name, L), base)}
             nrows.append(r)
         fl = floor(nrows)
         noise += nrows
-        for role, s in setups:
-            if role == "noise":
-                continue
+        for role, s in sorted((x for x in setups if x[0] != "noise"),
+                              key=lambda x: (SHOWN[x[0]] if x[1] != BASE or x[0] == "control" else 1)):
             name = CONTROL if role == "control" else s.name
+            if not of(name, L):  # not run (a stopped study)
+                continue
             r = {"cache": name, "role": role, "length": L if L is not None else "all",
                  "build": None, **_row(of(name, L), base)}
             if role == "type" and s != BASE and L is not None:
@@ -265,9 +306,16 @@ def plot(out: dict[str, Any], args: Any) -> None:
 def run_kv_retrieval(args: argparse.Namespace) -> int:
     from ..results import recording
 
-    with recording("kv-retrieval", args):
-        out = measure(args)
-        emit(out_dir(args), "kv-retrieval", out, table(out), "Retrieval from a held haystack per KV cache type")
-        if args.plot:
-            plot(out, args)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        with recording("kv-retrieval", args):
+            out = measure(args)
+            emit(out_dir(args), "kv-retrieval", out, table(out), "Retrieval from a held haystack per KV cache type")
+            if args.plot:
+                plot(out, args)
+            if out.get("stopped"):
+                raise Stopped(out["stopped"])
+    except Stopped as e:
+        print(f"clickpaca kv-retrieval: {e}", file=sys.stderr)
+        return 130
     return 0
