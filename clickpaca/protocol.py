@@ -186,6 +186,14 @@ def _shares(name: str, v: Any) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _cvec(check_name: str) -> Callable[[str, Any], Any]:
+    """A control-vector field's check, from activations/wire.py (loaded when first used)."""
+    def check(name: str, v: Any) -> Any:
+        from .activations import wire as cvec_wire
+        return getattr(cvec_wire, check_name)(name, v)
+    return check
+
+
 def _with_params(name: str, v: Any) -> Any:
     """Marks the sampler fields: never checked one by one, but together by SamplerParams
     (InferRequest.check_across), which also decides which bad field to report first."""
@@ -403,6 +411,11 @@ class InitRequest(Request):
     tensorSplit: tuple[float, ...] | None = wire(_opt(_shares), None)
     rpcTimeout: float = wire(_num(0.1, 86400.0), 120.0)
     outputLocal: bool = wire(_bool, False)
+    # a control vector (docs/ACTIVATIONS.md): a GGUF path or {layer: vector}, its layers, and
+    # every sequence's strength (infer's controlVectorStrength sets one sequence's)
+    controlVector: Any = wire(_opt(_cvec("control_vector")), None)
+    controlVectorLayers: tuple[int, int] | None = wire(_opt(_cvec("layer_range")), None)
+    controlVectorStrength: float = wire(_cvec("strength"), 1.0)
     # the fields the client gave: a shared server compares those with what it runs
     given: frozenset[str] = _given()
 
@@ -410,6 +423,9 @@ class InitRequest(Request):
     def check_across(cls, obj: dict, values: dict) -> None:
         values["given"] = frozenset(k for k in obj if k != "type")
         _batch_fits(values)
+        for name in ("controlVectorLayers", "controlVectorStrength"):
+            if name in obj and values["controlVector"] is None:
+                raise ValueError(f"{name}: only applies with controlVector")
         if values["deterministic"]:
             _deterministic_fits(obj, values)
 
@@ -450,6 +466,7 @@ class InferRequest(Request):
     grammar_id: str | None = wire(_opt(_grammar_id), None)
     stop: list[str] | None = wire(_opt(_stops), None)
     reusePrefix: bool = wire(_bool, True)
+    controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
     params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
     prompt_tokens: PromptTokens | None = _prepared()
 

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import features
+from ..activations import steer, vector
 from ..grammars import GrammarError
 from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
                         PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event, freed_event,
@@ -80,6 +82,10 @@ class Handlers(StateFileHandlers):
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {req.grammar_id!r} "
                                     "(send a grammar request first)", seq_id, "infer")
+        try:
+            cvec = vector.for_request(rt.cvec, rt.model.nat, req.controlVectorStrength)
+        except (features.FeatureMissing, steer.SteerError) as e:
+            raise ProtocolError(str(e), seq_id, "infer") from None
         prompt = self._prompt_tokens(req, continuing=held is not None)
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
@@ -89,13 +95,14 @@ class Handlers(StateFileHandlers):
             self._reopen_held(seq, prompt)
         else:
             seq.tokens, seq.n_past = prompt.tolist(), 0
-            if req.reusePrefix:
+            if req.reusePrefix and cvec is None:  # a steered prompt is computed steered, never shared
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
         sampler.extend(seq.tokens)  # the whole context, at the moment it enters the history
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
-                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens))
+                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens,
+                                 steer=cvec, strength=req.controlVectorStrength))
 
     def score(self, session: Session, req: ScoreRequest) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
