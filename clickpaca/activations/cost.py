@@ -5,6 +5,10 @@ one layer captured, and a context-wide control vector on every layer (no callbac
 back) of `--seqs` sequences, one token each per llama_decode, through core; the three
 setups alternate round by round on three contexts of the same settings, so the machine's
 load falls on all of them alike. Prints tokens/s per setup, median (min-max) over rounds.
+
+`--steer` (the activations build): the same decode steps with no vector, with a vector on
+1 of the sequences and on all of them (per-sequence strengths, native/activations), and
+with upstream's context-wide vector on all of them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,58 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
     return out
 
 
+STEER_SETUPS = ("no vector", "vector on 1 sequence", "vector on every sequence",
+                "context-wide vector (upstream)")
+
+
+def run_steer(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layers: tuple[int, int] = (4, 9),
+              threads: int = 2, strength: float = 2.0) -> dict[str, list[float]]:
+    """Tokens/s per STEER_SETUPS setup and round (the activations build)."""
+    from .. import features
+
+    model = core.Model(model_path, build="activations")
+    if not features.available(model.nat, "cvec-seq"):
+        raise SystemExit(f"build {model.nat.name!r} lacks per-sequence control vectors (make activations)")
+    rng = np.random.default_rng(0)
+    dirs = {il: rng.normal(scale=0.01, size=model.n_embd).astype(np.float32) for il in range(1, model.n_layer)}
+    ctxs = [core.Context(model, n_ctx=2048, n_batch=256, n_seq_max=seqs, n_threads=threads) for _ in STEER_SETUPS]
+    lib = model.nat.lib
+    for i in (1, 2):
+        steer.apply(ctxs[i], dirs, 1.0, layers)
+        for s in range(seqs):
+            lib.llama_set_adapter_cvec_seq(ctxs[i].ptr, s, strength if (i == 2 or s == 0) else 0.0)
+    steer.apply(ctxs[3], dirs, strength, layers)
+    prompt = model.tokenize("The history of the city begins")
+    out: dict[str, list[float]] = {s: [] for s in STEER_SETUPS}
+    for _ in range(rounds):
+        for name, ctx in zip(STEER_SETUPS, ctxs):
+            out[name].append(_decode_rate(model, ctx, prompt, seqs, steps))
+    for c in ctxs:
+        c.close()
+    model.close()
+    return out
+
+
+def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int) -> float:
+    """Tokens/s of `steps` one-token decodes of `seqs` sequences after a shared prompt."""
+    ctx.clear()
+    batch = core.Batch(model.nat, 256)
+    for s in range(seqs):
+        batch.add(prompt, 0, s)
+    assert ctx.decode(batch) == 0
+    toks = ctx.logits().argmax(axis=1)
+    pos = len(prompt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch.clear()
+        for s in range(seqs):
+            batch.add([int(toks[s])], pos, s)
+        assert ctx.decode(batch) == 0
+        toks = ctx.logits().argmax(axis=1)
+        pos += 1
+    return seqs * steps / (time.perf_counter() - t0)
+
+
 def main() -> None:
     from ..models import resolve_model
 
@@ -71,10 +127,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layer", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steer", action="store_true", help="steering setups instead (the activations build)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-    res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads)
-    base = float(np.median(res[SETUPS[0]]))
+    if a.steer:
+        res = run_steer(str(resolve_model()), a.seqs, a.steps, a.rounds, threads=a.threads)
+    else:
+        res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads)
+    base = float(np.median(next(iter(res.values()))))  # the first setup: no callback, or no vector
     print(f"{a.seqs} sequences, {a.steps} decode steps per round, {a.rounds} alternating rounds, "
           f"{a.threads} threads, load {os.getloadavg()[0]:.2f}")
     for name, v in res.items():
