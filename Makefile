@@ -12,7 +12,7 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline turboquant peer bindgen api-report model test test-portable test-tq test-compat compat-run bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant activations peer bindgen api-report model test test-portable test-tq test-compat compat-run bench kv-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -40,6 +40,11 @@ mainline: prereqs venv model
 turboquant: prereqs venv model
 	$(PY) native/build.py turboquant --preset $(PRESET)
 
+## activations: the pinned source + native/activations (per-sequence control vectors, a live
+## eval callback) -> builds/activations
+activations: prereqs venv model
+	$(PY) native/build.py activations --preset $(PRESET)
+
 ## peer: llama-server (the peer of `clickpaca bench peer`) from the mainline tree -> builds/peer/bin
 peer: prereqs venv
 	$(PY) native/peer.py --preset $(PRESET)
@@ -63,7 +68,7 @@ model: venv
 ## itself run in their own process: two builds cannot share one process (same sonames).
 ## Then `make test-compat` on the oldest and a middle llama.cpp (COMPAT_CI; docs/UPGRADING.md).
 COMPAT_CI ?= 0.3.2 0.3.16
-test: setup turboquant peer
+test: setup turboquant activations peer
 	$(PY) -m bindgen
 	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
 	$(PY) -m pytest -m "not turboquant and not portable" $(PYTEST_ARGS)

@@ -32,12 +32,14 @@ def _short(row: dict) -> str:
 def render_pair(table: dict, old: dict, new: dict) -> list[str]:
     """The report's block (table: {"from": rows, "to": rows}, old and new: the stamps): one
     line per version on which a feature does not work."""
-    a, b = table["from"], table["to"]
-    both = sum(x["status"] == y["status"] == "works" for x, y in zip(a, b))
-    lines = [f"features (clickpaca/features.py): {both} of {len(a)} work on both"]
-    for x, y in zip(a, b):
-        if x["status"] == y["status"] == "works" or features.BY_NAME[x["feature"]].patch is not None:
-            continue  # a patch set's feature (absent upstream) is no difference between versions
+    # a patched flavor's feature (Feature.build) that neither side has is no upgrade's change
+    pairs = [(x, y) for x, y in zip(table["from"], table["to"])
+             if not (features.BY_NAME[x["feature"]].build and x["status"] == y["status"] != "works")]
+    both = sum(x["status"] == y["status"] == "works" for x, y in pairs)
+    lines = [f"features (clickpaca/features.py): {both} of {len(pairs)} work on both"]
+    for x, y in pairs:
+        if x["status"] == y["status"] == "works":
+            continue
         for label, r in ((version_label(old).split(" ")[0], x), (version_label(new).split(" ")[0], y)):
             if r["status"] != "works":
                 lines += textwrap.wrap(f"{r['feature']} on {label}: {_short(r)}", WIDTH,

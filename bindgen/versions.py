@@ -4,7 +4,8 @@ Whether bindgen survives an upgrade depends on the headers alone: parse them, ge
 cffi declarations and the manifest, and prove every record's layout against the C
 compiler. This module gets the headers of a pinned llama-cpp-python sdist (downloaded by
 pip into the build cache, sha256-checked against native/llama-cpp.lock, exactly as
-native/build.py does) and of our turboquant patch set applied to the current pin.
+native/build.py does) and of our patch sets applied to the current pin (the turboquant and
+activations flavors).
 
     python -m bindgen.versions                 # every version: one line each
     python -m bindgen.versions 0.3.16 0.3.36   # the change report from 0.3.16 to 0.3.36
@@ -31,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # b4094 (Nov 2024), b5308 (May 2025), b6170 (Aug 2025), b11312 (the current pin).
 VERSIONS = ["0.3.2", "0.3.9", "0.3.16", "0.3.36"]
 TURBOQUANT = "turboquant"
+# The patched flavors of the current pin (native/build.py PATCH_SETS), checked from their headers.
+PATCHED = (TURBOQUANT, "activations")
 
 
 def _load_by_path(name: str, path: Path) -> Any:
@@ -107,25 +110,26 @@ def flat_include(src: Path, out: Path, texts: dict[Path, str] | None = None) -> 
     return out
 
 
-def turboquant_include() -> Path:
-    """The current pin's headers with the turboquant patch set's header edits."""
+def patched_include(flavor: str) -> Path:
+    """The current pin's headers with a patched flavor's header edits (its one patch set)."""
     nb = native_build()
+    (name,) = nb.PATCH_SETS[flavor]  # several sets would need a patched copy of the tree
     lock = nb.read_lock()
     archive = sdist_archive(lock["version"])
     src = nb.extract_sdist(archive, lock["subdir"])  # the patch plan reads the whole tree
-    apply = _load_by_path("clickpaca_turboquant_apply", ROOT / "native" / "turboquant" / "apply.py")
+    apply = _load_by_path(f"clickpaca_{name}_apply", ROOT / "native" / name / "apply.py")
     texts = {p.resolve(): t for p, t in apply.plan(src).items()}
-    digest = nb.patches_digest(nb.patch_files("turboquant"))[:16]
-    return flat_include(src, nb.cache_dir() / "headers" / f"turboquant-{digest}" / "include", texts)
+    digest = nb.patches_digest(nb.patch_files(flavor))[:16]
+    return flat_include(src, nb.cache_dir() / "headers" / f"{flavor}-{digest}" / "include", texts)
 
 
 def include_of(version: str) -> tuple[Path, dict[str, Any]]:
-    """(include dir, stamp) of a version name: an sdist version or "turboquant"."""
+    """(include dir, stamp) of a version name: an sdist version or a PATCHED flavor."""
     nb = native_build()
     lock = nb.read_lock()
-    if version == TURBOQUANT:
-        include = turboquant_include()
-        return include, {"flavor": "turboquant", "commit": lock["commit"],
+    if version in PATCHED:
+        include = patched_include(version)
+        return include, {"flavor": version, "commit": lock["commit"],
                          "build_number": int(lock["build_number"]), "sdist": lock["version"]}
     src = header_tree(version)
     include = flat_include(src, src.parent.parent / "flat-include")
@@ -147,7 +151,7 @@ def manifest_of(version: str) -> tuple[dict[str, Any], int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bindgen.versions", description=__doc__.split("\n\n")[0])
-    ap.add_argument("versions", nargs="*", help="sdist versions or 'turboquant' (default: all; "
+    ap.add_argument("versions", nargs="*", help="sdist versions or a patched flavor, 'turboquant' or 'activations' (default: all; "
                     "two: the change report from the first to the second)")
     ap.add_argument("--full", action="store_true", help="list ggml/gguf and offset-only changes too")
     ap.add_argument("--json", action="store_true", help="the report as JSON")
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         rep = build_report(old, new)
         print(json.dumps(rep, indent=1) if args.json else render_text(rep, full=args.full))
         return 0
-    for v in args.versions or [*VERSIONS, TURBOQUANT]:
+    for v in args.versions or [*VERSIONS, *PATCHED]:
         t0 = time.monotonic()
         m, n_fields = manifest_of(v)
         s = m["stamp"]

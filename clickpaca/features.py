@@ -35,7 +35,8 @@ class Feature:
     refused: str = ""  # what is refused without it, for the error and the table
     without: str = ""  # no refusal: what happens instead where it is absent
     fallback: tuple[str, ...] = ()  # names used only where it is absent
-    patch: str | None = None  # the patch set under native/ that adds its names (none: upstream's)
+    request: str = "init"  # the request whose `field` is refused (init: check_init refuses it)
+    build: str | None = None  # the patched flavor that has it (native/build.py), None: upstream has it
 
     @property
     def refuses(self) -> bool:
@@ -105,7 +106,12 @@ FEATURES: tuple[Feature, ...] = (
             ("llama_set_eval_callback",),
             without="the callback is given at context creation: init capture true installs it "
                     "(asked once per graph node on every decode); without it capture is refused",
-            patch="activations"),
+            build="activations"),
+    Feature("cvec-seq", "a control vector's strength per sequence in one batch",
+            ("llama_set_adapter_cvec_seq", "llama_clear_adapter_cvec_seq"),
+            field="controlVectorStrength", request="infer", build="activations",
+            refused="a per-request controlVectorStrength",
+            without="init's controlVector still steers every sequence alike (llama_set_adapter_cvec)"),
     Feature("backend-modules", "a CPU backend loaded at run time (a PORTABLE=1 build's variants)",
             ("ggml_backend_load_all_from_path",),
             without="a build whose CPU backend is a run-time module (PORTABLE=1) is refused at "
@@ -178,10 +184,12 @@ def available(nat: Any, feature: str) -> bool:
 
 
 def refusal(feature: str | Feature, missing: list[str], build: str) -> FeatureMissing:
-    """The error naming the request field, the build and what it lacks."""
+    """The error naming the request field, the build and what it lacks (and which build
+    has it, for a patched flavor's feature)."""
     f = BY_NAME[feature] if isinstance(feature, str) else feature
+    where = f"; build {f.build!r} has it (make {f.build})" if f.build else ""
     return FeatureMissing(f.field or "build", f"build {build!r} lacks {', '.join(missing)} "
-                                              f"({f.what}), so {f.refused} is refused there")
+                                              f"({f.what}), so {f.refused} is refused there{where}")
 
 
 def require(nat: Any, feature: str) -> None:
@@ -203,7 +211,7 @@ def first_refusal(have: Have, req: Any, build: str) -> FeatureMissing | None:
     """What check_init raises, for any `have`: the features init itself needs first, then
     those the request's options ask for, in table order."""
     for f in FEATURES:
-        if f.refuses and (f.asked is None or f.asked(req)):
+        if f.refuses and f.request == "init" and (f.asked is None or f.asked(req)):
             missing = lacking(f, have)
             if missing:
                 return refusal(f, missing, build)

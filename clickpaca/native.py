@@ -150,7 +150,7 @@ def load_backends(nat: Native) -> None:
 def _load(name: str) -> Native:
     d = build_dir(name)
     if not (d / "build-info.json").exists():
-        target = "turboquant" if name == "turboquant" else "mainline" if name == "mainline" else "setup"
+        target = name if name in ("mainline", "turboquant", "activations") else "setup"
         raise NativeError(f"build {name!r} not found at {d}: run `make {target}`"
                           + (f" (available: {', '.join(available_builds())})" if available_builds() else ""))
     module_path = d / "bindings" / "_llama_cffi.py"

@@ -228,6 +228,14 @@ def _capture_fits(obj: dict, values: dict, kind: str) -> None:
         raise ValueError(f"captureTokens: a {kind} generates no tokens; use last or all")
 
 
+def _cvec(check_name: str) -> Callable[[str, Any], Any]:
+    """A control-vector field's check, from activations/wire.py (loaded when first used)."""
+    def check(name: str, v: Any) -> Any:
+        from .activations import wire as cvec_wire
+        return getattr(cvec_wire, check_name)(name, v)
+    return check
+
+
 def _with_params(name: str, v: Any) -> Any:
     """Marks the sampler fields: never checked one by one, but together by SamplerParams
     (InferRequest.check_across), which also decides which bad field to report first."""
@@ -445,6 +453,11 @@ class InitRequest(Request):
     # requests may `capture`: on a build without llama_set_eval_callback the eval callback
     # can only be given at context creation, where it costs every decode (docs/ACTIVATIONS.md)
     capture: bool = wire(_bool, False)
+    # a control vector (docs/ACTIVATIONS.md): a GGUF path or {layer: vector}, its layers, and
+    # every sequence's strength (infer's controlVectorStrength sets one sequence's)
+    controlVector: Any = wire(_opt(_cvec("control_vector")), None)
+    controlVectorLayers: tuple[int, int] | None = wire(_opt(_cvec("layer_range")), None)
+    controlVectorStrength: float = wire(_cvec("strength"), 1.0)
     # the fields the client gave: a shared server compares those with what it runs
     given: frozenset[str] = _given()
 
@@ -452,6 +465,9 @@ class InitRequest(Request):
     def check_across(cls, obj: dict, values: dict) -> None:
         values["given"] = frozenset(k for k in obj if k != "type")
         _batch_fits(values)
+        for name in ("controlVectorLayers", "controlVectorStrength"):
+            if name in obj and values["controlVector"] is None:
+                raise ValueError(f"{name}: only applies with controlVector")
         if values["deterministic"]:
             _deterministic_fits(obj, values)
 
@@ -495,6 +511,7 @@ class InferRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
+    controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
     params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
     prompt_tokens: PromptTokens | None = _prepared()
 

@@ -308,7 +308,10 @@ def init_differences(asked: InitRequest, running: InitRequest, ready: dict) -> l
 
 
 def _wire(v) -> str:
-    return orjson.dumps(list(v) if isinstance(v, tuple) else v).decode()
+    try:
+        return orjson.dumps(list(v) if isinstance(v, tuple) else v).decode()
+    except TypeError:  # controlVector's directions as data (layer, bytes): not their numbers
+        return f"({len(v)} directions as data)"
 
 
 def log(message: str) -> None:

@@ -3,12 +3,13 @@
 
 Why a script and not only CMake: the source comes from a package registry (the
 llama-cpp-python sdist vendors llama.cpp), must be verified against a pinned sha256,
-may be patched (the turboquant flavor), and a finished build is reused whenever the
-same source, preset, patches and recipe are asked for again. CMake does the compiling
-through the top-level CMakeLists.txt and CMakePresets.json.
+may be patched (the turboquant and activations flavors), and a finished build is reused
+whenever the same source, preset, patches and recipe are asked for again. CMake does the
+compiling through the top-level CMakeLists.txt and CMakePresets.json.
 
     python3 native/build.py mainline [--preset linux-cpu]
     python3 native/build.py turboquant
+    python3 native/build.py activations
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
     python3 native/build.py turboquant --cpu-isa sse42   # the CPU backend for SSE4.2, keyed apart
 
@@ -50,7 +51,12 @@ TOOLS = [
 # Names a tool is also reachable by in bin/: older trees and llama.cpp's docs say rpc-server.
 TOOL_ALIASES = {"ggml-rpc-server": "rpc-server"}
 HEADER_DIRS = ["include", "ggml/include"]
-# Bump when the compat recipe changes (compat keys only; mainline/turboquant keys ignore it).
+# The flavors of the pinned source and the patch sets each applies, in order: native/<set>/,
+# applied by its apply.py. mainline is upstream's, the oracle the others are compared with.
+PATCH_SETS = {"mainline": (), "turboquant": ("turboquant",), "activations": ("activations",)}
+# The applier every patch set imports (native/patchset.py): in every patched flavor's key.
+SHARED_PATCH_FILES = [NATIVE / "patchset.py"]
+# Bump when the compat recipe changes (compat keys only; the PATCH_SETS flavors' keys ignore it).
 COMPAT_RECIPE = "2"
 # ggml's AMX extra buffer type dies with SIGILL (tileloadd) on the pinned source on
 # Sapphire Rapids class CPUs (issue #23, docs/DETERMINISM.md): compiled out unless AMX=1.
@@ -244,12 +250,17 @@ def resolve_source(flavor: str, sdist_version: str | None) -> dict:
 
 
 def patch_files(flavor: str) -> list[Path]:
-    """A flavor's patch set: native/<flavor>/ (series of .patch files plus new files)."""
-    d = NATIVE / flavor
-    if not d.is_dir():
-        return []
-    return sorted(p for p in d.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    """What a flavor's patches are made of, all of it in the build's key: the shared
+    applier and every file of its patch sets (PATCH_SETS); [] for an unpatched flavor."""
+    sets = PATCH_SETS.get(flavor, ())
+    files = list(SHARED_PATCH_FILES) if sets else []
+    for name in sets:
+        d = NATIVE / name
+        if not (d / "apply.py").is_file():
+            raise BuildError(f"native/{name}/ holds no patch set (no apply.py)")
+        files += sorted(p for p in d.rglob("*")
+                        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    return files
 
 
 def patches_digest(files: list[Path]) -> str:
@@ -261,7 +272,8 @@ def patches_digest(files: list[Path]) -> str:
 
 
 def apply_patch_set(flavor: str, src: Path, digest: str) -> Path:
-    """Copy the source and apply native/<flavor>/apply.py to the copy, once."""
+    """Copy the source and apply the flavor's patch sets (native/<set>/apply.py, in
+    PATCH_SETS order) to the copy, once."""
     dest = cache_dir() / "src" / f"{flavor}-{digest[:16]}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}"
     marker = dest / ".clickpaca-patched"
     if marker.exists():
@@ -269,12 +281,13 @@ def apply_patch_set(flavor: str, src: Path, digest: str) -> Path:
     log(f"applying the {flavor} patch set to a copy of {src} ...")
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(src, dest, symlinks=True)
-    applier = NATIVE / flavor / "apply.py"
-    proc = subprocess.run([sys.executable, str(applier), str(dest)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise BuildError(f"the {flavor} patch set does not apply to {src}:\n"
-                         f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    for name in PATCH_SETS[flavor]:
+        applier = NATIVE / name / "apply.py"
+        proc = subprocess.run([sys.executable, str(applier), str(dest)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise BuildError(f"the {name} patch set does not apply to {src}:\n"
+                             f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     marker.write_text(digest + "\n")
     return dest
 
@@ -432,7 +445,7 @@ def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra:
         **({"isa": isa} if isa is not None else {}),
     }
     if compat_stamp is not None:
-        # Compat-only recipe, keyed apart from mainline/turboquant: targets found by
+        # Compat-only recipe, keyed apart from the PATCH_SETS flavors: targets found by
         # configuring, libraries collected wherever the tree puts them, real stamp.
         # Library only unless the tools are asked for (what the serve smoke needs).
         fields.update(targets="configured" if compat_tools else ["llama"],
@@ -451,12 +464,12 @@ def build_cpu(preset: str, cpu: dict) -> list[str]:
 
 
 def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
-    """A finished mainline/turboquant build of the pinned source, found without the lock
+    """A finished build of the pinned source (a PATCH_SETS flavor), found without the lock
     and without writing anything (its key needs only the lock file, the patches and what
     the compiler targets on this machine)."""
-    if flavor not in ("mainline", "turboquant") or os.environ.get("LLAMA_CPP_SRC"):
+    if flavor not in PATCH_SETS or os.environ.get("LLAMA_CPP_SRC"):
         return None
-    pfiles = patch_files("turboquant") if flavor == "turboquant" else []
+    pfiles = patch_files(flavor)
     key = build_key(flavor, preset, "sdist:" + read_lock()["sha256"],
                     patches_digest(pfiles) if pfiles else "", [], cpu=cpu,
                     isa=build_cpu(preset, cpu))
@@ -503,12 +516,10 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         # Older trees: common/ wanted CURL by default. Which tools exist is found after
         # configuring (configured_targets); none is required for the bindings' smoke test.
         extra = ["-DLLAMA_CURL=OFF"]
-    pfiles = patch_files("turboquant") if flavor == "turboquant" else []
+    pfiles = patch_files(flavor)
     pdigest = patches_digest(pfiles) if pfiles else ""
-    if flavor == "turboquant":
-        if not pfiles:
-            raise BuildError("native/turboquant/ holds no patch set")
-        src = apply_patch_set("turboquant", src, pdigest)
+    if pfiles:
+        src = apply_patch_set(flavor, src, pdigest)
     compat = [source["commit"], source["build_number"]] if flavor == "compat" else None
     isa = build_cpu(preset, cpu)
     key = build_key(flavor, preset, source["digest"], pdigest, extra, compat_stamp=compat,
@@ -709,7 +720,7 @@ def default_smoke_model() -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("flavor", choices=["mainline", "turboquant", "compat"])
+    ap.add_argument("flavor", choices=[*PATCH_SETS, "compat"])
     ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
     ap.add_argument("--sdist-version", help="compat: the llama-cpp-python sdist version")
     ap.add_argument("--tools", action="store_true",

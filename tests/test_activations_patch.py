@@ -1,6 +1,7 @@
 """native/activations: the patch (a live eval callback, the per-sequence control vector)
 applies to the pinned source (every anchor exactly once, all or nothing) and the patched
-sources compile. It is not built into any flavor yet (docs/ACTIVATIONS.md, "The patch")."""
+sources compile. The activations build is made of it (native/build.py PATCH_SETS); what it
+does is tested through the server (tests/test_activations_server.py)."""
 
 from __future__ import annotations
 

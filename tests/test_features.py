@@ -95,13 +95,28 @@ def test_a_name_belongs_to_one_feature():
         assert f.refuses == bool(f.refused) and (f.refuses or f.without)
 
 
+def test_a_request_field_feature_refuses_its_field_never_init():
+    """cvec-seq refuses an infer field, naming the build that has it; init is not refused."""
+    f = features.BY_NAME["cvec-seq"]
+    have = features.for_manifest(manifest(set(f.needs)))
+    req = SimpleNamespace(rpcServers=None, outputLocal=False, deterministic=False, kvUnified=True, swaFull=True)
+    assert features.first_refusal(have, req, "mainline") is None
+    e = features.refusal(f, features.lacking(f, have), "mainline")
+    assert e.field == "controlVectorStrength"
+    assert str(e) == ("controlVectorStrength: build 'mainline' lacks llama_set_adapter_cvec_seq, "
+                      "llama_clear_adapter_cvec_seq (a control vector's strength per sequence in one batch), "
+                      "so a per-request controlVectorStrength is refused there; "
+                      "build 'activations' has it (make activations)")
+
+
 @pytest.mark.model
 def test_mainline_has_every_feature():
-    """On the real mainline bindings (fields through cffi, functions through native.Lib)."""
+    """On the real mainline bindings (fields through cffi, functions through native.Lib):
+    every feature but those of a patched flavor (Feature.build), which it lacks."""
     from clickpaca.native import load
     nat = load("mainline")
-    for f in features.FEATURES:  # mainline is upstream's: a patch set's feature is absent there
-        assert (features.lacking(f, features.for_native(nat)) == []) == (f.patch is None), f.name
+    for f in features.FEATURES:
+        assert features.lacking(f, features.for_native(nat)) == ([] if f.build is None else list(f.needs)), f.name
     have = features.for_native(nat)
     assert not have("llama_context_params.flash_attn")  # b11312 has flash_attn_type only
     assert not have("llama_kv_self_seq_rm") and not have("struct llama_no_such_record")

@@ -1,9 +1,9 @@
-"""Four llama.cpp versions and our turboquant patch set, verified from their headers alone.
+"""Four llama.cpp versions and our patch sets, verified from their headers alone.
 
 For each pinned llama-cpp-python sdist (0.3.2 = b4094, Nov 2024; 0.3.9 = b5308; 0.3.16 =
-b6170; 0.3.36 = b11312, the current pin) and for the turboquant header edits: parse the
-headers, generate the cffi declarations and manifest, and prove every record's layout
-against the C compiler. No llama.cpp build is needed; the sdists come from the registry
+b6170; 0.3.36 = b11312, the current pin) and for the patched flavors' header edits
+(turboquant, activations): parse the headers, generate the cffi declarations and manifest,
+and prove every record's layout against the C compiler. No llama.cpp build is needed; the sdists come from the registry
 through pip into the build cache (about 240 MB the first time, then cached).
 """
 
@@ -25,15 +25,16 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C c
 EXPECTED = {  # version -> (commit, build number) of the vendored llama.cpp
     "0.3.2": ("74d73dc85", 4094), "0.3.9": ("8733e0cf6", 5308),
     "0.3.16": ("4227c9be4", 6170), "0.3.36": ("0c1e57098", 11312), "turboquant": ("0c1e57098", 11312),
+    "activations": ("0c1e57098", 11312),
 }
 
 
 @pytest.fixture(scope="module")
 def manifests():
-    return {v: versions.manifest_of(v) for v in [*versions.VERSIONS, versions.TURBOQUANT]}
+    return {v: versions.manifest_of(v) for v in [*versions.VERSIONS, *versions.PATCHED]}
 
 
-@pytest.mark.parametrize("version", [*versions.VERSIONS, versions.TURBOQUANT])
+@pytest.mark.parametrize("version", [*versions.VERSIONS, *versions.PATCHED])
 def test_headers_parse_generate_and_prove(manifests, version):
     m, n_fields = manifests[version]
     assert (m["stamp"]["commit"], m["stamp"]["build_number"]) == EXPECTED[version]
@@ -84,7 +85,7 @@ def test_report_from_0_3_9_names_every_missing_function_we_call(manifests):
     assert "llama_kv_self_seq_rm" in rm["proposal"]
 
 
-@pytest.mark.parametrize("version", [*versions.VERSIONS[:-1], versions.TURBOQUANT])
+@pytest.mark.parametrize("version", [*versions.VERSIONS[:-1], *versions.PATCHED])
 def test_everything_our_code_uses_that_differs_is_handled(manifests, version):
     """The rule of docs/UPGRADING.md on every pinned version: what our code uses that the
     version lacks or changed has a fallback or a row in the feature table (which refuses
@@ -95,14 +96,10 @@ def test_everything_our_code_uses_that_differs_is_handled(manifests, version):
 
 
 def test_every_name_in_the_feature_table_exists_somewhere(manifests):
-    """A misspelt name would make its feature look absent everywhere (mainline included)."""
-    mainline = features.for_manifest(manifests["0.3.36"][0])
+    """A misspelt name would make its feature look absent everywhere (mainline included;
+    a patched flavor's feature on that flavor's headers)."""
     for f in features.FEATURES:
-        if f.patch is not None:  # only a build with that patch set has its names
-            assert (ROOT / "native" / f.patch).is_dir() and all(
-                n in (ROOT / "native" / f.patch / "apply.py").read_text() for n in f.needs), f.name
-            continue
-        assert features.lacking(f, mainline) == [], f.name
+        assert features.lacking(f, features.for_manifest(manifests[f.build or "0.3.36"][0])) == [], f.name
         for n in f.fallback:
             assert any(features.for_manifest(m)(n) for m, _ in manifests.values()), n
 
@@ -111,10 +108,11 @@ def test_feature_table_of_the_pinned_versions(manifests):
     """What each version serves, from its headers; docs/UPGRADING.md shows the same table."""
     status = {v: {r["feature"]: r["status"] for r in feature_table.rows(manifests[v][0])}
               for v in versions.VERSIONS}
-    patched = {f.name for f in features.FEATURES if f.patch is not None}  # upstream has none of them
-    assert status["0.3.36"] == {f.name: "works" if f.patch is None else "fallback" for f in features.FEATURES}
+    patched = {f.name for f in features.FEATURES if f.build}  # cvec-seq: the activations flavor's
+    assert status["0.3.36"] == {f.name: "works" if not f.build else "refused" if f.refuses else "fallback"
+                                 for f in features.FEATURES}
     assert {f for f, s in status["0.3.16"].items() if s != "works"} == {"rpc", "flash-attn-auto", "n-ctx-seq",
-                                                                         "cvec"} | patched
+                                                                       "cvec", *patched}
     assert status["0.3.16"]["rpc"] == "refused"
     assert status["0.3.9"]["memory-api"] == "refused" and status["0.3.9"]["vocab-api"] == "works"
     assert status["0.3.2"]["vocab-api"] == "refused"

@@ -418,3 +418,24 @@ def test_a_cpu_isa_build_is_keyed_apart_and_linked_under_its_own_name():
         nb.cpu_options(amx=False, portable=True, cpu_isa="sse42")
     with pytest.raises(nb.BuildError, match="not one of"):
         nb.cpu_options(amx=False, portable=False, cpu_isa="x86-64-v2")
+
+
+def test_every_patched_flavor_is_keyed_by_the_shared_applier_too(tmp_path, monkeypatch):
+    """native/patchset.py (the anchored-hook applier every patch set imports) is in each
+    patched flavor's patch files, so a change to it changes their keys; mainline has none."""
+    assert nb.patch_files("mainline") == [] and nb.patch_files("compat") == []
+    for flavor, sets in nb.PATCH_SETS.items():
+        if not sets:
+            continue
+        files = nb.patch_files(flavor)
+        assert files[0] == nb.NATIVE / "patchset.py"
+        assert all(nb.NATIVE / s / "apply.py" in files for s in sets)
+    before = nb.patches_digest(nb.patch_files("activations"))
+    shared = nb.NATIVE / "patchset.py"
+    changed = tmp_path / "native" / "patchset.py"
+    changed.parent.mkdir()
+    changed.write_bytes(shared.read_bytes() + b"\n# changed\n")
+    monkeypatch.setattr(nb, "NATIVE", changed.parent)
+    monkeypatch.setattr(nb, "SHARED_PATCH_FILES", [changed])
+    (changed.parent / "activations").symlink_to(shared.parent / "activations")
+    assert nb.patches_digest(nb.patch_files("activations")) != before

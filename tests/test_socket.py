@@ -181,7 +181,10 @@ DIFFERENT = {"modelPath": "/nonexistent/other.gguf", "nGpuLayers": 0, "nCtx": 12
              "build": "turboquant" if TEST_BUILD != "turboquant" else "mainline",
              "flashAttn": "off", "swaFull": False, "kvUnified": False, "stateDir": "/tmp/elsewhere",
              "deterministic": True, "rpcServers": ["127.0.0.1:50052"], "tensorSplit": [1.0],
-             "rpcTimeout": 30.0, "outputLocal": True, "capture": True}
+             "rpcTimeout": 30.0, "outputLocal": True, "capture": True, "controlVector": "/nonexistent/v.gguf",
+             "controlVectorLayers": [2, 3], "controlVectorStrength": 2.0}
+#: Fields that only apply with another (the protocol refuses them alone): sent with it.
+WITH = {"controlVectorLayers": "controlVector", "controlVectorStrength": "controlVector"}
 
 
 def test_client_init_is_checked_against_every_field(sock_server):
@@ -195,11 +198,18 @@ def test_client_init_is_checked_against_every_field(sock_server):
                 "nThreads": ready["nThreads"], "build": TEST_BUILD, "flashAttn": "auto", "swaFull": True,
                 "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False,
                 "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0, "outputLocal": False,
-                "capture": False}
+                "capture": False, "controlVector": None}
         assert c.init(**same)["type"] == "ready"  # every field given, each as it runs
         for name, value in DIFFERENT.items():
             if name == "nThreads" and ready["nThreads"] == 1:
                 value = 2
+            if name in WITH:
+                companion = WITH[name]
+                c.send({"type": "init", companion: DIFFERENT[companion], name: value})
+                ev = c.next_misc()
+                assert ev["type"] == "error" and f"{companion}=" in ev["message"] \
+                    and f"{name}={orjson.dumps(value).decode()} (running: " in ev["message"], (name, ev)
+                continue
             c.send({"type": "init", name: value})
             ev = c.next_misc()
             assert ev["type"] == "error", (name, ev)

@@ -1,6 +1,8 @@
 """Below the tokens: read a sequence's activations (capture.py), derive a control vector
-from contrastive prompts (cvec.py) and apply one to a context (steer.py).
+from contrastive prompts (cvec.py), apply one to a context (steer.py), and steer each
+sequence with its own strength (vector.py: init's controlVector and infer's
+controlVectorStrength, whose wire form wire.py checks; the activations build).
 
-These are the pieces the per-request jobs of the engine will call; docs/ACTIVATIONS.md
-says what exists, what it costs and what is left.
+experiment.py is the worked experiment and cost.py the cost measurement of
+docs/ACTIVATIONS.md, which says what exists, what it costs and what is left.
 """

@@ -8,6 +8,10 @@ load falls on all of them alike. Prints tokens/s per setup, median (min-max) ove
 by the wall clock and per CPU second of this process (all its threads: on a machine
 loaded by others the wall clock mostly measures the waiting, the CPU time what the
 setup itself costs).
+
+`--steer` (the activations build): the same decode steps with no vector, with a vector on
+1 of the sequences and on all of them (per-sequence strengths, native/activations), and
+with upstream's context-wide vector on all of them.
 """
 
 from __future__ import annotations
@@ -68,6 +72,58 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
     return out
 
 
+STEER_SETUPS = ("no vector", "vector on 1 sequence", "vector on every sequence",
+                "context-wide vector (upstream)")
+
+
+def run_steer(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layers: tuple[int, int] = (4, 9),
+              threads: int = 2, strength: float = 2.0) -> dict[str, list[float]]:
+    """Tokens/s per STEER_SETUPS setup and round (the activations build)."""
+    from .. import features
+
+    model = core.Model(model_path, build="activations")
+    if not features.available(model.nat, "cvec-seq"):
+        raise SystemExit(f"build {model.nat.name!r} lacks per-sequence control vectors (make activations)")
+    rng = np.random.default_rng(0)
+    dirs = {il: rng.normal(scale=0.01, size=model.n_embd).astype(np.float32) for il in range(1, model.n_layer)}
+    ctxs = [core.Context(model, n_ctx=2048, n_batch=256, n_seq_max=seqs, n_threads=threads) for _ in STEER_SETUPS]
+    lib = model.nat.lib
+    for i in (1, 2):
+        steer.apply(ctxs[i], dirs, 1.0, layers)
+        for s in range(seqs):
+            lib.llama_set_adapter_cvec_seq(ctxs[i].ptr, s, strength if (i == 2 or s == 0) else 0.0)
+    steer.apply(ctxs[3], dirs, strength, layers)
+    prompt = model.tokenize("The history of the city begins")
+    out: dict[str, list[float]] = {s: [] for s in STEER_SETUPS}
+    for _ in range(rounds):
+        for name, ctx in zip(STEER_SETUPS, ctxs):
+            out[name].append(_decode_rate(model, ctx, prompt, seqs, steps))
+    for c in ctxs:
+        c.close()
+    model.close()
+    return out
+
+
+def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int) -> float:
+    """Tokens/s of `steps` one-token decodes of `seqs` sequences after a shared prompt."""
+    ctx.clear()
+    batch = core.Batch(model.nat, 256)
+    for s in range(seqs):
+        batch.add(prompt, 0, s)
+    assert ctx.decode(batch) == 0
+    toks = ctx.logits().argmax(axis=1)
+    pos = len(prompt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch.clear()
+        for s in range(seqs):
+            batch.add([int(toks[s])], pos, s)
+        assert ctx.decode(batch) == 0
+        toks = ctx.logits().argmax(axis=1)
+        pos += 1
+    return seqs * steps / (time.perf_counter() - t0)
+
+
 def main() -> None:
     from ..models import resolve_model
 
@@ -77,14 +133,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layer", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steer", action="store_true", help="steering setups instead (the activations build)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     cpu: dict[str, list[float]] = {}
-    res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads, cpu)
+    if a.steer:
+        res = run_steer(str(resolve_model()), a.seqs, a.steps, a.rounds, threads=a.threads)
+    else:
+        res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads, cpu)
     print(f"{a.seqs} sequences, {a.steps} decode steps per round, {a.rounds} alternating rounds, "
           f"{a.threads} threads, load {os.getloadavg()[0]:.2f}")
     for label, table in (("tok/s", res), ("tok/CPU-s", cpu)):
-        base = float(np.median(table[SETUPS[0]]))
+        if not table:
+            continue  # --steer measures the wall clock only
+        base = float(np.median(next(iter(table.values()))))  # the first setup: no callback, or no vector
         for name, v in table.items():
             med = float(np.median(v))
             print(f"  {name.replace('L', str(a.layer)):32s} {med:7.1f} {label} ({min(v):.1f}-{max(v):.1f})  "

@@ -3,7 +3,7 @@
 `llama_set_adapter_cvec` adds one direction per layer to the residual stream after layer
 il (the graph's `build_cvec`, just before the node named `l_out-il`), for every token of
 every sequence in the context: the context-wide vector. Per-sequence strengths need the
-patch of native/cvec-seq/ (docs/ACTIVATIONS.md).
+activations build (native/activations/; vector.py uses them).
 
 Directions are {layer: [n_embd] float32}; llama.cpp never steers layer 0.
 """

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import features
+from ..activations import steer, vector
 from ..grammars import GrammarError
 from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
                         PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event, freed_event,
@@ -77,6 +79,10 @@ class Handlers(StateFileHandlers):
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {req.grammar_id!r} "
                                     "(send a grammar request first)", seq_id, "infer")
+        try:
+            cvec = vector.for_request(rt.cvec, rt.model.nat, req.controlVectorStrength)
+        except (features.FeatureMissing, steer.SteerError) as e:
+            raise ProtocolError(str(e), seq_id, "infer") from None
         prompt = req.prompt_tokens.get(continuing=held is not None)  # both ways: prepare.attach
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
@@ -88,7 +94,7 @@ class Handlers(StateFileHandlers):
             self._reopen_held(seq, prompt)
         else:
             seq.tokens, seq.n_past = prompt.tolist(), 0
-            if req.reusePrefix:
+            if req.reusePrefix and cvec is None:  # a steered prompt is computed steered, never shared
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
         # The sampler reads the sequence's one history (the whole context: prompt, held,
@@ -96,7 +102,8 @@ class Handlers(StateFileHandlers):
         sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab, history=seq.tokens)
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
-                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture))
+                                 stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,
+                                 steer=cvec, strength=req.controlVectorStrength))
 
     def score(self, session: Session, req: ScoreRequest) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs

@@ -3,6 +3,7 @@
 A sequence (sequences.py) is a slot, its one token history and its KV cells; while a
 request runs on it, it holds that request's job, and only the job knows its kind:
 
+- what it sets while it runs (`begin`, `end`: a sequence's control-vector strength),
 - what it wants from a tick (`want`, for the planner: plan.py),
 - what it does with its share of the decode (`fed`: its logits rows, its end),
 - how it ends (`done`: the `done` event of a cancel, a shutdown or its own end),
@@ -51,6 +52,12 @@ class Job:
     n_prompt: int = 0  # tokens this request feeds (the `done` stats, accounting)
     t_prompt: float | None = None  # when its first prompt chunk went into a batch
     capture: "JobCapture | None" = None  # the activations it reads (readout.py)
+
+    def begin(self, seq: "Sequence") -> None:
+        """It starts on the sequence (Sequences.start), before any of its tokens is decoded."""
+
+    def end(self, seq: "Sequence") -> None:
+        """It is over (held, finished, failed or released): undo what `begin` set."""
 
     def want(self, seq: "Sequence") -> Want:
         raise NotImplementedError
@@ -105,6 +112,18 @@ class InferJob(Job):
     n_reused: int = 0
     t_first: float | None = None
     generating: bool = False  # the prompt is in: one sampled token a tick
+    # its own control-vector strength (controlVectorStrength) on the context's vector
+    # (activations/vector.py), for every token it decodes; None: init's, as every sequence
+    steer: Any = None
+    strength: float | None = None
+
+    def begin(self, seq: "Sequence") -> None:
+        if self.steer is not None:
+            self.steer.set(seq.slot, self.strength)
+
+    def end(self, seq: "Sequence") -> None:
+        if self.steer is not None:
+            self.steer.reset(seq.slot)
 
     def want(self, seq: "Sequence") -> Want:
         n = len(seq.tokens)

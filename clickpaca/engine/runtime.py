@@ -10,6 +10,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
+from ..activations import steer
+from ..activations.vector import ContextVector
 from ..grammars import GrammarEngine
 from .mask_ahead import MaskAhead
 from .readout import Readout
@@ -42,6 +44,10 @@ class Runtime:
     def _start(self, req: InitRequest) -> None:
         model, ctx = self.model, self.ctx
         self.batch = core.Batch(model.nat, ctx.n_batch)
+        try:  # before the warm-up: its decode then reserves the graph with the vector in it
+            self.cvec = ContextVector.open(ctx, req)
+        except steer.SteerError as e:
+            raise ProtocolError(str(e), request="init") from None
         self._warm_up()
         self.vocab = pretokenize.Vocab(model)  # tokenizing in linear time (pretokenize.py)
         self.grammars = GrammarEngine.start(model)
@@ -75,6 +81,7 @@ class Runtime:
             nGpuLayers=req.nGpuLayers,
             outputLocal=bool(req.outputLocal),
             capture=self.readout.mode,
+            controlVector=self.cvec.ready() if self.cvec is not None else None,
             devices=rpc.device_rows(model.nat, self.workers, model.load_log + ctx.init_log,
                                     output_layer=model.n_layer if req.outputLocal else None),
         )

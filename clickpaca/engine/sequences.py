@@ -99,11 +99,17 @@ class Sequences:
         """A request's job starts running on the sequence: it joins the active order."""
         seq.job = job
         self.order.append(seq)
+        job.begin(seq)
 
     def hold(self, seq: Sequence) -> None:
         """Its job is over and its cells are kept (a prefill's end)."""
-        seq.job = None
+        self._end_job(seq)
         self.order.remove(seq)
+
+    def _end_job(self, seq: Sequence) -> None:
+        job, seq.job = seq.job, None
+        if not self.frozen:  # (after a lost worker the context is not ours to call)
+            job.end(seq)
 
     def give_back(self) -> None:
         """A request failed: release the slots it took that are still its own (no leak).
@@ -123,7 +129,7 @@ class Sequences:
             self.ctx.seq_rm(seq.slot, -1, -1)
         if seq.job is not None:
             self.order.remove(seq)
-            seq.job = None
+            self._end_job(seq)
         if seq.session.seqs.get(seq.seq_id) is seq:
             del seq.session.seqs[seq.seq_id]
         self.free_slots.append(seq.slot)

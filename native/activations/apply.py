@@ -31,26 +31,20 @@ The vector itself is still set by llama_set_adapter_cvec (directions and layer r
 give it unscaled and steer each sequence by its strength.
 
 Every anchor must match exactly once, or nothing at all is written (exit status 1, a
-message naming the file and anchor). Standard library only. Targets b11312 (0c1e57098).
+message naming the file and anchor: native/patchset.py, shared with the other patch sets).
+Standard library only. Targets b11312 (0c1e57098).
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from patchset import Hook, PatchError, PatchSet  # noqa: E402  (native/patchset.py)
+
 MARK = "clickpaca activations"
-
-
-@dataclass(frozen=True)
-class Hook:
-    path: str
-    anchor: str
-    text: str
-    where: str  # "before" or "after" the anchor
-    why: str
-
 
 HOOKS = [
     Hook("include/llama.h",
@@ -102,6 +96,7 @@ HOOKS = [
          "    virtual ~llm_graph_input_cvec() = default;\n\n"
          "    void set_input(const llama_ubatch * ubatch) override;\n\n"
          "    bool can_reuse(const llm_graph_params & params) override;\n\n"
+         "    // each made by the first layer that needs it: an input no node uses is never allocated\n"
          "    ggml_tensor * strength     = nullptr; // F32 [1, n_tokens]\n"
          "    ggml_tensor * strength_out = nullptr; // F32 [1, n_outputs]\n\n"
          "    const llama_adapter_cvec * cvec;\n"
@@ -117,19 +112,21 @@ HOOKS = [
          "bool llm_graph_input_out_ids::can_reuse(const llm_graph_params & params) {\n",
          f"// {MARK}\n"
          "void llm_graph_input_cvec::set_input(const llama_ubatch * ubatch) {\n"
-         "    GGML_ASSERT(ggml_backend_buffer_is_host(strength->buffer));\n"
-         "    GGML_ASSERT(ggml_backend_buffer_is_host(strength_out->buffer));\n"
-         "    float * s = (float *) strength->data;\n"
-         "    float * o = (float *) strength_out->data;\n"
+         "    GGML_ASSERT(!strength     || ggml_backend_buffer_is_host(strength->buffer));\n"
+         "    GGML_ASSERT(!strength_out || ggml_backend_buffer_is_host(strength_out->buffer));\n"
+         "    float * s = strength     ? (float *) strength->data     : nullptr;\n"
+         "    float * o = strength_out ? (float *) strength_out->data : nullptr;\n"
          "    const auto & table = cvec->seq_strength;\n"
          "    uint32_t j = 0;\n"
          "    for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {\n"
          "        const llama_seq_id seq = ubatch->seq_id[i][0]; // a token shared by sequences takes the first's\n"
-         "        s[i] = seq >= 0 && (size_t) seq < table.size() ? table[seq] : 0.0f;\n"
-         "        if (n_outputs == ubatch->n_tokens || (ubatch->output && ubatch->output[i])) {\n"
-         "            if (j < n_outputs) {\n"
-         "                o[j++] = s[i];\n"
-         "            }\n"
+         "        const float v = seq >= 0 && (size_t) seq < table.size() ? table[seq] : 0.0f;\n"
+         "        if (s) {\n"
+         "            s[i] = v;\n"
+         "        }\n"
+         "        // the output rows in batch order, as llm_graph_input_out_ids lists them\n"
+         "        if (o && j < n_outputs && (n_outputs == ubatch->n_tokens || (ubatch->output && ubatch->output[i]))) {\n"
+         "            o[j++] = v;\n"
          "        }\n"
          "    }\n"
          "}\n\n"
@@ -141,22 +138,23 @@ HOOKS = [
     Hook("src/llama-graph.cpp",
          "    return cvec->apply_to(ctx0, cur, il);\n",
          f"    if (cvec->per_seq()) {{ // {MARK}\n"
-         "        if (cvec->tensor_for(il) == nullptr) {\n"
+         "        if (cvec->tensor_for(il) == nullptr || cur->ne[1] == 0) {\n"
          "            return cur;\n"
          "        }\n"
          "        if (inp_cvec == nullptr) {\n"
          "            auto inp = std::make_unique<llm_graph_input_cvec>(cvec, n_tokens, n_outputs);\n"
-         "            inp->strength = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_tokens);\n"
-         "            ggml_set_input(inp->strength);\n"
-         "            ggml_set_name(inp->strength, \"cvec_strength\");\n"
-         "            inp->strength_out = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_outputs);\n"
-         "            ggml_set_input(inp->strength_out);\n"
-         "            ggml_set_name(inp->strength_out, \"cvec_strength_out\");\n"
          "            inp_cvec = inp.get();\n"
          "            res->add_input(std::move(inp));\n"
          "        }\n"
-         "        ggml_tensor * s = cur->ne[1] == inp_cvec->strength->ne[1] ? inp_cvec->strength : inp_cvec->strength_out;\n"
-         "        GGML_ASSERT(cur->ne[1] == s->ne[1] && \"cvec-seq: rows neither the batch nor its outputs\");\n"
+         "        // all the batch's rows, or (the last layer, after inp_out_ids) its output rows\n"
+         "        const bool all_rows = cur->ne[1] == n_tokens;\n"
+         "        GGML_ASSERT((all_rows || cur->ne[1] == n_outputs) && \"cvec-seq: rows neither the batch nor its outputs\");\n"
+         "        ggml_tensor *& s = all_rows ? inp_cvec->strength : inp_cvec->strength_out;\n"
+         "        if (s == nullptr) {\n"
+         "            s = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, cur->ne[1]);\n"
+         "            ggml_set_input(s);\n"
+         "            ggml_set_name(s, all_rows ? \"cvec_strength\" : \"cvec_strength_out\");\n"
+         "        }\n"
          "        return cvec->apply_to_scaled(ctx0, cur, il, s);\n"
          "    }\n",
          "before", "build_cvec: the scaled add once strengths are per sequence"),
@@ -211,52 +209,9 @@ HOOKS = [
 ]
 
 
-class PatchError(Exception):
-    pass
-
-
-def plan(src: Path) -> dict[Path, str]:
-    """Every edited file's new text, in memory; PatchError on any problem."""
-    if not (src / "include" / "llama.h").is_file():
-        raise PatchError(f"{src} is not a llama.cpp source tree (no include/llama.h)")
-    texts: dict[Path, str] = {}
-    for hook in HOOKS:
-        path = src / hook.path
-        if path not in texts:
-            if not path.is_file():
-                raise PatchError(f"{hook.path}: file not found ({hook.why})")
-            texts[path] = path.read_text()
-            if MARK in texts[path]:
-                raise PatchError(f"{hook.path} already carries the {MARK} patch")
-        text = texts[path]
-        count = text.count(hook.anchor)
-        if count != 1:
-            raise PatchError(f"{hook.path}: anchor for '{hook.why}' matches {count} times (need exactly 1). "
-                             f"This patch targets llama.cpp b11312 (0c1e57098); anchor was:\n{hook.anchor}")
-        new = hook.text + hook.anchor if hook.where == "before" else hook.anchor + hook.text
-        texts[path] = text.replace(hook.anchor, new)
-    return texts
-
-
-def apply(src: Path) -> None:
-    texts = plan(src)  # nothing is written unless every anchor matched
-    for path, text in texts.items():
-        path.write_text(text)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    src = Path(argv[0]).resolve()
-    try:
-        apply(src)
-    except PatchError as e:
-        print(f"activations patch: {e}", file=sys.stderr)
-        return 1
-    print(f"activations patch applied to {src}: {len(HOOKS)} hooks")
-    return 0
-
+PATCH = PatchSet("activations patch", MARK, tuple(HOOKS), HERE)
+plan, apply = PATCH.plan, PATCH.apply
+__all__ = ["HOOKS", "PATCH", "PatchError", "apply", "plan"]
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(PATCH.main(sys.argv[1:], __doc__))

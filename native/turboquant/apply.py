@@ -5,7 +5,7 @@
 
 Adds the KV-cache types GGML_TYPE_TURBO2/3/4 ("turbo2", "turbo3", "turbo4"): TurboQuant-mse,
 Lloyd-Max codebooks on Hadamard-rotated blocks of 128 values (see clickpaca/turboquant.py,
-the numpy reference, and docs/turboquant-findings.md).
+the numpy reference, and docs/KV-RESEARCH.md, where they are measured).
 
 What it does:
 * copies the self-contained sources next to ggml's own (ggml/src/ggml-turbo.{h,c},
@@ -18,17 +18,19 @@ What it does:
 
 Every anchor must match exactly once. If one is missing or ambiguous (another llama.cpp
 version, or a tree that was already patched) nothing at all is written and the script exits
-with status 1 and a message naming the file and anchor. Standard library only.
+with status 1 and a message naming the file and anchor (native/patchset.py, shared with the
+other patch sets). Standard library only.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from patchset import Hook, PatchError, PatchSet  # noqa: E402  (native/patchset.py)
+
 MARK = "clickpaca turboquant"
 
 # (file in this directory, destination in the llama.cpp tree)
@@ -39,15 +41,6 @@ NEW_FILES = [
     ("ggml-turbo-cpu.h", "ggml/src/ggml-cpu/ggml-turbo-cpu.h"),
     ("ggml-turbo-cpu.c", "ggml/src/ggml-cpu/ggml-turbo-cpu.c"),
 ]
-
-
-@dataclass(frozen=True)
-class Hook:
-    path: str
-    anchor: str
-    text: str
-    where: str  # "before" or "after" the anchor, or "replace" it
-    why: str
 
 
 HOOKS = [
@@ -141,66 +134,10 @@ HOOKS = [
 ]
 
 
-class PatchError(RuntimeError):
-    pass
-
-
-def plan(src: Path) -> dict[Path, str]:
-    """Compute every edited file's new text in memory; raise PatchError on any problem."""
-    if not (src / "include" / "llama.h").is_file() or not (src / "ggml" / "include" / "ggml.h").is_file():
-        raise PatchError(f"{src} is not a llama.cpp source tree (no include/llama.h, ggml/include/ggml.h)")
-    for _, dest in NEW_FILES:
-        if (src / dest).exists():
-            raise PatchError(f"{dest} already exists in {src}: already patched, or a newer llama.cpp "
-                             "with its own file of that name; refusing to overwrite")
-    texts: dict[Path, str] = {}
-    for hook in HOOKS:
-        path = src / hook.path
-        if path not in texts:
-            if not path.is_file():
-                raise PatchError(f"{hook.path}: file not found ({hook.why})")
-            texts[path] = path.read_text()
-            if MARK in texts[path]:
-                raise PatchError(f"{hook.path} already carries the {MARK} patch")
-        text = texts[path]
-        count = text.count(hook.anchor)
-        if count != 1:
-            raise PatchError(
-                f"{hook.path}: anchor for '{hook.why}' matches {count} times (need exactly 1). "
-                f"This patch set targets llama.cpp b11312 (0c1e57098); anchor was:\n{hook.anchor}")
-        if hook.where == "before":
-            new = hook.text + hook.anchor
-        elif hook.where == "after":
-            new = hook.anchor + hook.text
-        elif hook.where == "replace":
-            new = hook.text
-        else:
-            raise AssertionError(hook.where)
-        texts[path] = text.replace(hook.anchor, new, 1)
-    return texts
-
-
-def apply(src: Path) -> None:
-    texts = plan(src)  # nothing is written unless every anchor matched
-    for name, dest in NEW_FILES:
-        shutil.copyfile(HERE / name, src / dest)
-    for path, text in texts.items():
-        path.write_text(text)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    src = Path(argv[0]).resolve()
-    try:
-        apply(src)
-    except PatchError as e:
-        print(f"turboquant patch set: {e}", file=sys.stderr)
-        return 1
-    print(f"turboquant patch set applied to {src}: {len(NEW_FILES)} new files, {len(HOOKS)} hooks")
-    return 0
-
+PATCH = PatchSet("turboquant patch set", MARK, tuple(HOOKS), HERE, tuple(NEW_FILES),
+                 requires=("include/llama.h", "ggml/include/ggml.h"))
+plan, apply = PATCH.plan, PATCH.apply
+__all__ = ["HOOKS", "NEW_FILES", "PATCH", "PatchError", "apply", "plan"]
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(PATCH.main(sys.argv[1:], __doc__))

@@ -1,0 +1,106 @@
+"""The control-vector fields of the protocol, checked at the edge (protocol.py declares them).
+
+- init `controlVector`: a control-vector GGUF path (llama.cpp's format: `clickpaca cvec`
+  writes one, cvector-generator too), or the directions as data, `{layer: vector}`, each
+  vector a list of n_embd numbers or a `capture` payload (`{"dtype", "shape", "data"}`,
+  base64: capture.encode). Only the form is checked here; the sizes against the model at
+  init (steer.flat).
+- init `controlVectorLayers`: `[start, end]`, inclusive (llama.cpp's
+  --control-vector-layer-range); the model's bound is checked at init.
+- `controlVectorStrength`: on init every sequence's (default 1), on infer its own.
+
+Directions as data become `((layer, float32 little-endian bytes), ...)`: requests are
+frozen and compared field by field (a shared server compares init with what it runs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+MAX_LAYERS = 1024  # directions in one controlVector
+MAX_EMBD = 1 << 16  # numbers in one direction
+MAX_STRENGTH = 1e6  # |controlVectorStrength|: finite and bounded (a direction times it stays finite in f32)
+
+Directions = tuple[tuple[int, bytes], ...]
+
+
+def control_vector(name: str, v: Any) -> str | Directions:
+    """A GGUF path (a non-empty string) or the directions as data."""
+    if isinstance(v, str):
+        if not v:
+            raise ValueError(f"{name}: must not be empty")
+        return v
+    if not isinstance(v, dict) or not v:
+        raise ValueError(f"{name}: must be a control-vector GGUF path or {{layer: vector}} "
+                         f"(a non-empty object), got {type(v).__name__}")
+    if len(v) > MAX_LAYERS:
+        raise ValueError(f"{name}: {len(v)} layers, the limit is {MAX_LAYERS}")
+    out = []
+    for key, vec in v.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise ValueError(f"{name}: layer {key!r} is not a layer number")
+        il = int(key)
+        if il < 1:
+            raise ValueError(f"{name}: layer {il}: llama.cpp never steers layer 0")
+        out.append((il, direction(f"{name}: layer {il}", vec).astype("<f4").tobytes()))
+    sizes = {len(b) for _, b in out}
+    if len(sizes) != 1:
+        raise ValueError(f"{name}: the layers' vectors differ in length ({sorted(s // 4 for s in sizes)})")
+    return tuple(sorted(out))
+
+
+def direction(name: str, v: Any) -> np.ndarray:
+    """One layer's vector: a list of finite numbers, or a capture payload of one row;
+    `name` begins its errors ("controlVector: layer 3")."""
+    if isinstance(v, dict):
+        from .capture import DTYPES, decode
+
+        if set(v) != {"dtype", "shape", "data"} or v["dtype"] not in DTYPES:
+            raise ValueError(f"{name}: a payload is {{\"dtype\": {' or '.join(map(repr, sorted(DTYPES)))}, "
+                             "\"shape\", \"data\"}} (what capture sends)")
+        shape = v["shape"]
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+                and 1 <= len(shape) <= 2 and (len(shape) == 1 or shape[0] == 1)):
+            raise ValueError(f"{name}: shape must be [n_embd] or [1, n_embd], got {shape!r}")
+        try:
+            arr = np.asarray(decode(v), dtype=np.float32).reshape(-1)
+        except (ValueError, TypeError) as e:  # base64, or data that does not fill the shape
+            raise ValueError(f"{name}: data does not decode to shape {shape}: {e}") from None
+    elif isinstance(v, list):
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            raise ValueError(f"{name}: must be a list of numbers")
+        arr = np.asarray(v, dtype=np.float32)
+    else:
+        raise ValueError(f"{name}: must be a list of numbers or a capture payload, got {type(v).__name__}")
+    if not 1 <= arr.size <= MAX_EMBD:
+        raise ValueError(f"{name}: {arr.size} numbers, must be 1..{MAX_EMBD}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name}: must be finite numbers (float32)")
+    return arr
+
+
+def layer_range(name: str, v: Any) -> tuple[int, int]:
+    """[start, end], 1 <= start <= end."""
+    if not (isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+        raise ValueError(f"{name}: must be [start, end] (two layer numbers), got {v!r}")
+    start, end = v
+    if not 1 <= start <= end:
+        raise ValueError(f"{name}: [{start}, {end}]: need 1 <= start <= end (llama.cpp never steers layer 0)")
+    return start, end
+
+
+def strength(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name}: must be a finite number, got {v!r}")
+    if abs(v) > MAX_STRENGTH:
+        raise ValueError(f"{name}: must be within +-{MAX_STRENGTH:g}, got {v}")
+    return float(v)
+
+
+def directions(v: Directions) -> dict[int, np.ndarray]:
+    """The data form back to {layer: float32 [n_embd]} (steer.apply takes it)."""
+    return {il: np.frombuffer(b, dtype="<f4").astype(np.float32) for il, b in v}
