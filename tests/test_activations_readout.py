@@ -225,3 +225,31 @@ def test_a_cancelled_request_carries_what_it_read(det):
     pos = done["capture"]["positions"]
     assert len(pos) >= 3 and pos == list(range(done["tokens_prompt"] - 1, done["tokens_prompt"] - 1 + len(pos)))
     assert rows(done, "l_out-6").shape == (len(pos), 640)
+
+
+@pytest.mark.activations
+def test_the_live_callback_reads_what_the_callback_given_at_creation_reads():
+    """The activations build sets the eval callback only for capturing decodes
+    (llama_set_eval_callback): in deterministic mode its rows, tokens and logprobs equal a
+    mainline server's whose callback was given at context creation (init capture), bit for
+    bit, for two sequences in one batch and a decode without capture between them."""
+    out = {}
+    for build, init in (("activations", {}), ("mainline", {"capture": True})):
+        c = spawn_server(nCtx=1536, nSeqMax=3, deterministic=True, build=build,
+                         cacheTypeK="f16", cacheTypeV="f16", **init)
+        try:
+            c.infer(2, A, maxTokens=3, temperature=0)  # no capture: the live callback stays unset
+            c.collect(2)
+            c.infer(0, A, maxTokens=4, temperature=0, nProbs=3, capture=NODES)
+            c.infer(1, B, maxTokens=4, temperature=0, nProbs=3, capture=NODES)
+            out[build] = (c.ready["capture"], c.collect(0), c.collect(1))
+        finally:
+            c.close()
+    (live_mode, *live), (ctx_mode, *ctx) = out["activations"], out["mainline"]
+    assert (live_mode, ctx_mode) == ("live", "context")
+    for (lt, le), (ct, ce) in zip(live, ctx):
+        assert le["type"] == ce["type"] == "done"
+        assert [t["token"] for t in lt] == [t["token"] for t in ct]
+        assert [t["logprob"] for t in lt] == [t["logprob"] for t in ct]
+        for node in NODES:
+            assert np.array_equal(rows(le, node), rows(ce, node)), node
