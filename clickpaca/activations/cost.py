@@ -44,28 +44,11 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
     out: dict[str, list[float]] = {s: [] for s in SETUPS}
     for _ in range(rounds):
         for name, ctx, cap in zip(SETUPS, ctxs, caps):
-            ctx.clear()
-            batch = core.Batch(model.nat, 256)
-            for s in range(seqs):
-                batch.add(prompt, 0, s)
-            assert ctx.decode(batch) == 0
-            toks = ctx.logits().argmax(axis=1)
-            pos = len(prompt)
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                batch.clear()
-                for s in range(seqs):
-                    batch.add([int(toks[s])], pos, s)
-                if cap is not None and name == SETUPS[2]:
-                    cap.arm([f"l_out-{layer}"], {s: [s] for s in range(seqs)}, batch)
-                assert ctx.decode(batch) == 0
-                if cap is not None and name == SETUPS[2]:
-                    cap.take()
-                toks = ctx.logits().argmax(axis=1)
-                pos += 1
-            out[name].append(seqs * steps / (time.perf_counter() - t0))
+            wall, per_cpu = _decode_rate(model, ctx, prompt, seqs, steps,
+                                         capture=(layer if cap is not None and name == SETUPS[2] else None, cap))
+            out[name].append(wall)
             if cpu is not None:
-                cpu.setdefault(name, []).append(seqs * steps / (time.process_time() - c0))
+                cpu.setdefault(name, []).append(per_cpu)
     for c in ctxs:
         c.close()
     model.close()
@@ -97,15 +80,19 @@ def run_steer(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, 
     out: dict[str, list[float]] = {s: [] for s in STEER_SETUPS}
     for _ in range(rounds):
         for name, ctx in zip(STEER_SETUPS, ctxs):
-            out[name].append(_decode_rate(model, ctx, prompt, seqs, steps))
+            out[name].append(_decode_rate(model, ctx, prompt, seqs, steps)[0])
     for c in ctxs:
         c.close()
     model.close()
     return out
 
 
-def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int) -> float:
-    """Tokens/s of `steps` one-token decodes of `seqs` sequences after a shared prompt."""
+def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int,
+                 capture: tuple[int | None, Capture | None] = (None, None)) -> tuple[float, float]:
+    """Tokens/s of `steps` one-token decodes of `seqs` sequences after a shared prompt, by
+    the wall clock and per CPU second of this process; with `capture` (layer, Capture)
+    each decode's l_out-<layer> rows of every sequence are armed and taken."""
+    layer, cap = capture
     ctx.clear()
     batch = core.Batch(model.nat, 256)
     for s in range(seqs):
@@ -113,15 +100,19 @@ def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps:
     assert ctx.decode(batch) == 0
     toks = ctx.logits().argmax(axis=1)
     pos = len(prompt)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         batch.clear()
         for s in range(seqs):
             batch.add([int(toks[s])], pos, s)
+        if layer is not None:
+            cap.arm([f"l_out-{layer}"], {s: [s] for s in range(seqs)}, batch)
         assert ctx.decode(batch) == 0
+        if layer is not None:
+            cap.take()
         toks = ctx.logits().argmax(axis=1)
         pos += 1
-    return seqs * steps / (time.perf_counter() - t0)
+    return seqs * steps / (time.perf_counter() - t0), seqs * steps / (time.process_time() - c0)
 
 
 def main() -> None:
