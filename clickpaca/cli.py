@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", action="store_true",
                    help="also the noise floor (the f16 default changed in chunking, batch shape, placement, "
                         "flash attention, repacking)")
+    p.add_argument("--noise-of", default=None,
+                   help="with --noise: the floor of this type (one of --cache, e.g. turbo3) instead of f16's: "
+                        "its own run-to-run noise, shown beside the types")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--model")
     p.add_argument("--out", default="bench-results")

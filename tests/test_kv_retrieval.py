@@ -1,12 +1,17 @@
 """kv-retrieval's pure parts: needles, haystack assembly, the per-needle statistics, the
-plan of setups. No model (the real run is tests/test_kv_retrieval_real.py)."""
+plan of setups. No model (the real run is tests/test_kv_retrieval_real.py); the option
+checks run the command line, which stops before the model loads."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from clickpaca.retrieval.command import BASE, F32_REF, NOISE, _not_run, plan, summarize
+from clickpaca.retrieval.command import BASE, F32_REF, NOISE, _not_run, floor_name, plan, summarize
 from clickpaca.retrieval.haystack import assemble, depths, make_needles
 from clickpaca.retrieval.stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
 
@@ -89,8 +94,8 @@ def test_paired_diff_cancels_needle_difficulty():
 
 
 def test_above_noise_needs_kl_and_logprob_beyond_every_noise_row():
-    noise = [{"kl_f16": {"mean": 0.01}, "dlogp": {"mean": -0.05}, "dacc": {"mean": 0.0}},
-             {"kl_f16": {"mean": 0.02}, "dlogp": {"mean": 0.08}, "dacc": {"mean": -0.125}}]
+    noise = [{"kl_base": {"mean": 0.01}, "dlogp": {"mean": -0.05}, "dacc": {"mean": 0.0}},
+             {"kl_base": {"mean": 0.02}, "dlogp": {"mean": 0.08}, "dacc": {"mean": -0.125}}]
     fl = floor(noise)
     assert fl == {"kl": 0.02, "dlogp": 0.08, "dacc": 0.125}
     big = {"kl_f16": {"mean": 0.5}, "dlogp": {"mean": -2.0, "ci": [-3.0, -1.0]}}
@@ -120,14 +125,15 @@ def test_the_table_lists_reference_base_types_control_whatever_the_run_order():
 
 
 
-def _records(setup: str, length: int, logps: list[float]) -> list[dict]:
+def _records(setup: str, length: int, logps: list[float], kl_base: float | None = None) -> list[dict]:
+    extra = {} if kl_base is None else {"kl_base": kl_base}
     return [{"setup": setup, "length": length, "needle": i, "exact": False, "answer_logp": lp,
-             "kl_f16": 0.01} for i, lp in enumerate(logps)]
+             "kl_f16": 0.01, **extra} for i, lp in enumerate(logps)]
 
 
 def test_a_stopped_study_summarizes_only_the_setups_it_ran_and_names_the_rest():
     setups = plan([("f16", "f16"), ("q8_0", "q8_0")], "f16", True)
-    recs = _records("f16", 1024, [-4.0, -5.0]) + _records(NOISE[0].name, 1024, [-4.0, -5.5])
+    recs = _records("f16", 1024, [-4.0, -5.0]) + _records(NOISE[0].name, 1024, [-4.0, -5.5], kl_base=0.01)
     rows, noise = summarize(recs, setups, [1024])
     assert [r["cache"] for r in rows] == ["f16", "f16"]  # at 1024 and over all lengths
     assert [r["source"] for r in noise] == [NOISE[0].name]
@@ -137,3 +143,48 @@ def test_a_stopped_study_summarizes_only_the_setups_it_ran_and_names_the_rest():
         assert f"{n.name} at 1024" in note
     assert "q8_0 at 1024" in note and "f16, needles removed at" not in note
     assert "every setup at 2048" in note and NOISE[0].name + " at" not in note
+
+
+def test_noise_of_runs_the_type_then_its_own_noise_rows_before_the_other_types():
+    p = plan([("f16", "f16"), ("q8_0", "q8_0"), ("turbo3", "turbo3")], "f32", True, ("turbo3", "turbo3"))
+    roles = [r for r, _ in p]
+    assert roles[:4] == ["ref", "type", "control", "type"] and p[3][1].name == "turbo3"
+    noise = [s for r, s in p if r == "noise"]
+    # a quantized V needs flash attention: that row is left out, the others vary turbo3
+    assert [s.name for s in noise] == [n.name for n in NOISE if n.flash_attn != "off"]
+    assert all((s.type_k, s.type_v, s.flash_attn) == ("turbo3", "turbo3", "on") for s in noise)
+    assert [s.name for r, s in p[4 + len(noise):]] == ["q8_0"]
+    # an unquantized V keeps the flash-attention-off row
+    p = plan([("f16", "f16"), ("q8_0", "f16")], "f16", True, ("q8_0", "f16"))
+    assert [s.flash_attn for r, s in p if r == "noise"] == [n.flash_attn for n in NOISE]
+    # f16's own floor is the default one
+    assert plan([("f16", "f16")], "f16", True, ("f16", "f16")) == plan([("f16", "f16")], "f16", True)
+
+
+def test_noise_of_must_be_one_of_the_types():
+    with pytest.raises(ValueError, match=r"--noise-of: turbo2 is not one of --cache \(f16, turbo3\)"):
+        plan([("f16", "f16"), ("turbo3", "turbo3")], "f16", True, ("turbo2", "turbo2"))
+
+
+def test_a_floor_of_another_type_is_read_against_it_and_not_applied_to_the_types():
+    setups = plan([("f16", "f16"), ("turbo3", "turbo3")], "f16", True, ("turbo3", "turbo3"))
+    of = floor_name(setups, ("turbo3", "turbo3"))
+    assert of == "turbo3" and floor_name(setups, None) == "f16"
+    recs = (_records("f16", 1024, [-4.0, -5.0]) + _records("turbo3", 1024, [-8.0, -9.0])
+            + _records(NOISE[0].name, 1024, [-8.5, -9.0], kl_base=0.3))
+    rows, noise = summarize(recs, setups, [1024], of)
+    assert noise[0]["dlogp"]["mean"] == -0.25 and noise[0]["kl_base"]["mean"] == pytest.approx(0.3)
+    t3 = next(r for r in rows if r["cache"] == "turbo3" and r["length"] == 1024)
+    assert t3["dlogp"]["mean"] == -4.0 and t3["above_noise"] is None  # shown, not applied
+    # the same rows read as f16's floor are applied
+    rows, noise = summarize(recs, setups, [1024])
+    assert noise[0]["dlogp"]["mean"] == pytest.approx(-4.25)
+    assert next(r for r in rows if r["cache"] == "turbo3" and r["length"] == 1024)["above_noise"] is not None
+
+
+@pytest.mark.parametrize("command", ["kv-retrieval", "ppl"])
+def test_noise_of_without_noise_is_refused_naming_the_option(command, tmp_path):
+    env = dict(os.environ, CLICKPACA_RESULTS=str(tmp_path / "r.sqlite3"))
+    p = subprocess.run([sys.executable, "-m", "clickpaca", command, "--cache", "f16,turbo3", "--noise-of", "turbo3",
+                        "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode != 0 and "--noise-of: needs --noise" in p.stderr, p.stderr[-2000:]

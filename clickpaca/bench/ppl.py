@@ -74,6 +74,8 @@ def measure(args: Any) -> dict[str, Any]:
     threads = getattr(args, "threads", None) or os.cpu_count()
     score_last = getattr(args, "score_last", None)
     check_score_last(score_last, args.ctx, "--score-last")  # before the model loads
+    if getattr(args, "noise_of", None) and not getattr(args, "noise", False):
+        raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     text, text_path = read_text(args.text)
     # one build per process: the in-process part (tokenizing here, KL below) uses the

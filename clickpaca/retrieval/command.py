@@ -6,7 +6,9 @@ them; every setup prefills the haystack once and asks every question through for
 attention in f32), the f16 default (the base of everything else), the control (the f16
 default on the needle-free haystack: what the model answers without the fact, so that the
 needle is shown to be used), the noise floor (the f16 default changed in one thing that
-should not matter, as `clickpaca ppl --noise`), then the other cache types. What the types
+should not matter, as `clickpaca ppl --noise`; with `--noise-of TYPE`, that type's default
+changed in the same things instead, run right after the type itself: its own run-to-run
+noise, shown beside the types, not applied to them), then the other cache types. What the types
 are read against runs first so that a long study stopped early still holds it: a run
 stopped by SIGTERM or SIGINT (Ctrl-C) records the setups it finished, marked failed with
 the setups it did not run. The table lists them as ref, base, types, control.
@@ -15,6 +17,7 @@ the setups it did not run. The table lists them as ref, base, types, control.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import signal
@@ -57,8 +60,11 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str, Setup]]:
-    """(role, setup) in the order they run: ref, base, control, noise, the other types."""
+def plan(pairs: list[tuple[str, str]], ref: str, noise: bool,
+         noise_of: tuple[str, str] | None = None) -> list[tuple[str, Setup]]:
+    """(role, setup) in the order they run: ref, base, control, noise, the other types.
+    noise_of: the floor of that type (one of `pairs`) instead of f16's: the type runs right
+    before its noise rows, which leave out flash attention off for a quantized V (it needs it)."""
     if ref not in ("f16", "f32"):
         raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
     out: list[tuple[str, Setup]] = [("ref", F32_REF)] if ref == "f32" else []
@@ -69,9 +75,33 @@ def plan(pairs: list[tuple[str, str]], ref: str, noise: bool) -> list[tuple[str,
     else:
         out.append(("base", Setup("f16 default")))
     out.append(("control", BASE))
-    out += [("noise", n) for n in NOISE] if noise else []
+    of = floor_base(pairs, noise_of) if noise else None
+    if of is not None and of != BASE:
+        types.remove(of)
+        out.append(("type", of))
+    if noise:
+        out += [("noise", n) for n in noise_setups(of or BASE)]
     out += [("type", t) for t in types]
     return out
+
+
+def floor_base(pairs: list[tuple[str, str]], noise_of: tuple[str, str] | None) -> Setup:
+    """The setup the noise rows vary: the f16 default, or the --noise-of type's own."""
+    if noise_of is None or noise_of == ("f16", "f16"):
+        return BASE
+    if noise_of not in pairs:
+        raise ValueError(f"--noise-of: {pair_name(*noise_of)} is not one of --cache "
+                         f"({', '.join(pair_name(k, v) for k, v in pairs)})")
+    return Setup(pair_name(*noise_of), *noise_of, flash_attn=attention(*noise_of))
+
+
+def noise_setups(of: Setup) -> list[Setup]:
+    """NOISE applied to `of`'s cache types; flash attention off only where V is unquantized."""
+    if of == BASE:
+        return list(NOISE)
+    quantized_v = of.type_v not in ("f16", "f32", "bf16")
+    return [dataclasses.replace(n, type_k=of.type_k, type_v=of.type_v)
+            for n in NOISE if not (quantized_v and n.flash_attn == "off")]
 
 
 #: Row order of the table: the reference, the base, the types, the control.
@@ -89,7 +119,11 @@ def measure(args: Any) -> dict[str, Any]:
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     lengths = parse_list(args.lengths, int)
     build = "turboquant" if any(build_for(k, v) == "turboquant" for k, v in pairs) else "mainline"
-    setups = plan(pairs, args.ref, bool(args.noise))
+    noise_of = parse_pair(args.noise_of) if getattr(args, "noise_of", None) else None
+    if noise_of and not args.noise:
+        raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
+    setups = plan(pairs, args.ref, bool(args.noise), noise_of)
+    floor_of = floor_name(setups, noise_of)
     text, text_path = read_text(args.text)
     needles = make_needles(args.needles, args.seed)
     models: dict[bool, core.Model] = {}
@@ -131,27 +165,31 @@ def measure(args: Any) -> dict[str, Any]:
                 timings.append({"setup": name, "length": L, **t})
                 if role in ("ref", "base") or (role == "type" and s == BASE):
                     kept[role if role == "ref" else "base"] = [a.logp for a in answers]
+                if name == floor_of:
+                    kept["floor"] = [a.logp for a in answers]
                 for i, (n, a) in enumerate(zip(needles, answers)):
                     text_out = m.detokenize(a.greedy)
-                    rec = {"setup": name, "role": role, "cache": s.pair if role != "noise" else "f16/f16",
+                    rec = {"setup": name, "role": role, "cache": s.pair,
                            "length": L, "needle": i, "kind": n.kind, "depth": starts[i] / L,
                            "answer": n.answer.strip(), "greedy": text_out, "exact": exact_match(text_out, n.answer),
                            "answer_logp": a.answer_logp, "answer_tokens": len(a.logp)}
                     for ref_role, key in (("ref", "kl_f32"), ("base", "kl_f16")):
                         if ref_role in kept and role != "control":
                             rec[key] = float(kl_rows(kept[ref_role][i], a.logp).mean())
+                    if role == "noise":
+                        rec["kl_base"] = float(kl_rows(kept["floor"][i], a.logp).mean())
                     records.append(rec)
                 del answers
             if stopped:
                 break
-            _partial(args, records, setups, lengths[:lengths.index(L) + 1], timings)
+            _partial(args, records, setups, lengths[:lengths.index(L) + 1], timings, floor_of)
     finally:
         for x in models.values():
             x.close()
     if stopped and not records:
         raise Stopped(stopped)
     lengths = [L for L in lengths if any(r["length"] == L for r in records)]
-    rows, noise_rows = summarize(records, setups, lengths)
+    rows, noise_rows = summarize(records, setups, lengths, floor_of)
     for r in rows + noise_rows:
         r["build"] = build
     samples: dict[str, dict[str, list]] = {}
@@ -167,7 +205,11 @@ def measure(args: Any) -> dict[str, Any]:
              "answer starts with the expected one; KL: mean over the answer's positions of KL(P_ref || P)",
              "intervals: 95% percentile bootstrap across needles; Δ vs f16 paired needle by needle",
              f"control: {CONTROL}: the f16 default on a haystack of the same length without the needles"]
-    if noise_rows:
+    if noise_rows and floor_of != base_name(setups):
+        notes.append(f"noise floor of {floor_of} (--noise-of): its default computation changed in one thing "
+                     "that should not matter, KL and Δ log-prob against it (its own run-to-run noise; shown "
+                     "beside the types, not applied to them)")
+    elif noise_rows:
         notes.append("noise floor: the f16 default changed in one thing that should not matter; a type stands "
                      "above the noise when its KL vs f16 and its |Δ log-prob| exceed every noise row's and "
                      "its Δ interval excludes zero")
@@ -177,7 +219,8 @@ def measure(args: Any) -> dict[str, Any]:
         notes.append(f"question and answer tokenize differently joined than apart for: {', '.join(split)} "
                      "(the answer is scored as tokenized apart)")
     return {"params": {"cache": [pair_name(k, v) for k, v in pairs], "lengths": lengths, "needles": len(needles),
-                       "seed": args.seed, "ref": args.ref, "noise": bool(args.noise), "text": text_path,
+                       "seed": args.seed, "ref": args.ref, "noise": bool(args.noise), "noise_of": floor_of,
+                       "text": text_path,
                        "model": path, "build": build, "threads": threads or os.cpu_count(),
                        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()},
             "rows": rows, "noise": noise_rows, "needle_records": records, "timings": timings,
@@ -194,13 +237,14 @@ def _not_run(setups: list[tuple[str, Setup]], lengths: list[int], L: int, at: st
 
 
 def _partial(args: Any, records: list[dict[str, Any]], setups: list[tuple[str, Setup]], done: list[int],
-             timings: list[dict[str, Any]]) -> None:
+             timings: list[dict[str, Any]], floor_of: str) -> None:
     """After each length: the table so far in OUT/kv-retrieval-partial.md (a long study that
     is stopped keeps the lengths it finished; the store records the finished command only)."""
     from pathlib import Path
 
-    rows, noise = summarize(records, setups, done)
-    out = {"params": {"ref": args.ref, "lengths": done}, "rows": rows, "noise": noise, "timings": timings}
+    rows, noise = summarize(records, setups, done, floor_of)
+    out = {"params": {"ref": args.ref, "lengths": done, "noise_of": floor_of}, "rows": rows, "noise": noise,
+           "timings": timings}
     p = Path(out_dir(args)) / "kv-retrieval-partial.md"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(f"lengths done: {done}\n\n{table(out)}\n")
@@ -215,30 +259,44 @@ def _row(recs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, An
     if base and base is not recs:
         out["dlogp"] = paired_diff([r["answer_logp"] for r in base], lp)
         out["dacc"] = paired_diff([float(r["exact"]) for r in base], acc)
-    for k in ("kl_f32", "kl_f16"):
+    for k in ("kl_f32", "kl_f16", "kl_base"):
         if all(k in r for r in recs) and recs:
             out[k] = mean_ci([r[k] for r in recs])
     return out
 
 
-def summarize(records: list[dict[str, Any]], setups: list[tuple[str, Setup]],
-              lengths: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(rows: every non-noise setup per length and over all lengths, noise rows per length)."""
+def base_name(setups: list[tuple[str, Setup]]) -> str:
+    """The setup every type is read against: f16 (as a type, or the f16 default)."""
+    return next(s.name for role, s in setups if role == "base" or (role == "type" and s == BASE))
+
+
+def floor_name(setups: list[tuple[str, Setup]], noise_of: tuple[str, str] | None) -> str:
+    """The setup the noise rows vary and are read against (the base, or the --noise-of type)."""
+    of = floor_base([(s.type_k, s.type_v) for role, s in setups if role == "type"], noise_of)
+    return base_name(setups) if of == BASE else of.name
+
+
+def summarize(records: list[dict[str, Any]], setups: list[tuple[str, Setup]], lengths: list[int],
+              floor_of: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows: every non-noise setup per length and over all lengths, noise rows per length).
+    floor_of: the setup the noise rows are read against (default the base); a floor of
+    another type is shown, not applied to the types' "above noise"."""
     def of(name: str, L: int | None) -> list[dict[str, Any]]:
         return [r for r in records if r["setup"] == name and (L is None or r["length"] == L)]
 
-    base_name = next(s.name for role, s in setups if role in ("base",) or (role == "type" and s == BASE))
+    base_at = base_name(setups)
+    floor_of = floor_of or base_at
     rows, noise = [], []
     ran = {(r["setup"], r["length"]) for r in records}
     for L in lengths + [None]:
-        base = of(base_name, L)
+        base = of(base_at, L)
         nrows = []
         for role, s in setups:
             if role != "noise" or L is None or (s.name, L) not in ran:
                 continue
-            r = {"source": s.name, "length": L, **_row(of(s.name, L), base)}
+            r = {"source": s.name, "length": L, **_row(of(s.name, L), of(floor_of, L))}
             nrows.append(r)
-        fl = floor(nrows)
+        fl = floor(nrows) if floor_of == base_at else floor([])
         noise += nrows
         for role, s in sorted((x for x in setups if x[0] != "noise"),
                               key=lambda x: (SHOWN[x[0]] if x[1] != BASE or x[0] == "control" else 1)):
@@ -275,10 +333,11 @@ def table(out: dict[str, Any]) -> str:
         body.append(tuple(row))
     text = markdown(head, body, align="l" + "r" * (len(head) - 1))
     if out["noise"]:
-        text += "\n\nNoise floor (the f16 default changed in one thing):\n\n" + markdown(
-            ["changed", "length", "accuracy", "Δ log-prob vs f16", "Δ accuracy", "KL vs f16"],
+        of = out["params"].get("noise_of") or "f16"
+        text += f"\n\nNoise floor ({of} changed in one thing that should not matter, against it):\n\n" + markdown(
+            ["changed", "length", "accuracy", f"Δ log-prob vs {of}", "Δ accuracy", f"KL vs {of}"],
             [(r["source"], r["length"], _ci(r["accuracy"], 2), _ci(r.get("dlogp")), _ci(r.get("dacc"), 2),
-              _ci(r.get("kl_f16"))) for r in out["noise"]], align="lrrrrr")
+              _ci(r.get("kl_base"))) for r in out["noise"]], align="lrrrrr")
     t = {}
     for x in out.get("timings") or []:
         t.setdefault(x["length"], []).append(x["prefill_s"])

@@ -54,10 +54,11 @@ def excludes_zero(ci: Sequence[float] | None) -> bool:
 
 def floor(noise: list[dict[str, Any]]) -> dict[str, float | None]:
     """The noise floor from the noise rows of one length: the largest mean KL against the
-    f16 default, and the largest |mean Δ answer log-prob| and |Δ accuracy| against it."""
+    setup they vary (kl_base: the f16 default, or the --noise-of type), and the largest |mean
+    Δ answer log-prob| and |Δ accuracy| against it."""
     if not noise:
         return {"kl": None, "dlogp": None, "dacc": None}
-    return {"kl": max(r["kl_f16"]["mean"] for r in noise),
+    return {"kl": max(r["kl_base"]["mean"] for r in noise),
             "dlogp": max(abs(r["dlogp"]["mean"]) for r in noise),
             "dacc": max(abs(r["dacc"]["mean"]) for r in noise)}
 
