@@ -212,3 +212,24 @@ def test_compare_without_targets_takes_the_newest_run(db, capsys):
     assert main(["results", "compare"]) == 0
     out = capsys.readouterr().out
     assert f"comparing {a} {b}" in out and f"| {a}:llama_bench_tg | {b}:llama_bench_tg |" in out
+
+
+def test_a_retrieval_run_is_drawn_again_from_the_store(db, tmp_path, capsys):
+    from clickpaca.retrieval.command import plan, summarize
+
+    setups = plan([("f16", "f16"), ("q4_0", "q4_0")], "f16", False)
+    recs = [{"setup": name, "length": L, "needle": i, "exact": lp > -4.5, "answer_logp": lp, "kl_f16": 0.05}
+            for L in (1024, 2048) for name, shift in (("f16", 0.0), ("f16, needles removed", -19.0), ("q4_0", -1.0))
+            for i, lp in enumerate(np.array([-4.0, -5.0, -3.5]) + shift)]
+    rows, noise = summarize(recs, setups, [1024, 2048])
+    rid = _store_run({"params": {"cache": ["f16", "q4_0"], "lengths": [1024, 2048]}, "rows": rows, "noise": noise},
+                     "kv-retrieval")
+    png = tmp_path / "logp.png"
+    for measure in ("answer_logp", "accuracy"):
+        png.unlink(missing_ok=True)
+        assert main(["results", "plot", str(rid), "--measure", measure, "--out", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["results", "plot", str(rid), "--measure", "kl", "--out", str(png)]) == 2
+    assert "--measure: a retrieval run plots accuracy or answer_logp, not 'kl'" in capsys.readouterr().err
+    assert main(["results", "plot", str(rid), str(rid), "--measure", "accuracy", "--out", str(png)]) == 2
+    assert "is plotted alone" in capsys.readouterr().err

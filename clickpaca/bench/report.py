@@ -74,14 +74,18 @@ def _pyplot():
 
 
 def plot_lines(path: str | os.PathLike, series: dict[str, tuple[Sequence[float], Sequence[float | None]]],
-               xlabel: str, ylabel: str, title: str, logx: bool = False) -> Path:
-    """One line per series: name -> (x values, y values)."""
+               xlabel: str, ylabel: str, title: str, logx: bool = False,
+               bands: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> Path:
+    """One line per series: name -> (x values, y values); bands: name -> (lows, highs) at
+    the same x values, drawn shaded around the line (an interval, so the noise is in the figure)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for name, (xs, ys) in series.items():
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            if bands and name in bands:
+                ax.fill_between(xs, *bands[name], color=line.get_color(), alpha=0.15, linewidth=0)
     if logx:
         ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)

@@ -347,19 +347,37 @@ def table(out: dict[str, Any]) -> str:
     return text
 
 
+#: The measures a retrieval plot can show: row key -> (file name, axis label).
+PLOTS = {"accuracy": ("kv-retrieval-accuracy", "exact-match accuracy"),
+         "answer_logp": ("kv-retrieval-logp", "answer log-probability (nats)")}
+
+
 def plot(out: dict[str, Any], args: Any) -> None:
+    for key, (name, _) in PLOTS.items():
+        draw(out, key, png(args, name))
+
+
+def draw(out: dict[str, Any], key: str, path: Any) -> None:
+    """One measure against haystack length, a line per setup run at every length, its
+    bootstrap interval across needles shaded (also `clickpaca results plot RUN --measure KEY`)."""
+    if key not in PLOTS:
+        raise ValueError(f"--measure: a retrieval run plots {' or '.join(PLOTS)}, not {key!r}")
     lengths = out["params"]["lengths"]
-    for key, name, label in (("accuracy", "kv-retrieval-accuracy", "exact-match accuracy"),
-                             ("answer_logp", "kv-retrieval-logp", "answer log-probability (nats)")):
-        series = {}
-        for r in out["rows"]:
-            if r["length"] == "all":
-                continue
-            xs, ys = series.setdefault(r["cache"], ([], []))
-            xs.append(r["length"])
-            ys.append(r[key]["mean"])
-        plot_lines(png(args, name), {k: v for k, v in series.items() if len(v[0]) == len(lengths)},
-                   "haystack length (tokens)", label, f"Retrieval: {label} per cache type", logx=True)
+    series: dict[str, tuple[list, list]] = {}
+    bands: dict[str, tuple[list, list]] = {}
+    for r in out["rows"]:
+        if r["length"] == "all":
+            continue
+        xs, ys = series.setdefault(r["cache"], ([], []))
+        lo, hi = bands.setdefault(r["cache"], ([], []))
+        xs.append(r["length"])
+        ys.append(r[key]["mean"])
+        lo.append(r[key]["ci"][0])
+        hi.append(r[key]["ci"][1])
+    label = PLOTS[key][1]
+    plot_lines(path, {k: v for k, v in series.items() if len(v[0]) == len(lengths)},
+               "haystack length (tokens)", f"{label}, 95% CI across needles shaded",
+               f"Retrieval: {label} per cache type", logx=True, bands=bands)
 
 
 def run_kv_retrieval(args: argparse.Namespace) -> int:
