@@ -225,11 +225,11 @@ def test_a_retrieval_run_is_drawn_again_from_the_store(db, tmp_path, capsys):
     rid = _store_run({"params": {"cache": ["f16", "q4_0"], "lengths": [1024, 2048]}, "rows": rows, "noise": noise},
                      "kv-retrieval")
     png = tmp_path / "logp.png"
-    for measure in ("answer_logp", "accuracy"):
+    for measure in ("answer_logp", "accuracy", "dlogp"):
         png.unlink(missing_ok=True)
         assert main(["results", "plot", str(rid), "--measure", measure, "--out", str(png)]) == 0
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["results", "plot", str(rid), "--measure", "kl", "--out", str(png)]) == 2
-    assert "--measure: a retrieval run plots accuracy or answer_logp, not 'kl'" in capsys.readouterr().err
+    assert "--measure: a retrieval run plots accuracy, answer_logp, dlogp, not 'kl'" in capsys.readouterr().err
     assert main(["results", "plot", str(rid), str(rid), "--measure", "accuracy", "--out", str(png)]) == 2
     assert "is plotted alone" in capsys.readouterr().err

@@ -55,8 +55,8 @@ def add_parser(sub: Any) -> None:
     q = rs.add_parser("plot", help="a measure across runs or cache types, as a PNG")
     q.add_argument("ids", nargs="+", type=int)
     q.add_argument("--measure", default="ppl",
-                   help="ppl, kl or top1 (ppl runs, by cache type, 95%% CI bars), answer_logp or accuracy "
-                        "(one kv-retrieval run, against haystack length), or a speed series name")
+                   help="ppl, kl or top1 (ppl runs, by cache type, 95%% CI bars), answer_logp, dlogp or "
+                        "accuracy (one kv-retrieval run, against haystack length), or a speed series name")
     q.add_argument("--out", default="bench-results/results.png")
     p.set_defaults(func=run_results)
 

@@ -349,7 +349,8 @@ def table(out: dict[str, Any]) -> str:
 
 #: The measures a retrieval plot can show: row key -> (file name, axis label).
 PLOTS = {"accuracy": ("kv-retrieval-accuracy", "exact-match accuracy"),
-         "answer_logp": ("kv-retrieval-logp", "answer log-probability (nats)")}
+         "answer_logp": ("kv-retrieval-logp", "answer log-probability (nats)"),
+         "dlogp": ("kv-retrieval-dlogp", "Δ answer log-prob vs f16 (nats, paired)")}
 
 
 def plot(out: dict[str, Any], args: Any) -> None:
@@ -359,14 +360,15 @@ def plot(out: dict[str, Any], args: Any) -> None:
 
 def draw(out: dict[str, Any], key: str, path: Any) -> None:
     """One measure against haystack length, a line per setup run at every length, its
-    bootstrap interval across needles shaded (also `clickpaca results plot RUN --measure KEY`)."""
+    bootstrap interval across needles shaded (also `clickpaca results plot RUN --measure KEY`).
+    dlogp is paired with f16 needle by needle, so its band is the one that separates the types."""
     if key not in PLOTS:
-        raise ValueError(f"--measure: a retrieval run plots {' or '.join(PLOTS)}, not {key!r}")
+        raise ValueError(f"--measure: a retrieval run plots {', '.join(PLOTS)}, not {key!r}")
     lengths = out["params"]["lengths"]
     series: dict[str, tuple[list, list]] = {}
     bands: dict[str, tuple[list, list]] = {}
     for r in out["rows"]:
-        if r["length"] == "all":
+        if r["length"] == "all" or not r.get(key):
             continue
         xs, ys = series.setdefault(r["cache"], ([], []))
         lo, hi = bands.setdefault(r["cache"], ([], []))
@@ -376,8 +378,9 @@ def draw(out: dict[str, Any], key: str, path: Any) -> None:
         hi.append(r[key]["ci"][1])
     label = PLOTS[key][1]
     plot_lines(path, {k: v for k, v in series.items() if len(v[0]) == len(lengths)},
-               "haystack length (tokens)", f"{label}, 95% CI across needles shaded",
-               f"Retrieval: {label} per cache type", logx=True, bands=bands)
+               "haystack length (tokens)", label,
+               f"Retrieval: {label} per cache type\n(shaded: 95% bootstrap interval across needles)",
+               logx=True, bands=bands)
 
 
 def run_kv_retrieval(args: argparse.Namespace) -> int:
