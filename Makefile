@@ -12,7 +12,7 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline turboquant activations peer bindgen api-report model test test-portable test-tq test-compat compat-run bench kv-study clean help
+.PHONY: demo setup prereqs venv mainline turboquant activations peer bindgen api-report model test test-portable test-tq test-compat compat-run bench kv-study kv-long-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -112,6 +112,26 @@ kv-study: setup turboquant
 		--out bench-results/kv-study
 	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca bench kv --cache $(KV_TYPES) --build turboquant --speed \
 		--prompt-tokens 512 --tokens 64 --repeats 3 --out bench-results/kv-study
+	@echo "recorded as group $(KV_GROUP): .venv/bin/clickpaca results list --group $(KV_GROUP)"
+
+## kv-long-study: the long-context part of docs/KV-RESEARCH.md: retrieval from held haystacks of 1k-16k
+## tokens per type with the f32 reference and the noise floor, the own floors of q8_0 (8k), turbo4 and
+## turbo3 (4k), long-range perplexity over 4 windows with turbo3's own floor; about 2 h on 2 idle cores
+KV_LONG_TYPES ?= f16,q8_0,q4_0,turbo4,turbo3,turbo2
+KV_LONG_OUT ?= bench-results/kv-long-study
+kv-long-study: KV_GROUP := kv-long-study-$(shell date -u +%Y%m%dT%H%M%SZ)
+kv-long-study: setup turboquant
+	$(PY) -m bindgen
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca kv-retrieval --cache $(KV_LONG_TYPES) \
+		--lengths 1024,2048,4096,8192,16384 --needles 12 --ref f32 --noise --plot --out $(KV_LONG_OUT)
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca kv-retrieval --cache f16,q8_0 --lengths 8192 --needles 12 \
+		--ref f32 --noise --noise-of q8_0 --out $(KV_LONG_OUT)/q8_0-floor
+	for t in turbo4 turbo3; do CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca kv-retrieval --cache f16,$$t \
+		--lengths 4096 --needles 12 --noise --noise-of $$t --out $(KV_LONG_OUT)/$$t-floor || exit 1; done
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache $(KV_LONG_TYPES) --ctx 4096 --score-last 512 \
+		--chunks 4 --ref f32 --no-server --out $(KV_LONG_OUT)
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache f16,turbo3 --ctx 4096 --score-last 512 \
+		--chunks 4 --noise --noise-of turbo3 --no-server --out $(KV_LONG_OUT)/turbo3-floor
 	@echo "recorded as group $(KV_GROUP): .venv/bin/clickpaca results list --group $(KV_GROUP)"
 
 ## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
