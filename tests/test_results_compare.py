@@ -233,3 +233,15 @@ def test_a_retrieval_run_is_drawn_again_from_the_store(db, tmp_path, capsys):
     assert "--measure: a retrieval run plots accuracy, answer_logp, dlogp, not 'kl'" in capsys.readouterr().err
     assert main(["results", "plot", str(rid), str(rid), "--measure", "accuracy", "--out", str(png)]) == 2
     assert "is plotted alone" in capsys.readouterr().err
+
+
+def test_a_run_measured_against_f32_names_that_reference_for_its_kl(db):
+    base = _nll(9)
+    data = _ppl_data(["f16", "q4_0"], {"f16": base, "q4_0": base + 0.2})
+    data["params"]["ref"] = "f32"  # token_kl / token_top1 are then against the f32 reference row
+    data["rows"].append({"cache": "f32 ref", "cache_k": "f32", "cache_v": "f32", "build": "mainline"})
+    rid = _store_run(data)
+    with Store(db) as s:
+        [q4] = compare(s, [str(rid)])["pairs"]
+    assert q4["a"] == f"{rid}:f16" and q4["kl"]["mean"] == pytest.approx(0.02)
+    assert "against the run's reference (f32 ref), not against A" in q4["kl_note"]

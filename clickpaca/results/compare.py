@@ -116,7 +116,12 @@ def pair_targets(runs: dict[int, dict], samples: dict[int, dict], targets: list[
 
 
 def _reference(run: dict[str, Any]) -> str | None:
-    rows = (run.get("result") or {}).get("rows") or []
+    """The series a run's per-token KL and top-1 were measured against: its first type, or
+    with `--ref f32` the f32 reference row (then KL against the first type is a mean only)."""
+    result = run.get("result") or {}
+    rows = result.get("rows") or []
+    if (result.get("params") or {}).get("ref") == "f32":
+        return next((r["cache"] for r in rows if (r.get("cache_k"), r.get("cache_v")) == ("f32", "f32")), None)
     return rows[0].get("cache") if rows else None
 
 
@@ -146,13 +151,19 @@ def quality_pair(store: Store, ra: dict, sa: str, xa: dict, rb: dict, sb: str, x
     out["noise_floor_rel"] = floor
     out["verdict"] = paired.verdict(rel_lo, rel_hi, out["delta_ppl_rel"], floor=floor)
     same_run = ra["id"] == rb["id"]
-    if same_run and sa == _reference(ra):
-        # KL(P_a || P_b) and top-1 agreement were measured against a itself
+    ref = _reference(ra)
+    f32_ref = ((ra.get("result") or {}).get("params") or {}).get("ref") == "f32"
+    if same_run and (sa == ref or f32_ref):
+        # KL(P_ref || P_b) and top-1 agreement were measured against the run's reference:
+        # A itself, or the f32 reference of a --ref f32 run (named, since it is not A)
         if xb.get("token_kl") is not None:
             out["kl"] = paired.mean_ci(xb["token_kl"], **boot)
         if xb.get("token_top1") is not None:
             out["top1"] = paired.mean_ci(xb["token_top1"], **boot)
-        out["kl_note"] = "KL(A || B) and top-1 agreement of B with A, measured position by position in one run"
+        out["kl_note"] = ("KL(A || B) and top-1 agreement of B with A, measured position by position in one run"
+                          if sa == ref else
+                          f"KL and top-1: of B against the run's reference ({ref}), not against A; "
+                          "measured position by position in one run")
     elif (not same_run and _reference(ra) == _reference(rb)
           and all(x.get(m) is not None for x in (xa, xb) for m in ("token_kl", "token_top1"))):
         for key, metric in (("kl_diff", "token_kl"), ("top1_diff", "token_top1")):
