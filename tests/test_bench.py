@@ -402,3 +402,13 @@ def test_ppl_no_server_takes_ppl_from_the_in_process_windows_only(tmp_path):
         assert "ppl_server" not in r and "error_server" not in r
         assert r["ppl_inproc"] > 1 and r["tokens_inproc"] == 31
     assert "--no-server" in " ".join(out["notes"]) and "q8_0" in table(out)
+
+
+def test_ppl_table_names_its_second_kl_reference():
+    from clickpaca.bench.ppl import table
+
+    rows = [{"cache": "f16", "build": "mainline", "kl_ref": "f16", "kl_mean": 0.0},
+            {"cache": "turbo3", "build": "turboquant", "kl_ref": "f16", "kl_mean": 0.5,
+             "kl_ref2": "turbo3 default", "kl_mean_ref2": 0.0}]
+    head = table({"params": {"ref": "f16"}, "rows": rows, "noise": []}).splitlines()[0]
+    assert "KL mean vs turbo3 default" in head and head.count("KL mean vs f16") == 1

@@ -252,11 +252,11 @@ def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
 
 
 def table(out: dict[str, Any]) -> str:
-    two = any(r.get("kl_ref2") for r in out["rows"])
+    two = next((r["kl_ref2"] for r in out["rows"] if r.get("kl_ref2")), None)  # the second reference's name
     floor = bool(out.get("noise"))
     head = ["K/V", "build", "bits/value", "PPL server", "PPL in-process", "PPL llama-perplexity",
             f"KL mean vs {out['params'].get('ref', 'f16')}", "KL p99", "top-1 agree"]
-    head += ["KL mean vs f16"] if two else []
+    head += [f"KL mean vs {two}"] if two else []
     head += ["KL / noise floor", "above noise"] if floor else []
     rows = []
     for r in out["rows"]:
