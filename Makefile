@@ -116,7 +116,7 @@ kv-study: setup turboquant
 
 ## kv-long-study: the long-context part of docs/KV-RESEARCH.md: retrieval from held haystacks of 1k-16k
 ## tokens per type with the f32 reference and the noise floor, the own floors of q8_0 (8k), turbo4 and
-## turbo3 (4k), long-range perplexity over 4 windows with turbo3's own floor; about 2 h on 2 idle cores
+## turbo3 (4k), long-range perplexity over 4 windows and turbo3's own floor in the first; about 2 h on 2 idle cores
 KV_LONG_TYPES ?= f16,q8_0,q4_0,turbo4,turbo3,turbo2
 KV_LONG_OUT ?= bench-results/kv-long-study
 kv-long-study: KV_GROUP := kv-long-study-$(shell date -u +%Y%m%dT%H%M%SZ)
@@ -131,7 +131,7 @@ kv-long-study: setup turboquant
 	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache $(KV_LONG_TYPES) --ctx 4096 --score-last 512 \
 		--chunks 4 --ref f32 --no-server --out $(KV_LONG_OUT)
 	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache f16,turbo3 --ctx 4096 --score-last 512 \
-		--chunks 4 --noise --noise-of turbo3 --no-server --out $(KV_LONG_OUT)/turbo3-floor
+		--chunks 1 --noise --noise-of turbo3 --no-server --out $(KV_LONG_OUT)/turbo3-floor
 	@echo "recorded as group $(KV_GROUP): .venv/bin/clickpaca results list --group $(KV_GROUP)"
 
 ## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
