@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import core
+from ..deterministic import UNQUANTIZED_TYPES
 from ..scoring import chunk_rows, log_softmax, windows_for
 from .stats import progress
 
@@ -194,3 +195,9 @@ def compare(model_path: str, pairs: list[tuple[str, str]], tokens: np.ndarray, w
 def attention(k: str, v: str) -> str:
     """Flash attention on, except for an f32 cache, which it would compute in f16."""
     return "off" if "f32" in (k, v) else "on"
+
+
+def needs_flash_attention(v: str) -> bool:
+    """A quantized V cache needs flash attention in llama.cpp: a noise floor of such a type
+    leaves out its "flash attention off" row."""
+    return v not in UNQUANTIZED_TYPES

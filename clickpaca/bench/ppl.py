@@ -26,7 +26,7 @@ import numpy as np
 
 from ..scoring import check_score_last
 from .cachetypes import bits_per_value, build_for, pair_bpv, pair_name, parse_pair
-from .kl import attention, compare_variants
+from .kl import attention, compare_variants, needs_flash_attention
 from .common import model_path, out_dir, png
 from .report import emit, machine, plot_points
 from .serve import Server
@@ -222,9 +222,8 @@ def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
             variants.append(base)
             noise_at = [len(variants) - 1]
             refs.append(noise_at[0])
-        quantized_v = v not in ("f16", "f32", "bf16")
         for n in NOISE:
-            if n.flash_attn == "off" and quantized_v:
+            if n.flash_attn == "off" and needs_flash_attention(v):
                 continue
             variants.append(replace(n, type_k=k, type_v=v))
             noise_at.append(len(variants) - 1)

@@ -30,7 +30,7 @@ import numpy as np
 from .. import core
 from ..bench.cachetypes import build_for, pair_name, parse_pair
 from ..bench.common import model_path, out_dir, png
-from ..bench.kl import attention
+from ..bench.kl import attention, needs_flash_attention
 from ..bench.report import emit, machine, plot_lines
 from ..bench.stats import parse_list, progress
 from ..bench.table import fmt, markdown
@@ -99,9 +99,8 @@ def noise_setups(of: Setup) -> list[Setup]:
     """NOISE applied to `of`'s cache types; flash attention off only where V is unquantized."""
     if of == BASE:
         return list(NOISE)
-    quantized_v = of.type_v not in ("f16", "f32", "bf16")
     return [dataclasses.replace(n, type_k=of.type_k, type_v=of.type_v)
-            for n in NOISE if not (quantized_v and n.flash_attn == "off")]
+            for n in NOISE if not (n.flash_attn == "off" and needs_flash_attention(of.type_v))]
 
 
 #: Row order of the table: the reference, the base, the types, the control.
