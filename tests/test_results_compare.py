@@ -229,6 +229,12 @@ def test_a_retrieval_run_is_drawn_again_from_the_store(db, tmp_path, capsys):
         png.unlink(missing_ok=True)
         assert main(["results", "plot", str(rid), "--measure", measure, "--out", str(png)]) == 0
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png.unlink()
+    assert main(["results", "plot", str(rid), "--out", str(png)]) == 0  # answer_logp by default
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["results", "plot", str(rid), "--measure", "ppl", "--out", str(png)]) == 2  # a ppl run's measure
+    assert "not 'ppl'" in capsys.readouterr().err
     assert main(["results", "plot", str(rid), "--measure", "kl", "--out", str(png)]) == 2
     assert "--measure: a retrieval run plots accuracy, answer_logp, dlogp, not 'kl'" in capsys.readouterr().err
     assert main(["results", "plot", str(rid), str(rid), "--measure", "accuracy", "--out", str(png)]) == 2

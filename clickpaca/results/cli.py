@@ -54,9 +54,10 @@ def add_parser(sub: Any) -> None:
 
     q = rs.add_parser("plot", help="a measure across runs or cache types, as a PNG")
     q.add_argument("ids", nargs="+", type=int)
-    q.add_argument("--measure", default="ppl",
-                   help="ppl, kl or top1 (ppl runs, by cache type, 95%% CI bars), answer_logp, dlogp or "
-                        "accuracy (one kv-retrieval run, against haystack length), or a speed series name")
+    q.add_argument("--measure", default=None,
+                   help="ppl (the default), kl or top1 (ppl runs, by cache type, 95%% CI bars), answer_logp "
+                        "(the default), dlogp or accuracy (one kv-retrieval run, against haystack length), or "
+                        "a speed series name")
     q.add_argument("--out", default="bench-results/results.png")
     p.set_defaults(func=run_results)
 
@@ -260,11 +261,13 @@ def plot_series(store: Store, ids: list[int], measure: str) -> dict[str, tuple[l
 def cmd_plot(store: Store, args: argparse.Namespace) -> int:
     from ..bench.report import _pyplot, _save
 
-    if store.run(args.ids[0])["command"] == "kv-retrieval":
-        return plot_retrieval(store, args)
-    data = plot_series(store, args.ids, args.measure)
+    first = store.run(args.ids[0])
+    if first["command"] == "kv-retrieval":
+        return plot_retrieval(first, args)
+    measure = args.measure or "ppl"
+    data = plot_series(store, args.ids, measure)
     if not data:
-        raise CompareError(f"runs {args.ids} hold no samples of {args.measure!r}")
+        raise CompareError(f"runs {args.ids} hold no samples of {measure!r}")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=110)
     labels = list(dict.fromkeys(x for xs, _, _ in data.values() for x in xs))
@@ -276,24 +279,22 @@ def cmd_plot(store: Store, args: argparse.Namespace) -> int:
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.legend(fontsize=8)
-    bars = "bootstrap 95% CI" if args.measure in ("ppl", "kl", "top1") else "min-max of rounds"
-    _save(plt, fig, ax, args.out, "cache type / series", f"{args.measure} (bars: {bars})",
-          f"{args.measure} across runs {', '.join(map(str, args.ids))}")
+    bars = "bootstrap 95% CI" if measure in ("ppl", "kl", "top1") else "min-max of rounds"
+    _save(plt, fig, ax, args.out, "cache type / series", f"{measure} (bars: {bars})",
+          f"{measure} across runs {', '.join(map(str, args.ids))}")
     return 0
 
 
-def plot_retrieval(store: Store, args: argparse.Namespace) -> int:
+def plot_retrieval(run: dict, args: argparse.Namespace) -> int:
     """A kv-retrieval run's figure, drawn again from the store (the docs' plots are these)."""
     from ..retrieval.command import draw
 
     if len(args.ids) != 1:
         raise CompareError(f"a kv-retrieval run is plotted alone (against haystack length), got runs {args.ids}")
-    run = store.run(args.ids[0])
     if not (run.get("result") or {}).get("rows"):
         raise CompareError(f"run {args.ids[0]} holds no retrieval rows (status {run['status']})")
-    measure = "answer_logp" if args.measure == "ppl" else args.measure  # ppl is the option's default
     try:
-        draw(run["result"], measure, args.out)
+        draw(run["result"], args.measure or "answer_logp", args.out)
     except ValueError as e:
         raise CompareError(str(e)) from None
     return 0
