@@ -45,7 +45,7 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
     for _ in range(rounds):
         for name, ctx, cap in zip(SETUPS, ctxs, caps):
             wall, per_cpu = _decode_rate(model, ctx, prompt, seqs, steps,
-                                         capture=(layer if cap is not None and name == SETUPS[2] else None, cap))
+                                         capture=cap if name == SETUPS[2] else None, layer=layer)
             out[name].append(wall)
             if cpu is not None:
                 cpu.setdefault(name, []).append(per_cpu)
@@ -88,11 +88,10 @@ def run_steer(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, 
 
 
 def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int,
-                 capture: tuple[int | None, Capture | None] = (None, None)) -> tuple[float, float]:
+                 capture: Capture | None = None, layer: int = 0) -> tuple[float, float]:
     """Tokens/s of `steps` one-token decodes of `seqs` sequences after a shared prompt, by
-    the wall clock and per CPU second of this process; with `capture` (layer, Capture)
-    each decode's l_out-<layer> rows of every sequence are armed and taken."""
-    layer, cap = capture
+    the wall clock and per CPU second of this process; with a `capture`, each decode's
+    l_out-<layer> rows of every sequence are armed and taken."""
     ctx.clear()
     batch = core.Batch(model.nat, 256)
     for s in range(seqs):
@@ -105,11 +104,11 @@ def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps:
         batch.clear()
         for s in range(seqs):
             batch.add([int(toks[s])], pos, s)
-        if layer is not None:
-            cap.arm([f"l_out-{layer}"], {s: [s] for s in range(seqs)}, batch)
+        if capture is not None:
+            capture.arm([f"l_out-{layer}"], {s: [s] for s in range(seqs)}, batch)
         assert ctx.decode(batch) == 0
-        if layer is not None:
-            cap.take()
+        if capture is not None:
+            capture.take()
         toks = ctx.logits().argmax(axis=1)
         pos += 1
     return seqs * steps / (time.perf_counter() - t0), seqs * steps / (time.process_time() - c0)
