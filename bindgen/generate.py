@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     if not builds:
         print("bindgen: no builds found; run `make mainline` first", file=sys.stderr)
         return 1
+    # One build under several names (builds/patched, turboquant, activations): generated once.
+    seen: set[Path] = set()
+    builds = [b for b in builds if not (b.resolve() in seen or seen.add(b.resolve()))]
     for b in builds:
         try:
             generate(b, args.against, export_check=not args.no_export_check,

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # b4094 (Nov 2024), b5308 (May 2025), b6170 (Aug 2025), b11312 (the current pin).
 VERSIONS = ["0.3.2", "0.3.9", "0.3.16", "0.3.36"]
 TURBOQUANT = "turboquant"
-# The patched flavors of the current pin (native/build.py PATCH_SETS), checked from their headers.
+# The patched builds of the current pin by the names they are loaded by (native/build.py
+# BUILD_NAMES: one patched flavor holds both patch sets), checked from their headers.
 PATCHED = (TURBOQUANT, "activations")
 
 
@@ -110,15 +111,23 @@ def flat_include(src: Path, out: Path, texts: dict[Path, str] | None = None) -> 
     return out
 
 
-def patched_include(flavor: str) -> Path:
-    """The current pin's headers with a patched flavor's header edits (its one patch set)."""
+def patched_include(name: str) -> Path:
+    """The current pin's headers with a patched build's header edits (every patch set its
+    flavor holds)."""
     nb = native_build()
-    (name,) = nb.PATCH_SETS[flavor]  # several sets would need a patched copy of the tree
+    flavor = nb.FLAVOR_OF[name]
     lock = nb.read_lock()
     archive = sdist_archive(lock["version"])
     src = nb.extract_sdist(archive, lock["subdir"])  # the patch plan reads the whole tree
-    apply = _load_by_path(f"clickpaca_{name}_apply", ROOT / "native" / name / "apply.py")
-    texts = {p.resolve(): t for p, t in apply.plan(src).items()}
+    texts: dict[Path, str] = {}
+    for name in nb.PATCH_SETS[flavor]:
+        apply = _load_by_path(f"clickpaca_{name}_apply", ROOT / "native" / name / "apply.py")
+        planned = {p.resolve(): t for p, t in apply.plan(src).items()}
+        # each plan reads the unpatched tree: sets that edited one file would need a patched copy
+        if planned.keys() & texts.keys():
+            raise SystemExit(f"api-report: patch set {name} edits a file another set of {flavor} edits: "
+                             f"{sorted(str(p) for p in planned.keys() & texts.keys())}")
+        texts.update(planned)
     digest = nb.patches_digest(nb.patch_files(flavor))[:16]
     return flat_include(src, nb.cache_dir() / "headers" / f"{flavor}-{digest}" / "include", texts)
 

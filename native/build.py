@@ -3,17 +3,17 @@
 
 Why a script and not only CMake: the source comes from a package registry (the
 llama-cpp-python sdist vendors llama.cpp), must be verified against a pinned sha256,
-may be patched (the turboquant and activations flavors), and a finished build is reused
+may be patched (the patched flavor: the turboquant and activations patch sets in one
+build, loaded as builds/turboquant and builds/activations), and a finished build is reused
 whenever the same source, preset, patches and recipe are asked for again. CMake does the
 compiling through the top-level CMakeLists.txt and CMakePresets.json.
 
     python3 native/build.py mainline [--preset linux-cpu]
-    python3 native/build.py turboquant
-    python3 native/build.py activations
+    python3 native/build.py patched        # also: turboquant, activations (the same build)
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
     python3 native/build.py turboquant --cpu-isa sse42   # the CPU backend for SSE4.2, keyed apart
 
-Result: builds/<flavor> in the checkout, a link to
+Result: builds/<name> in the checkout for each of the flavor's names (BUILD_NAMES), links to
 $CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
 build-info.json. Standard library only: it runs before any venv exists.
 """
@@ -53,7 +53,14 @@ TOOL_ALIASES = {"ggml-rpc-server": "rpc-server"}
 HEADER_DIRS = ["include", "ggml/include"]
 # The flavors of the pinned source and the patch sets each applies, in order: native/<set>/,
 # applied by its apply.py. mainline is upstream's, the oracle the others are compared with.
-PATCH_SETS = {"mainline": (), "turboquant": ("turboquant",), "activations": ("activations",)}
+# One patched flavor holds both of our patch sets (they touch disjoint files, ggml's and
+# llama's, and each is inert unless asked for), so a cold set-up compiles llama.cpp twice,
+# not three times (issue #37).
+PATCH_SETS = {"mainline": (), "patched": ("turboquant", "activations")}
+# The names a flavor's build is loaded by (builds/<name>, init's `build`): the patched
+# build answers to the name of each patch set it holds.
+BUILD_NAMES = {"mainline": ("mainline",), "patched": ("patched", "turboquant", "activations")}
+FLAVOR_OF = {name: flavor for flavor, names in BUILD_NAMES.items() for name in names}
 # The applier every patch set imports (native/patchset.py): in every patched flavor's key.
 SHARED_PATCH_FILES = [NATIVE / "patchset.py"]
 # Bump when the compat recipe changes (compat keys only; the PATCH_SETS flavors' keys ignore it).
@@ -467,6 +474,7 @@ def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
     """A finished build of the pinned source (a PATCH_SETS flavor), found without the lock
     and without writing anything (its key needs only the lock file, the patches and what
     the compiler targets on this machine)."""
+    flavor = FLAVOR_OF.get(flavor, flavor)
     if flavor not in PATCH_SETS or os.environ.get("LLAMA_CPP_SRC"):
         return None
     pfiles = patch_files(flavor)
@@ -493,10 +501,12 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
           cpu: dict | None = None, smoke_model: Path | None = None,
           compat_tools: bool = False) -> Path:
     cpu = cpu or cpu_from_env()
+    flavor = FLAVOR_OF.get(flavor, flavor)
     out = finished_pinned_build(flavor, preset, cpu)
     if out is not None:
         log(f"{flavor}: cached build {out}")
-        link_build(link_name(flavor, sdist_version, cpu), out)
+        for name in link_names(flavor, sdist_version, cpu):
+            link_build(name, out)
         return out
     with cache_lock(flavor):
         return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools)
@@ -580,16 +590,19 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         (out / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
         done.write_text(key + "\n")
         log(f"{flavor}: built in {info['build_seconds']:.0f} s")
-    link_build(link_name(flavor, sdist_version, cpu), out)
+    for name in link_names(flavor, sdist_version, cpu):
+        link_build(name, out)
     return out
 
 
-def link_name(flavor: str, sdist_version: str | None, cpu: dict) -> str:
-    """builds/<name>: a compat build by its version, a --cpu-isa build by its level (it never
-    replaces builds/<flavor>, which the default commands load)."""
+def link_names(flavor: str, sdist_version: str | None, cpu: dict) -> list[str]:
+    """builds/<name> for each name of the build: a compat build by its version, a pinned
+    flavor by each of its BUILD_NAMES, a --cpu-isa build by its level (it never replaces
+    builds/<name>, which the default commands load)."""
     if flavor == "compat":
-        return f"compat-{sdist_version}"
-    return f"{flavor}-{cpu['cpu_isa']}" if cpu.get("cpu_isa") else flavor
+        return [f"compat-{sdist_version}"]
+    names = BUILD_NAMES.get(flavor, (flavor,))
+    return [f"{n}-{cpu['cpu_isa']}" for n in names] if cpu.get("cpu_isa") else list(names)
 
 
 @functools.lru_cache(maxsize=1)
@@ -720,7 +733,8 @@ def default_smoke_model() -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("flavor", choices=[*PATCH_SETS, "compat"])
+    ap.add_argument("flavor", choices=[*FLAVOR_OF, "compat"],
+                    help="a flavor, or a name of its build (turboquant, activations: the patched flavor)")
     ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
     ap.add_argument("--sdist-version", help="compat: the llama-cpp-python sdist version")
     ap.add_argument("--tools", action="store_true",

@@ -412,8 +412,9 @@ def test_a_cpu_isa_build_is_keyed_apart_and_linked_under_its_own_name():
             for c in (default, low)}
     assert len(keys) == 2
     assert nb.finished_pinned_build("mainline", "linux-cpu", default) == cached_build()
-    assert nb.link_name("turboquant", None, low) == "turboquant-sse42"
-    assert nb.link_name("turboquant", None, default) == "turboquant"
+    assert nb.link_names("patched", None, low) == ["patched-sse42", "turboquant-sse42", "activations-sse42"]
+    assert nb.link_names("patched", None, default) == ["patched", "turboquant", "activations"]
+    assert nb.link_names("compat", "0.3.16", low) == ["compat-0.3.16"]
     with pytest.raises(nb.BuildError, match="--cpu-isa"):
         nb.cpu_options(amx=False, portable=True, cpu_isa="sse42")
     with pytest.raises(nb.BuildError, match="not one of"):
@@ -430,12 +431,13 @@ def test_every_patched_flavor_is_keyed_by_the_shared_applier_too(tmp_path, monke
         files = nb.patch_files(flavor)
         assert files[0] == nb.NATIVE / "patchset.py"
         assert all(nb.NATIVE / s / "apply.py" in files for s in sets)
-    before = nb.patches_digest(nb.patch_files("activations"))
+    before = nb.patches_digest(nb.patch_files("patched"))
     shared = nb.NATIVE / "patchset.py"
     changed = tmp_path / "native" / "patchset.py"
     changed.parent.mkdir()
     changed.write_bytes(shared.read_bytes() + b"\n# changed\n")
     monkeypatch.setattr(nb, "NATIVE", changed.parent)
     monkeypatch.setattr(nb, "SHARED_PATCH_FILES", [changed])
-    (changed.parent / "activations").symlink_to(shared.parent / "activations")
-    assert nb.patches_digest(nb.patch_files("activations")) != before
+    for name in nb.PATCH_SETS["patched"]:
+        (changed.parent / name).symlink_to(shared.parent / name)
+    assert nb.patches_digest(nb.patch_files("patched")) != before
