@@ -12,7 +12,7 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline turboquant activations peer bindgen api-report model test test-portable test-tq test-compat compat-run bench kv-study kv-long-study clean help
+.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -36,14 +36,13 @@ $(VENV)/.installed: pyproject.toml | prereqs
 mainline: prereqs venv model
 	$(PY) native/build.py mainline --preset $(PRESET)
 
-## turboquant: the pinned source + native/turboquant patch set -> builds/turboquant
-turboquant: prereqs venv model
-	$(PY) native/build.py turboquant --preset $(PRESET)
-
-## activations: the pinned source + native/activations (per-sequence control vectors, a live
-## eval callback) -> builds/activations
-activations: prereqs venv model
-	$(PY) native/build.py activations --preset $(PRESET)
+## patched: the pinned source + both of our patch sets, native/turboquant (the turbo KV cache
+## types) and native/activations (per-sequence control vectors, a live eval callback), in one
+## build -> builds/patched, also linked as builds/turboquant and builds/activations
+patched: prereqs venv model
+	$(PY) native/build.py patched --preset $(PRESET)
+## turboquant, activations: the patched build, by the name of the patch set you want
+turboquant activations: patched
 
 ## peer: llama-server (the peer of `clickpaca bench peer`) from the mainline tree -> builds/peer/bin
 peer: prereqs venv
@@ -67,12 +66,25 @@ model: venv
 ## test: the whole test suite (README, second command). Tests of the turboquant library
 ## itself run in their own process: two builds cannot share one process (same sonames).
 ## Then `make test-compat` on the oldest and a middle llama.cpp (COMPAT_CI; docs/UPGRADING.md).
+## Their libraries compile at the lowest priority while the suite runs (the suite leaves
+## cycles idle: server start-ups, model loads), log in builds/compat-build.log.
 COMPAT_CI ?= 0.3.2 0.3.16
-test: setup turboquant activations peer
+test: setup patched peer
 	$(PY) -m bindgen
-	$(PY) -m pytest -m turboquant $(PYTEST_ARGS)
-	$(PY) -m pytest -m "not turboquant and not portable" $(PYTEST_ARGS)
+	@$(PY) -c 'import os, sys; os.setsid(); os.execvp("sh", sys.argv[1:])' sh -c 'for v in $(COMPAT_CI); do nice -n 19 $(PY) native/build.py compat --sdist-version $$v \
+		--preset $(PRESET) || exit 1; done' > builds/compat-build.log 2>&1 & cb=$$!; \
+	trap 'kill -- -$$cb 2>/dev/null' EXIT; \
+	$(PY) -m pytest -m turboquant $(PYTEST_ARGS) && \
+	$(PY) -m pytest -m "not turboquant and not portable" $(PYTEST_ARGS) || exit 1; \
+	echo "waiting for the compat builds (builds/compat-build.log) ..."; \
+	wait $$cb || { tail -n 40 builds/compat-build.log; exit 1; }; trap - EXIT
 	@for v in $(COMPAT_CI); do $(MAKE) --no-print-directory compat-run COMPAT_VERSION=$$v || exit 1; done
+
+## check: between commits, under 5 minutes with the builds cached: every module's unit tests
+## (no model, no patched build) and one real-server smoke test (tests/test_smoke_server.py)
+CHECK_MARKS ?= (not model and not turboquant and not activations and not portable and not slow) or smoke
+check: setup
+	$(PY) -m pytest -q -m "$(CHECK_MARKS)" $(PYTEST_ARGS)
 
 ## test-portable: the PORTABLE=1 build (llama.cpp's runtime-dispatched CPU variants; a long
 ## build) and the tests that need it; builds/mainline is linked back to the native build after
@@ -83,7 +95,7 @@ test-portable: setup
 	$(PY) -m pytest -m portable tests/test_portable.py $(PYTEST_ARGS)
 
 ## test-tq: the server test suite again, on the turboquant build with turbo cache types
-test-tq: setup turboquant
+test-tq: setup patched
 	$(PY) -m bindgen
 	CLICKPACA_TEST_BUILD=turboquant CLICKPACA_TEST_CACHE_K=q8_0 CLICKPACA_TEST_CACHE_V=turbo3 \
 		$(PY) -m pytest tests/test_server*.py $(PYTEST_ARGS)
@@ -106,7 +118,7 @@ bench: setup peer
 ## both runs are recorded in the results store under one group (`clickpaca results list --group ...`)
 KV_TYPES ?= f16,q8_0,q4_0,turbo2,turbo3,turbo4,q8_0/turbo3,q8_0/turbo4
 kv-study: KV_GROUP := kv-study-$(shell date -u +%Y%m%dT%H%M%SZ)
-kv-study: setup turboquant
+kv-study: setup patched
 	$(PY) -m bindgen
 	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca ppl --cache $(KV_TYPES) --ctx 512 --chunks 4 --native --ref f32 --noise --plot \
 		--out bench-results/kv-study
@@ -120,7 +132,7 @@ kv-study: setup turboquant
 KV_LONG_TYPES ?= f16,q8_0,q4_0,turbo4,turbo3,turbo2
 KV_LONG_OUT ?= bench-results/kv-long-study
 kv-long-study: KV_GROUP := kv-long-study-$(shell date -u +%Y%m%dT%H%M%SZ)
-kv-long-study: setup turboquant
+kv-long-study: setup patched
 	$(PY) -m bindgen
 	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca kv-retrieval --cache $(KV_LONG_TYPES) \
 		--lengths 1024,2048,4096,8192,16384 --needles 12 --ref f32 --noise --plot --out $(KV_LONG_OUT)
