@@ -33,9 +33,9 @@ GBNF_XFAIL: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def started(model):
-    t0 = time.perf_counter()
+    """The engine, and whether its tokenizer was already built when start returned."""
     engine = GrammarEngine.start(model)
-    return engine, time.perf_counter() - t0
+    return engine, engine.ready
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +143,11 @@ def free_whitespace(text: str) -> list[int]:
 
 
 def test_start_returns_immediately_and_compile_waits(started, model):
-    eng, seconds = started
-    assert seconds < 0.5, f"GrammarEngine.start took {seconds:.2f} s"
+    eng, built_at_return = started
+    # start returned before the build ended (a Python loop over the 262,144-token
+    # vocabulary, seconds long): a bound on start's own wall time would also measure
+    # the machine's load
+    assert not built_at_return, "GrammarEngine.start waited for the tokenizer build"
     g = eng.compile('root ::= "ok"')  # waits for the background build
     assert eng.ready and eng.build_seconds is not None
     assert eng.tokenizer.vocab_size == model.n_vocab

@@ -15,7 +15,8 @@ valid `infer` requests (1-4 tokens). Then:
 - no token arrives after its request ended, and no event is an internal error.
 
 CLICKPACA_FUZZ_SEED picks the fixed seed; CLICKPACA_FUZZ_LINES another length. A failing
-fresh seed is printed: rerun it with CLICKPACA_FUZZ_SEED=<seed>.
+fresh seed is printed: rerun it with CLICKPACA_FUZZ_SEED=<seed>. Under CI the fresh seed is a
+second fixed seed (conftest.fresh_seed), so a CI run repeats.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ import pytest
 from clickpaca.client import Client
 from clickpaca.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
 from clickpaca.server import read_lines
-from conftest import spawn_server
+from conftest import fresh_seed, spawn_server
 
 pytestmark = pytest.mark.model
 
 SEED = int(os.environ.get("CLICKPACA_FUZZ_SEED", "20261129"))
 N_LINES = int(os.environ.get("CLICKPACA_FUZZ_LINES", "5000"))
-FRESH_SEED = random.SystemRandom().randrange(1 << 32)
+FRESH_SEED = fresh_seed(SEED)  # random each local run; fixed under CI
 N_SEQ = 16  # spawn_server's nSeqMax
 RUN_SEQS = list(range(12))  # where the generator sends the infers it means to run
 SIDE_SEQS = [12, 13, 14, 15]  # prefill / fork / score / save / load

@@ -89,17 +89,58 @@ def test_a_newer_schema_is_refused_and_left_alone(tmp_path):
     assert db.read_bytes() == before
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def _page_size(data: bytes) -> int:
+    """The page size from the database header (bytes 16-17, big-endian; 1 means 65536)."""
+    size = int.from_bytes(data[16:18], "big")
+    return 65536 if size == 1 else size
+
+
+def _btree_header(data: bytes, page: int) -> tuple[int, int]:
+    """(offset, length) of page ``page``'s b-tree page header: page 1's starts after the
+    100-byte database header, other pages' at (page - 1) * page size; 12 bytes for an
+    interior page (types 2 and 5), 8 for a leaf (10 and 13)."""
+    start = 100 if page == 1 else (page - 1) * _page_size(data)
+    kind = data[start]
+    assert kind in (2, 5, 10, 13), f"page {page} is not a b-tree page (type {kind})"
+    return start, 12 if kind in (2, 5) else 8
+
+
+def _recorded_store(db, monkeypatch, n_samples=500) -> None:
+    """A store with one recorded run, checkpointed and closed: the whole database in the file."""
+    rid = _record(db, monkeypatch, {"params": {}, "rows": [{"tps": {"median": 1.0, "samples": [1.0] * n_samples}}]})
+    assert rid == 1
+    with Store(db) as s:
+        s.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert not os.path.exists(f"{db}-wal") or os.path.getsize(f"{db}-wal") == 0
+
+
+def _root_page(db, name: str) -> int:
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute("SELECT rootpage FROM sqlite_master WHERE name=?", (name,)).fetchone()[0])
+    finally:
+        conn.close()
+
+
+# Every damage lands on a structure SQLite reads on every open of the store (the header,
+# or the b-tree page header of a page in use: the store's quick_check walks every b-tree),
+# so what the record holds (timings, the machine's name) cannot move it onto unused bytes.
+@pytest.mark.parametrize("damage", ["garbage", "database header", "page 1 b-tree header",
+                                    "runs root b-tree header", "samples root b-tree header"])
 def test_a_damaged_file_gets_a_clear_error_and_is_never_overwritten(tmp_path, monkeypatch, capsys, damage):
     db = tmp_path / "r.sqlite3"
     if damage == "garbage":
         db.write_bytes(b"these are not the bytes of a database\n" * 200)
     else:
-        rid = _record(db, monkeypatch, {"params": {}, "rows": [{"tps": {"median": 1.0, "samples": [1.0] * 500}}]})
-        assert rid == 1
-        Store(db).conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        data = db.read_bytes()
-        db.write_bytes(data[: len(data) // 2] + b"\x00" * 17 + data[len(data) // 2 + 17:])
+        _recorded_store(db, monkeypatch)
+        data = bytearray(db.read_bytes())
+        if damage == "database header":
+            start, n = 0, 100
+        else:
+            page = 1 if damage.startswith("page 1") else _root_page(db, damage.split()[0])
+            start, n = _btree_header(data, page)
+        data[start:start + n] = bytes(n)
+        db.write_bytes(bytes(data))
     before = db.read_bytes()
     with pytest.raises(ResultsStoreError, match="left untouched"):
         Store(db)
@@ -113,6 +154,60 @@ def test_a_damaged_file_gets_a_clear_error_and_is_never_overwritten(tmp_path, mo
             ran.append(1)
     assert not ran
     assert db.read_bytes() == before
+
+
+def _unused_region(db, monkeypatch, where: str) -> tuple[int, int]:
+    """(offset, length) of bytes the database does not use, found from the file's
+    structure: a freelist leaf page (a run's big samples recorded, then deleted: their
+    overflow pages go to the freelist; header bytes 32-35 name the first trunk page, whose
+    bytes 4-7 count its leaves and 8.. list them), or page 1's unallocated space (between
+    the end of its cell pointer array and the start of its cell content area)."""
+    if where == "freelist page":
+        _recorded_store(db, monkeypatch, n_samples=20000)  # 160 kB of samples: overflow pages
+        _record(db, monkeypatch, {"params": {}, "rows": [{"tps": {"median": 2.0, "samples": [2.0] * 5}}]})
+        conn = sqlite3.connect(db, isolation_level=None)
+        conn.execute("DELETE FROM samples WHERE run_id=1")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+        data = db.read_bytes()
+        size = _page_size(data)
+        trunk = int.from_bytes(data[32:36], "big")
+        assert trunk and int.from_bytes(data[36:40], "big") >= 2, "no free pages"
+        t0 = (trunk - 1) * size
+        assert int.from_bytes(data[t0 + 4:t0 + 8], "big") >= 1, "the trunk lists no leaf"
+        leaf = int.from_bytes(data[t0 + 8:t0 + 12], "big")
+        return (leaf - 1) * size, size
+    _recorded_store(db, monkeypatch)
+    data = db.read_bytes()
+    start, n = _btree_header(data, 1)
+    cells = int.from_bytes(data[start + 3:start + 5], "big")
+    content = int.from_bytes(data[start + 5:start + 7], "big") or 65536
+    lo = start + n + 2 * cells
+    assert content > lo, "page 1 has no unallocated space"
+    return lo, content - lo
+
+
+@pytest.mark.parametrize("where", ["freelist page", "page 1 unallocated space"])
+def test_damage_to_unused_space_leaves_the_store_working(tmp_path, monkeypatch, where):
+    """The converse: garbage where SQLite keeps nothing (located from the file's
+    structure, not by luck) is no damage: the store opens, its runs and samples read
+    back, and new runs are recorded."""
+    db = tmp_path / "r.sqlite3"
+    start, n = _unused_region(db, monkeypatch, where)
+    data = bytearray(db.read_bytes())
+    data[start:start + n] = (b"\xa5\x5a" * n)[:n]
+    db.write_bytes(bytes(data))
+    with Store(db) as s:
+        assert s.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        runs = s.runs()
+        kept, value, n = (2, 2.0, 5) if where == "freelist page" else (1, 1.0, 500)
+        assert [r["id"] for r in runs] == ([2, 1] if where == "freelist page" else [1])
+        assert s.samples(kept)["rows/0/tps"]["rounds"].tolist() == [value] * n
+    rid = _record(db, monkeypatch, {"params": {}, "rows": [{"tps": {"median": 3.0, "samples": [3.0] * 3000}}]})
+    with Store(db) as s:
+        assert s.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert s.run(rid)["status"] == "complete"
+        assert len(s.runs()) == len(runs) + 1
 
 
 def test_a_failing_command_is_recorded_as_failed(tmp_path, monkeypatch):

@@ -130,11 +130,15 @@ def test_known_types_pass_the_probe():
 
 
 def test_silence_after_the_connect_is_a_timeout():
-    peer = OnePeer(lambda conn, cmd, payload: threading.Event().wait(3) and False)
+    # the peer stays silent (and connected) until the check has given up, however long a
+    # loaded machine takes to get there: a fixed wait could end first and close instead
+    given_up = threading.Event()
+    peer = OnePeer(lambda conn, cmd, payload: given_up.wait(120) and False)
     try:
         with pytest.raises(wire.WorkerCheckError) as e:
             wire.check_worker(peer.ep, (7, 0, 0), timeout=0.5)
     finally:
+        given_up.set()
         peer.close()
     assert "did not answer the handshake within 0.5 s" in str(e.value)
 

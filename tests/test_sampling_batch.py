@@ -31,10 +31,11 @@ from conftest import TEST_BUILD
 from test_sampling_chain import Ambiguous, make_row, reference, window_arrays
 
 
-def row_of(rng, V, style):
-    """test_sampling_chain's rows (many exact ties when coarse), with special values."""
+def row_of(rng, V, style, drawable=False):
+    """test_sampling_chain's rows (many exact ties when coarse), with special values;
+    ``drawable``: only those that leave a maximum to pick (no NaN, not all -inf)."""
     row = make_row(rng, V, style).copy()  # make_row's rows are read-only
-    special = rng.integers(0, 6)
+    special = rng.choice([0, 1, 4, 5]) if drawable else rng.integers(0, 6)
     if special == 1:
         row[rng.integers(0, V, max(1, V // 4))] = -np.inf
     elif special == 2:
@@ -220,8 +221,10 @@ def nat():
 def test_greedy_paths_pick_what_llama_cpps_greedy_sampler_picks(nat, V, seed, style):
     """The short path and the batched tick against llama_sampler_init_greedy on the whole
     row (ids ascending, so its first maximum is the smallest id); rows without NaN."""
-    row = row_of(np.random.default_rng(seed), V, style)
-    assume(not np.isnan(row).any() and row.max() > -np.inf)
+    # drawn from the rows the test is for, not filtered (a third of all rows have NaN or
+    # no finite maximum: rejecting them risked Hypothesis's filter_too_much health check)
+    row = row_of(np.random.default_rng(seed), V, style, drawable=True)
+    assert not np.isnan(row).any() and row.max() > -np.inf
     with CSampler(nat, "greedy") as c:
         res = c.apply(np.arange(V, dtype=np.int32), row)
     want = int(res.ids[res.selected])

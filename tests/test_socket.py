@@ -149,15 +149,33 @@ def test_namespaces_are_separate(sock_server):
         assert final["type"] == "done" and len(toks) == final["tokens_predicted"]
 
 
+def sessions_of(c: Client) -> int:
+    """How many sessions the server holds (every session that sent a request and has not
+    ended), from its `stats` answer."""
+    c.send({"type": "stats"})
+    while True:
+        ev = c.misc.get(timeout=120)
+        if ev["type"] == "stats":
+            return ev["caches"]["allSessionGrammars"]["sessions"]
+
+
 def test_disconnect_frees_the_sequences(sock_server):
     c = Client.connect(sock_server)
     for sid in range(4):
         c.infer(sid, "Write a long essay about rivers.", maxTokens=2000, temperature=0.8, seed=sid)
     next(c.stream(0))  # generation is under way
-    c.close()
-    time.sleep(1.0)
-    # all 64 slots are free again: another client can start 64 sequences at once
     with Client.connect(sock_server) as d:
+        assert sessions_of(d) >= 3  # the server's own (its --init), c's and d's
+        c.close()
+        # The server frees c's sequences in the step that drops its session, once c's
+        # reader thread has seen the end of its input: wait for that step (not for a
+        # fixed time, which a loaded machine can outlast), then only the server's own
+        # session and d's remain.
+        deadline = time.monotonic() + 120
+        while sessions_of(d) > 2:
+            assert time.monotonic() < deadline, "the closed client's session was never dropped"
+            time.sleep(0.05)
+        # all 64 slots are free again: another client can start 64 sequences at once
         for sid in range(64):
             d.infer(sid, "Hi", maxTokens=1, temperature=0)
         finals = [list(d.stream(sid))[-1] for sid in range(64)]
