@@ -8,7 +8,7 @@ first is the reference):
 - KL divergence against the first type and top-1 agreement, computed in-process
   (see kl.py: `score` returns no full distributions), plus the in-process PPL as a
   cross-check of the server's;
-- with --native, `llama-perplexity -c CTX --chunks N -fa on -ctk K -ctv V` of the
+- with --native, `llama-perplexity -c CTX --chunks N -fa on -ctk K -ctv V` (-fa off for f32) of the
   matching build (turbo types -> builds/turboquant; not with --score-last, which
   llama-perplexity has no option for).
 --score-last N scores only the last N - 1 tokens of each window (the long-range tail).
