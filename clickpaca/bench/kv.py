@@ -79,7 +79,7 @@ def measure(args: Any) -> dict[str, Any]:
                        **({"speed": True, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
                            "repeats": args.repeats, "threads": threads(args)} if speed else {})},
             "machine_start": m0, "rows": rows, "server_problems": problems,
-            "notes": [f"one server per type: nCtx {n_ctx}, nSeqMax 1, flashAttn on; kvBytes is what "
+            "notes": [f"one server per type: nCtx {n_ctx}, nSeqMax 1, {cachetypes.attention_note()}; kvBytes is what "
                       "llama.cpp reports allocating (parsed from its log, MiB with 2 decimals)",
                       "the cache is unified: a sequence of L tokens uses L x bytes/token",
                       "effective bits/value = 16 x bytes/token / f16 bytes/token"]}
