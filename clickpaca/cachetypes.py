@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["CacheType", "UnknownCacheType", "ROWS", "MAINLINE", "DEFAULT", "EXACT", "STUDY_CACHE", "NEAR_TIE_LOSSLESS",
-           "NEAR_TIE_LOSSY", "get", "find", "names", "builds", "build_for", "attention",
+__all__ = ["CacheType", "UnknownCacheType", "ROWS", "MAINLINE", "DEFAULT", "EXACT", "STUDY_CACHE",
+           "NEAR_TIE_LOSSLESS", "NEAR_TIE_LOSSY", "get", "find", "names", "builds", "build_for", "attention",
            "flash_attn_casts", "attention_note", "v_needs_flash_attn", "display_sorted", "docs_table"]
 
 #: The build every type not marked otherwise is in (every other build has its types too).

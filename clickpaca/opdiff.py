@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fa", default="off", choices=["on", "off"])
     ap.add_argument("--unified", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--cache", default=DEFAULT, help=f"K/V cache type, or a K/V pair as q8_0/turbo3 (default {DEFAULT})")
+    ap.add_argument("--cache", default=DEFAULT,
+                    help=f"K/V cache type, or a K/V pair as q8_0/turbo3 (default {DEFAULT})")
     ap.add_argument("--build", default=None, help="default: the one that serves the cache type")
     ap.add_argument("--dump", metavar="FILE", help="record one prompt on this build into FILE and stop")
     ap.add_argument("--tokens", type=int, default=DUMP_TOKENS,

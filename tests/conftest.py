@@ -23,7 +23,8 @@ TEST_CACHE_V = os.environ.get("CLICKPACA_TEST_CACHE_V", cachetypes.DEFAULT)
 # or cell placement: only at a step where the token the other run chose is within this
 # many nats of the token the first run chose. Each cache type's row says its tolerance
 # (clickpaca/cachetypes.py: lossy types amplify the CPU kernels' placement-dependent rounding).
-_TEST_ROWS = (cachetypes.get(TEST_CACHE_K, "CLICKPACA_TEST_CACHE_K"), cachetypes.get(TEST_CACHE_V, "CLICKPACA_TEST_CACHE_V"))
+_TEST_ROWS = (cachetypes.get(TEST_CACHE_K, "CLICKPACA_TEST_CACHE_K"),
+              cachetypes.get(TEST_CACHE_V, "CLICKPACA_TEST_CACHE_V"))
 LOSSLESS = all(r.lossless for r in _TEST_ROWS)
 NEAR_TIE = max(r.near_tie for r in _TEST_ROWS)
 
