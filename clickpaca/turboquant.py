@@ -111,6 +111,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import cachetypes
+
 QK = 128  # values per block = the rotation group the codebook is computed for
 DIM = 128  # the codebooks are for N(0, 1/DIM)
 FP16_MAX = 65504.0
@@ -133,10 +135,11 @@ class TurboType:
         return 8.0 * self.type_size / QK
 
 
+#: The turboquant build's rows of the cache-type table: b index bits per value and an fp16
+#: scale per block of QK (turbo2 2, turbo3 3, turbo4 4: the floor of the row's bits per value).
 TYPES: dict[str, TurboType] = {
-    "turbo2": TurboType("turbo2", 2, 2 + QK * 2 // 8),
-    "turbo3": TurboType("turbo3", 3, 2 + QK * 3 // 8),
-    "turbo4": TurboType("turbo4", 4, 2 + QK * 4 // 8),
+    r.name: TurboType(r.name, int(r.bits), 2 + QK * int(r.bits) // 8)
+    for r in sorted(cachetypes.ROWS, key=lambda r: r.bits) if r.build == "turboquant" and r.block == QK
 }
 
 

@@ -5,7 +5,7 @@ A turbo V needs flash attention. With the kernels deterministic mode pins otherw
 path left that depends on the batch shape is flash attention's tiled (GEMM) path, which
 the turboquant patch takes from deterministic.FA_TILE_ROWS query rows of a stream: a
 96-token prompt decoded at once differs from 48 + 48. With micro-batches of
-deterministic.TURBO_UBATCH every row goes row by row, and the last token's logits are the
+UBATCH every row goes row by row, and the last token's logits are the
 same bits whether the prompt is decoded at once, as 48 + 48, as 95 + 1, or beside three
 other prompts.
 
@@ -23,12 +23,14 @@ import sys
 import numpy as np
 import pytest
 
-from clickpaca import native
+from clickpaca import cachetypes, native
 
 pytestmark = [pytest.mark.turboquant, pytest.mark.model, pytest.mark.slow]
 
 N = 96  # prompt tokens: above FA_TILE_ROWS, so one decode of it takes the tiled path
 TYPES = ("turbo3", "turbo4")
+#: deterministic mode's micro-batch for these types (their rows' det_ubatch)
+UBATCH = cachetypes.get(TYPES[0]).det_ubatch
 
 
 def _measure(types: list[str]) -> dict[str, dict[str, float]]:
@@ -60,7 +62,7 @@ def _measure(types: list[str]) -> dict[str, dict[str, float]]:
     p = prompts[0]
     out: dict[str, dict[str, float]] = {}
     for ct in types:
-        for ub in (512, deterministic.TURBO_UBATCH):
+        for ub in (512, UBATCH):
             one = last_logits(ct, ub, [[(0, p, 0)]])
             variants = {"48 + 48": [[(0, p[:48], 0)], [(0, p[48:], 48)]],
                         "95 + 1": [[(0, p[:-1], 0)], [(0, p[-1:], N - 1)]],
@@ -91,20 +93,21 @@ def test_the_tiled_flash_attention_path_depends_on_the_batch_shape(measured):
 
 
 def test_micro_batches_below_the_tile_give_the_same_bits(measured):
-    from clickpaca.deterministic import TURBO_UBATCH, ubatch
+    from clickpaca.deterministic import FA_TILE_ROWS, ubatch
 
-    assert ubatch(("f16", "turbo3"), 512) == TURBO_UBATCH and ubatch(("f16", "f16"), 512) is None
+    assert {cachetypes.get(t).det_ubatch for t in TYPES} == {UBATCH} and UBATCH < FA_TILE_ROWS
+    assert ubatch(("f16", "turbo3"), 512) == UBATCH and ubatch(("f16", "f16"), 512) is None
     for ct in TYPES:
-        assert measured[f"{ct} ubatch {TURBO_UBATCH}"] == {
+        assert measured[f"{ct} ubatch {UBATCH}"] == {
             "48 + 48": 0.0, "95 + 1": 0.0, "beside 3 other prompts": 0.0}, measured
 
 
 def test_the_server_in_deterministic_mode_with_turbo3_keeps_its_bits_across_chunking_and_batch():
     """`init` deterministic with turbo3 K and V (flash attention on, micro-batches of
-    TURBO_UBATCH): a greedy run of a prompt longer than the tile gives the same bits with
+    the types' det_ubatch): a greedy run of a prompt longer than the tile gives the same bits with
     the prompt decoded at once (nBatch 512) or in chunks of 40, and beside three other
     prompts. (Without the pin the nBatch 512 run takes the tiled path: this test fails
-    with TURBO_UBATCH set to 512, checked when it was written.)"""
+    with det_ubatch set to 512, checked when it was written.)"""
     import tempfile
 
     from clickpaca.client import Client

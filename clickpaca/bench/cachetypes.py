@@ -1,12 +1,12 @@
-"""Cache types a build offers, K/V pair notation, bits per value, which build serves which."""
+"""K/V pair notation, bits per value as a build reports them, which builds are here.
+
+What each type is (bits, build, flash attention) is its row in clickpaca/cachetypes.py.
+"""
 
 from __future__ import annotations
 
+from .. import cachetypes
 from ..native import available_builds
-
-#: Nominal bits per value of llama.cpp's cache types (block size and scale included).
-NOMINAL_BPV = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0,
-               "iq4_nl": 4.5, "q5_0": 5.5, "q5_1": 6.0}
 
 
 def parse_pair(spec: str) -> tuple[str, str]:
@@ -22,12 +22,10 @@ def pair_name(k: str, v: str) -> str:
     return k if k == v else f"{k}/{v}"
 
 
-def build_for(k: str, v: str) -> str:
-    return "turboquant" if k.startswith("turbo") or v.startswith("turbo") else "mainline"
-
-
-def has_turboquant() -> bool:
-    return "turboquant" in available_builds()
+def other_builds() -> list[str]:
+    """The builds here, other than mainline, that have cache types of their own."""
+    here = available_builds()
+    return [b for b in cachetypes.builds() if b != cachetypes.MAINLINE and b in here]
 
 
 def bits_per_value(build: str) -> dict[str, float]:
@@ -46,8 +44,8 @@ def bits_per_value(build: str) -> dict[str, float]:
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         return json.loads(out.stdout.strip().splitlines()[-1])
-    except Exception:  # noqa: BLE001 - fall back to the known table
-        return dict(NOMINAL_BPV)
+    except Exception:  # noqa: BLE001 - fall back to the table's nominal figures
+        return {r.name: r.bits for r in cachetypes.ROWS if r.build in (cachetypes.MAINLINE, build)}
 
 
 def pair_bpv(k: str, v: str, table: dict[str, float]) -> float | None:

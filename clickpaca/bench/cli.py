@@ -6,6 +6,7 @@ import argparse
 import copy
 import time
 
+from ..cachetypes import STUDY_CACHE
 from ..results import recording
 from .stats import progress
 
@@ -19,7 +20,7 @@ ALL_PLAN = {
     "batch": {"seqs": "1,8,64", "prompt_tokens": 32, "tokens": 32, "repeats": 2},
     "grammar": {"seqs": "1,8,64", "tokens": 32, "repeats": 3},
     "kv": {},
-    "state": {"repeats": 3, "cache": "f16,q8_0,q4_0"},
+    "state": {"repeats": 3, "cache": STUDY_CACHE},
     "peer": {"repeats": 3},
 }
 

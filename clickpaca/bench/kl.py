@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import core
-from ..deterministic import UNQUANTIZED_TYPES
+from ..cachetypes import DEFAULT, EXACT, attention
 from ..scoring import chunk_rows, log_softmax, windows_for
 from .stats import progress
 
@@ -35,8 +35,8 @@ class Variant:
     """One way to compute the windows' distributions."""
 
     name: str
-    type_k: str = "f16"
-    type_v: str = "f16"
+    type_k: str = DEFAULT
+    type_v: str = DEFAULT
     flash_attn: str = "on"
     repack: bool = True
     chunk: int = STEP  # tokens of the window per decode (prompt chunking)
@@ -49,11 +49,11 @@ class Variant:
 
 
 #: The exact reference: attention in f32 (flash attention would cast K/V to f16).
-F32_REF = Variant("f32 (flash attention off)", "f32", "f32", flash_attn="off")
+F32_REF = Variant(f"{EXACT} (flash attention off)", EXACT, EXACT, flash_attn="off")
 
 #: The fast default (f16, flash attention on, repacked weights, one KV buffer), the
 #: noise floor's baseline, and each thing that should not matter changed alone.
-NOISE_BASE = Variant("f16 default")
+NOISE_BASE = Variant(f"{DEFAULT} default")
 NOISE = (
     Variant("prompt chunks of 16 (not 64)", chunk=16),
     Variant("with 3 other windows in each batch", company=3),
@@ -191,13 +191,3 @@ def compare(model_path: str, pairs: list[tuple[str, str]], tokens: np.ndarray, w
         out[v.name] = rec
     return out
 
-
-def attention(k: str, v: str) -> str:
-    """Flash attention on, except for an f32 cache, which it would compute in f16."""
-    return "off" if "f32" in (k, v) else "on"
-
-
-def needs_flash_attention(v: str) -> bool:
-    """A quantized V cache needs flash attention in llama.cpp: a noise floor of such a type
-    leaves out its "flash attention off" row."""
-    return v not in UNQUANTIZED_TYPES

@@ -5,23 +5,18 @@ each with nCtx cells and one sequence. Reported: the bytes llama.cpp allocated,
 bytes per token, per 1,000 tokens and per sequence of --kv-ctx tokens, nominal bits
 per value (ggml's type table) and effective bits per value (measured bytes against
 the f16 run: f16 is 16 bits per value). Every type of the mainline build by default,
-plus the turboquant build's turbo types when builds/turboquant exists.
+plus each other build's own types (the turboquant build's turbo types) when it is built:
+default_pairs, from the rows of clickpaca/cachetypes.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .cachetypes import (
-    bits_per_value,
-    build_for,
-    has_turboquant,
-    pair_bpv,
-    pair_name,
-    parse_pair,
-)
+from .. import cachetypes
+from ..cachetypes import DEFAULT, attention, build_for
+from .cachetypes import bits_per_value, other_builds, pair_bpv, pair_name, parse_pair
 from .common import model_path, out_dir, png, threads, with_defaults
-from .kl import attention
 from .report import emit, machine, plot_points
 from .serve import Server
 from .stats import median, parse_list, progress, ratio, summary
@@ -32,15 +27,19 @@ KV_CTX = 4096
 
 
 def default_pairs(model: str, build: str) -> list[tuple[str, str]]:
-    with Server({"modelPath": model, "build": build, "nCtx": 256, "nSeqMax": 1}) as s:
-        types = list(s.ready["cacheTypes"])
-    order = ["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
-    types.sort(key=lambda t: (order.index(t) if t in order else len(order), t))
-    pairs = [(t, t) for t in types]
-    if build == "mainline" and has_turboquant():
-        with Server({"modelPath": model, "build": "turboquant", "nCtx": 256, "nSeqMax": 1}) as s:
-            turbo = [t for t in s.ready["cacheTypes"] if t.startswith("turbo")]
-        pairs += [(t, t) for t in turbo] + [("q8_0", t) for t in turbo]
+    """Every type the build offers (ready.cacheTypes), in the table's order; from mainline,
+    also the types of each other build here that are its own, K = V and then as V under
+    the K their row names (bench_k)."""
+    def offered(b: str) -> list[str]:
+        with Server({"modelPath": model, "build": b, "nCtx": 256, "nSeqMax": 1}) as s:
+            return cachetypes.display_sorted(s.ready["cacheTypes"])
+
+    pairs = [(t, t) for t in offered(build)]
+    if build == cachetypes.MAINLINE:
+        for other in other_builds():
+            own = [t for t in offered(other) if (r := cachetypes.find(t)) and r.build == other]
+            pairs += [(t, t) for t in own]
+            pairs += [(k, t) for t in own if (k := cachetypes.get(t).bench_k)]
     return pairs
 
 
@@ -50,12 +49,11 @@ def measure(args: Any) -> dict[str, Any]:
     n_ctx = int(getattr(args, "kv_ctx", None) or KV_CTX)
     cache = getattr(args, "cache", None)
     pairs = [parse_pair(s) for s in parse_list(cache, str)] if cache else default_pairs(model, args.build)
-    bpv_tables = {"mainline": bits_per_value("mainline")}
-    if any(build_for(k, v) == "turboquant" for k, v in pairs):
-        bpv_tables["turboquant"] = bits_per_value("turboquant")
+    builds = {build_for(k, v) if args.build == cachetypes.MAINLINE else args.build for k, v in pairs}
+    bpv_tables = {b: bits_per_value(b) for b in sorted(builds)}
     rows, problems = [], []
     for k, v in pairs:
-        build = build_for(k, v) if args.build == "mainline" else args.build
+        build = build_for(k, v) if args.build == cachetypes.MAINLINE else args.build
         progress(f"kv: {pair_name(k, v)} ({build})")
         try:
             with Server({"modelPath": model, "build": build, "nCtx": n_ctx, "nSeqMax": 1,
@@ -70,10 +68,10 @@ def measure(args: Any) -> dict[str, Any]:
                      "n_ctx": ready["nCtx"], "kv_bytes": kvb, "bytes_per_token": kvb / ready["nCtx"],
                      "bytes_per_1k_tokens": kvb / ready["nCtx"] * 1000,
                      "bpv_nominal": pair_bpv(k, v, bpv_tables.get(build, {}))})
-    f16 = next((r for r in rows if r.get("cache") == "f16" and "kv_bytes" in r), None)
+    f16 = next((r for r in rows if r.get("cache") == DEFAULT and "kv_bytes" in r), None)
     for r in rows:
         if f16 and "kv_bytes" in r:
-            r["bpv_effective"] = 16.0 * r["bytes_per_token"] / f16["bytes_per_token"]
+            r["bpv_effective"] = cachetypes.get(DEFAULT).bits * r["bytes_per_token"] / f16["bytes_per_token"]
     speed = bool(getattr(args, "speed", False))
     if speed:
         measure_speed(args, model, rows)
@@ -81,7 +79,7 @@ def measure(args: Any) -> dict[str, Any]:
                        **({"speed": True, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
                            "repeats": args.repeats, "threads": threads(args)} if speed else {})},
             "machine_start": m0, "rows": rows, "server_problems": problems,
-            "notes": [f"one server per type: nCtx {n_ctx}, nSeqMax 1, flashAttn on; kvBytes is what "
+            "notes": [f"one server per type: nCtx {n_ctx}, nSeqMax 1, {cachetypes.attention_note()}; kvBytes is what "
                       "llama.cpp reports allocating (parsed from its log, MiB with 2 decimals)",
                       "the cache is unified: a sequence of L tokens uses L x bytes/token",
                       "effective bits/value = 16 x bytes/token / f16 bytes/token"]}
@@ -101,7 +99,7 @@ def measure_speed(args: Any, model: str, rows: list[dict[str, Any]]) -> None:
             continue
         r.update({"pp_tps": summary(res["pp"]["samples_ts"]), "tg_tps": summary(res["tg"]["samples_ts"]),
                   "speed_cmd": res["cmd"]})
-    f16 = next((r for r in rows if r.get("cache") == "f16" and "pp_tps" in r), None)
+    f16 = next((r for r in rows if r.get("cache") == DEFAULT and "pp_tps" in r), None)
     for r in rows:
         if f16 and "pp_tps" in r:
             r["pp_vs_f16"] = ratio(r["pp_tps"]["median"], f16["pp_tps"]["median"])

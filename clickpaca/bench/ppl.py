@@ -8,7 +8,7 @@ first is the reference):
 - KL divergence against the first type and top-1 agreement, computed in-process
   (see kl.py: `score` returns no full distributions), plus the in-process PPL as a
   cross-check of the server's;
-- with --native, `llama-perplexity -c CTX --chunks N -fa on -ctk K -ctv V` of the
+- with --native, `llama-perplexity -c CTX --chunks N -fa on -ctk K -ctv V` (-fa off for f32) of the
   matching build (turbo types -> builds/turboquant; not with --score-last, which
   llama-perplexity has no option for).
 --score-last N scores only the last N - 1 tokens of each window (the long-range tail).
@@ -24,9 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import cachetypes
+from ..cachetypes import DEFAULT, EXACT, attention, build_for
 from ..scoring import check_score_last
-from .cachetypes import bits_per_value, build_for, pair_bpv, pair_name, parse_pair
-from .kl import attention, compare_variants, needs_flash_attention
+from .cachetypes import bits_per_value, pair_bpv, pair_name, parse_pair
+from .kl import compare_variants
 from .common import model_path, out_dir, png
 from .report import emit, machine, plot_points
 from .serve import Server
@@ -79,8 +81,8 @@ def measure(args: Any) -> dict[str, Any]:
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     text, text_path = read_text(args.text)
     # one build per process: the in-process part (tokenizing here, KL below) uses the
-    # turboquant build when any type needs it (it offers every mainline type too)
-    kl_build = "turboquant" if any(build_for(k, v) == "turboquant" for k, v in pairs) else "mainline"
+    # build any type needs (the turboquant build offers every mainline type too)
+    kl_build = build_for(*(t for pair in pairs for t in pair))
     mdl = core.Model(model, build=kl_build)
     try:
         cut, chunks, n_tok = cut_text(mdl, text, args.ctx, args.chunks)
@@ -113,10 +115,10 @@ def measure(args: Any) -> dict[str, Any]:
             rec["error_server"] = str(e)
             problems.append(f"score with {name}: {e}")
     progress(f"ppl: KL / top-1 in-process ({kl_build} build)")
-    ref = getattr(args, "ref", None) or "f16"
+    ref = getattr(args, "ref", None) or DEFAULT
     noise_rows: list[dict[str, Any]] = []
     try:
-        noise_of = parse_pair(getattr(args, "noise_of", None) or "f16")
+        noise_of = parse_pair(getattr(args, "noise_of", None) or DEFAULT)
         variants, refs, noise_at = plan_variants(pairs, ref, bool(getattr(args, "noise", False)), noise_of)
         recs = compare_variants(model, variants, refs, tokens, args.ctx, build=kl_build, threads=threads,
                                 score_last=score_last)
@@ -132,9 +134,9 @@ def measure(args: Any) -> dict[str, Any]:
             samples.setdefault(pair_name(k, v), {}).update(
                 {"token_nll_inproc": c["token_nll"], "token_kl": vs.get("token_kl"),
                  "token_top1": vs.get("token_top1")})
-        if ref == "f32":
+        if ref == EXACT:
             c = recs[refs[0]]
-            rows["f32 ref"] = {"cache": "f32 ref", "cache_k": "f32", "cache_v": "f32", "build": kl_build,
+            rows[f"{EXACT} ref"] = {"cache": f"{EXACT} ref", "cache_k": EXACT, "cache_v": EXACT, "build": kl_build,
                                "ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"], "kl_ref": primary,
                                "kl_mean": 0.0, "top1_agreement": 1.0, "flash_attn": "off"}
         base = variants[noise_at[0]].name if noise_at else None
@@ -143,7 +145,7 @@ def measure(args: Any) -> dict[str, Any]:
             noise_rows.append({"source": variants[i].name, "ppl": recs[i]["ppl"], "dppl": vs["dppl"],
                                "kl_mean": vs["kl_mean"], "kl_p99": vs["kl_p99"], "kl_max": vs["kl_max"],
                                "top1_agreement": vs["top1_agreement"]})
-        if noise_rows and noise_of == ("f16", "f16"):  # another type's floor is shown, not applied
+        if noise_rows and noise_of == (DEFAULT, DEFAULT):  # another type's floor is shown, not applied
             floor_kl = max(r["kl_mean"] for r in noise_rows)
             floor_dppl = max(abs(r["dppl"]) for r in noise_rows)
             for r in rows.values():
@@ -168,31 +170,31 @@ def measure(args: Any) -> dict[str, Any]:
     bpv = {b: bits_per_value(b) for b in {r["build"] for r in rows.values()}}
     for r in rows.values():
         r["bpv"] = pair_bpv(r["cache_k"], r["cache_v"], bpv[r["build"]])
-    ref_name = "f32 K/V with flash attention off (the exact reference)" if ref == "f32" \
+    ref_name = f"{EXACT} K/V with flash attention off (the exact reference)" if ref == EXACT \
         else f"the first type ({pair_name(*pairs[0])})"
     scored = (f"the last {score_last - 1} tokens of each scored (--score-last {score_last}: every scored "
               f"token sees at least {args.ctx - score_last} tokens)") if score_last else \
         "second half of each scored (llama-perplexity's method)"
     notes = [f"text: {text_path}; {chunks} windows of {args.ctx} tokens, {scored}; "
-             "flash attention on (off for f32, which it would compute in f16)",
+             + cachetypes.attention_note(),
              f"KL(P_ref || P_type) in nats per position and top-1 agreement, vs {ref_name}, computed "
              f"in-process on the {kl_build} build",
              "ppl server = the server's `score`; ppl in-process = the same windows through clickpaca.core "
              "(should match the server closely)" if not getattr(args, "no_server", False) else
              "--no-server: the server's score pass skipped; PPL from the in-process windows only"]
-    if noise_rows and noise_of != ("f16", "f16"):
+    if noise_rows and noise_of != (DEFAULT, DEFAULT):
         notes.append(f"noise floor of {pair_name(*noise_of)} (--noise-of): its default computation changed in "
                      "one thing that should not matter, KL and dPPL against it (shown, not applied to the "
                      "other rows)")
     elif noise_rows:
-        notes.append("noise floor: the f16 default computation changed in one thing that should not "
+        notes.append(f"noise floor: the {DEFAULT} default computation changed in one thing that should not "
                      "matter, KL and dPPL against it; a type's effect stands above the noise when its KL "
                      "and |dPPL| exceed the largest of these (KL / floor, above noise)")
     return {"noise": noise_rows,
             "params": {"cache": [pair_name(k, v) for k, v in pairs], "ctx": args.ctx, "chunks": chunks,
                        **({"score_last": score_last} if score_last else {}),
                        "ref": ref, "noise": bool(noise_rows),
-                       **({"noise_of": pair_name(*noise_of)} if noise_rows and noise_of != ("f16", "f16") else {}),
+                       **({"noise_of": pair_name(*noise_of)} if noise_rows and noise_of != (DEFAULT, DEFAULT) else {}),
                        "text": text_path, "tokens": n_tok, "threads": threads, "model": model,
                        "native": bool(args.native), "server": not getattr(args, "no_server", False),
                        "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
@@ -202,7 +204,7 @@ def measure(args: Any) -> dict[str, Any]:
 
 
 def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
-                  noise_of: tuple[str, str] = ("f16", "f16")) -> tuple[list, list[int], list[int]]:
+                  noise_of: tuple[str, str] = (DEFAULT, DEFAULT)) -> tuple[list, list[int], list[int]]:
     """(variants, reference indices (the primary first), noise indices (its base first)):
     the cache types first, in order; then the f32 reference; then the noise floor's
     variants, based on the first type when it is the f16 default, else on its own f16 base.
@@ -212,7 +214,7 @@ def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
 
     from .kl import F32_REF, NOISE, NOISE_BASE, Variant
 
-    if noise and noise_of != ("f16", "f16"):
+    if noise and noise_of != (DEFAULT, DEFAULT):
         k, v = noise_of
         base = Variant(f"{pair_name(k, v)} default", k, v)
         variants, refs, _ = plan_variants(pairs, ref, False)
@@ -223,22 +225,22 @@ def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
             noise_at = [len(variants) - 1]
             refs.append(noise_at[0])
         for n in NOISE:
-            if n.flash_attn == "off" and needs_flash_attention(v):
+            if n.flash_attn == "off" and cachetypes.v_needs_flash_attn(v, "--noise-of"):
                 continue
             variants.append(replace(n, type_k=k, type_v=v))
             noise_at.append(len(variants) - 1)
         return variants, refs, noise_at
 
-    if ref not in ("f16", "f32"):
-        raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
+    if ref not in (DEFAULT, EXACT):
+        raise ValueError(f"--ref: must be {DEFAULT} or {EXACT}, got {ref!r}")
     variants = [Variant(pair_name(k, v), k, v, flash_attn=attention(k, v)) for k, v in pairs]
     refs = [0]
-    if ref == "f32":
+    if ref == EXACT:
         variants.append(F32_REF)
         refs = [len(variants) - 1, 0]
     noise_at: list[int] = []
     if noise:
-        if variants[0].pair == "f16/f16" and variants[0].flash_attn == NOISE_BASE.flash_attn:
+        if variants[0].pair == NOISE_BASE.pair and variants[0].flash_attn == NOISE_BASE.flash_attn:
             noise_at.append(0)
         else:
             variants.append(NOISE_BASE)
@@ -254,7 +256,7 @@ def table(out: dict[str, Any]) -> str:
     two = next((r["kl_ref2"] for r in out["rows"] if r.get("kl_ref2")), None)  # the second reference's name
     floor = bool(out.get("noise"))
     head = ["K/V", "build", "bits/value", "PPL server", "PPL in-process", "PPL llama-perplexity",
-            f"KL mean vs {out['params'].get('ref', 'f16')}", "KL p99", "top-1 agree"]
+            f"KL mean vs {out['params'].get('ref', DEFAULT)}", "KL p99", "top-1 agree"]
     head += [f"KL mean vs {two}"] if two else []
     head += ["KL / noise floor", "above noise"] if floor else []
     rows = []
@@ -266,7 +268,7 @@ def table(out: dict[str, Any]) -> str:
         rows.append(tuple(row))
     text = markdown(head, rows, align="ll" + "r" * (len(head) - 2))
     if floor:
-        of = out["params"].get("noise_of", "f16")
+        of = out["params"].get("noise_of", DEFAULT)
         text += f"\n\nNoise floor ({of} default against itself changed in one thing):\n\n" + markdown(
             ["changed", "PPL", "dPPL", "KL mean", "KL p99", "KL max", "top-1 agree"],
             [(r["source"], r["ppl"], r["dppl"], r["kl_mean"], r["kl_p99"], r["kl_max"], r["top1_agreement"])

@@ -19,9 +19,9 @@ import tempfile
 import time
 from typing import Any
 
-from .cachetypes import build_for, pair_name, parse_pair
+from ..cachetypes import DEFAULT, MAINLINE, STUDY_CACHE, attention, build_for
+from .cachetypes import pair_name, parse_pair
 from .common import model_path, out_dir, with_defaults
-from .kl import attention
 from .report import emit, machine
 from .serve import Server, run_group
 from .stats import alternate, median, parse_list, progress, ratio, summary
@@ -36,7 +36,7 @@ CHARS_PER_TOKEN = 3.45  # Gemma's tokenizer on the start of Hamlet (measured ~3.
 #: token when tokenized together, and the paths would see different tokens.
 QUESTION = "Question: Who is Horatio, and whom does he speak to about the ghost?\nAnswer:"
 GEN = 8
-DEFAULT_CACHE = "f16,q8_0,q4_0"
+DEFAULT_CACHE = STUDY_CACHE
 
 
 def document(n_tokens: int, path: str | None = None) -> str:
@@ -125,9 +125,9 @@ def measure(args: Any) -> dict[str, Any]:
     sizes = []
     for spec in parse_list(getattr(args, "cache", None) or DEFAULT_CACHE, str):
         k, v = parse_pair(spec)
-        build = build_for(k, v) if args.build == "mainline" else args.build
-        if (k, v) == ("f16", "f16") and build == args.build:
-            sizes.append({"cache": "f16", "bytes": saved["bytes"], "tokens": saved["tokens"],
+        build = build_for(k, v) if args.build == MAINLINE else args.build
+        if (k, v) == (DEFAULT, DEFAULT) and build == args.build:
+            sizes.append({"cache": DEFAULT, "bytes": saved["bytes"], "tokens": saved["tokens"],
                           "bytes_per_token": saved["bytes"] / saved["tokens"]})
             continue
         progress(f"state: file size for {pair_name(k, v)}")

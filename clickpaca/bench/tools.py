@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from ..cachetypes import attention
 from ..native import build_dir
 
 PPL_FINAL_RE = re.compile(r"Final estimate:\s*PPL\s*=\s*([0-9.eE+-]+|nan|inf)(?:\s*\+/-\s*([0-9.eE+-]+))?")
@@ -87,8 +88,10 @@ def llama_bench_tg(model: str, n_gen: int, threads: int, build: str = "mainline"
 def llama_bench_kv(model: str, n_prompt: int, n_gen: int, threads: int, cache_k: str, cache_v: str,
                    build: str = "mainline", repetitions: int = 3) -> dict[str, Any]:
     """Prompt and generation speed with a cache type pair: `llama-bench -fa 1 -p P -n G
-    -ctk K -ctv V -r R` (records keyed `pp` and `tg`, per-repetition samples_ts in each)."""
-    cmd = [str(tool_path("llama-bench", build)), "-m", model, "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
+    -ctk K -ctv V -r R` (records keyed `pp` and `tg`, per-repetition samples_ts in each);
+    -fa 0 where flash attention would not compute a type as itself (cachetypes.attention)."""
+    fa = "1" if attention(cache_k, cache_v) == "on" else "0"  # as the server runs the type
+    cmd = [str(tool_path("llama-bench", build)), "-m", model, "-fa", fa, "-p", str(n_prompt), "-n", str(n_gen),
            "-t", str(threads), "-r", str(repetitions), "-ctk", cache_k, "-ctv", cache_v, "-o", "json"]
     out, _ = run_tool(cmd)
     recs = parse_llama_bench_json(out)
@@ -172,7 +175,8 @@ def parse_perplexity(text: str) -> dict[str, Any]:
 def perplexity(model: str, text_file: str, ctx: int, chunks: int, cache_k: str, cache_v: str,
                threads: int, build: str = "mainline") -> dict[str, Any]:
     cmd = [str(tool_path("llama-perplexity", build)), "-m", model, "-f", text_file, "-c", str(ctx),
-           "--chunks", str(chunks), "-fa", "on", "-ctk", cache_k, "-ctv", cache_v, "-t", str(threads)]
+           "--chunks", str(chunks), "-fa", attention(cache_k, cache_v), "-ctk", cache_k, "-ctv", cache_v,
+           "-t", str(threads)]
     out, err = run_tool(cmd)
     rec = parse_perplexity(out + "\n" + err)
     rec["cmd"] = " ".join(cmd)

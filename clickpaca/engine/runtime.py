@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
+from .. import cachetypes, chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
 from ..activations import steer
 from ..activations.vector import ContextVector
 from ..grammars import GrammarEngine
@@ -98,7 +98,7 @@ class Runtime:
         With rpcServers, the workers are checked and connected first, and a worker lost
         later calls `on_worker_lost` with a message naming it (rpc/loss.py)."""
         types = (req.cacheTypeK, req.cacheTypeV)
-        build = req.build or ("turboquant" if any(t.startswith("turbo") for t in types) else "mainline")
+        build = req.build or cachetypes.build_for(*types)
         det = req.deterministic  # the edge (protocol.py) set its flashAttn and kvUnified
         flash_attn = attention_for(types, req.flashAttn)
         states = open_state_dir(req.stateDir or state_dir, allow_any_path)
@@ -236,15 +236,18 @@ def close_workers(workers: rpc.RpcDevices | None, loss: rpc.WorkerLoss | None) -
 
 
 def attention_for(types: tuple[str, str], flash_attn: str) -> str:
-    """The flashAttn to ask llama.cpp for. Its flash attention reads K and V as f16 (it
-    casts an f32 cache), so an f32 cache with it on would be reported as f32 and computed
-    in f16: "on" is refused, "auto" becomes "off"."""
-    if "f32" in types:
+    """The flashAttn to ask llama.cpp for. Its flash attention reads some types as another
+    (f32 as f16: cachetypes.py), so such a cache with it on would be reported as itself and
+    computed as the other: "on" is refused, "auto" becomes "off"."""
+    cast = cachetypes.flash_attn_casts(types)
+    if cast is not None:
+        i, row = cast
         if flash_attn == "on":
-            field = "cacheTypeK" if types[0] == "f32" else "cacheTypeV"
-            raise ProtocolError(f"flashAttn: 'on' computes attention in f16 (llama.cpp casts an f32 "
-                                f"K/V cache to f16 for it), so {field} f32 would not be f32; use "
-                                "flashAttn 'off' or 'auto' (which turns it off for f32)", request="init")
+            field = ("cacheTypeK", "cacheTypeV")[i]
+            raise ProtocolError(f"flashAttn: 'on' computes attention in {row.flash_attn_casts_to} (llama.cpp "
+                                f"casts a {row.name} K/V cache to {row.flash_attn_casts_to} for it), so {field} "
+                                f"{row.name} would not be {row.name}; use flashAttn 'off' or 'auto' (which "
+                                f"turns it off for {row.name})", request="init")
         return "off"
     return flash_attn
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cachetypes import EXACT
 from . import paired
 from .store import ResultsStoreError, Store
 
@@ -120,8 +121,8 @@ def _reference(run: dict[str, Any]) -> str | None:
     with `--ref f32` the f32 reference row (then KL against the first type is a mean only)."""
     result = run.get("result") or {}
     rows = result.get("rows") or []
-    if (result.get("params") or {}).get("ref") == "f32":
-        return next((r["cache"] for r in rows if (r.get("cache_k"), r.get("cache_v")) == ("f32", "f32")), None)
+    if (result.get("params") or {}).get("ref") == EXACT:
+        return next((r["cache"] for r in rows if (r.get("cache_k"), r.get("cache_v")) == (EXACT, EXACT)), None)
     return rows[0].get("cache") if rows else None
 
 
@@ -152,7 +153,7 @@ def quality_pair(store: Store, ra: dict, sa: str, xa: dict, rb: dict, sb: str, x
     out["verdict"] = paired.verdict(rel_lo, rel_hi, out["delta_ppl_rel"], floor=floor)
     same_run = ra["id"] == rb["id"]
     ref = _reference(ra)
-    f32_ref = ((ra.get("result") or {}).get("params") or {}).get("ref") == "f32"
+    f32_ref = ((ra.get("result") or {}).get("params") or {}).get("ref") == EXACT
     if same_run and (sa == ref or f32_ref):
         # KL(P_ref || P_b) and top-1 agreement were measured against the run's reference:
         # A itself, or the f32 reference of a --ref f32 run (named, since it is not A)

@@ -47,7 +47,8 @@ def _builds_of(args: Any) -> list[str]:
     builds = {getattr(args, "build", None) or "mainline"}
     cache = getattr(args, "cache", None)
     if cache and builds == {"mainline"}:  # mainline picks the build per type (turbo types: turboquant)
-        from ..bench.cachetypes import build_for, parse_pair
+        from ..bench.cachetypes import parse_pair
+        from ..cachetypes import build_for
 
         builds |= {build_for(*parse_pair(s)) for s in str(cache).split(",") if s.strip()}
     return sorted(builds)

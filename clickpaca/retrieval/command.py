@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import core
-from ..bench.cachetypes import build_for, pair_name, parse_pair
+from .. import cachetypes, core
+from ..bench.cachetypes import pair_name, parse_pair
 from ..bench.common import model_path, out_dir, png
-from ..bench.kl import attention, needs_flash_attention
+from ..cachetypes import DEFAULT, EXACT, attention, build_for
 from ..bench.report import emit, machine, plot_lines
 from ..bench.stats import parse_list, progress
 from ..bench.table import fmt, markdown
@@ -39,8 +39,8 @@ from .haystack import assemble, depths, make_needles
 from .runner import Setup, run
 from .stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
 
-F32_REF = Setup("f32 (flash attention off)", "f32", "f32", flash_attn="off")
-BASE = Setup("f16")
+F32_REF = Setup(f"{EXACT} (flash attention off)", EXACT, EXACT, flash_attn="off")
+BASE = Setup(DEFAULT)
 NOISE = (
     Setup("prompt chunks of 64 (not 256)", chunk=64),
     Setup("questions one per decode (not all forks in one)", solo=True),
@@ -48,7 +48,7 @@ NOISE = (
     Setup("flash attention off", flash_attn="off"),
     Setup("weights not repacked", repack=False),
 )
-CONTROL = "f16, needles removed"
+CONTROL = f"{DEFAULT}, needles removed"
 
 
 class Stopped(RuntimeError):
@@ -65,15 +65,15 @@ def plan(pairs: list[tuple[str, str]], ref: str, noise: bool,
     """(role, setup) in the order they run: ref, base, control, noise, the other types.
     noise_of: the floor of that type (one of `pairs`) instead of f16's: the type runs right
     before its noise rows, which leave out flash attention off for a quantized V (it needs it)."""
-    if ref not in ("f16", "f32"):
-        raise ValueError(f"--ref: must be f16 or f32, got {ref!r}")
-    out: list[tuple[str, Setup]] = [("ref", F32_REF)] if ref == "f32" else []
+    if ref not in (DEFAULT, EXACT):
+        raise ValueError(f"--ref: must be {DEFAULT} or {EXACT}, got {ref!r}")
+    out: list[tuple[str, Setup]] = [("ref", F32_REF)] if ref == EXACT else []
     types = [Setup(pair_name(k, v), k, v, flash_attn=attention(k, v)) for k, v in pairs]
     if BASE in types:
         types.remove(BASE)
         out.append(("type", BASE))
     else:
-        out.append(("base", Setup("f16 default")))
+        out.append(("base", Setup(f"{DEFAULT} default")))
     out.append(("control", BASE))
     of = floor_base(pairs, noise_of) if noise else None
     if of is not None and of != BASE:
@@ -87,7 +87,7 @@ def plan(pairs: list[tuple[str, str]], ref: str, noise: bool,
 
 def floor_base(pairs: list[tuple[str, str]], noise_of: tuple[str, str] | None) -> Setup:
     """The setup the noise rows vary: the f16 default, or the --noise-of type's own."""
-    if noise_of is None or noise_of == ("f16", "f16"):
+    if noise_of is None or noise_of == (DEFAULT, DEFAULT):
         return BASE
     if noise_of not in pairs:
         raise ValueError(f"--noise-of: {pair_name(*noise_of)} is not one of --cache "
@@ -100,7 +100,7 @@ def noise_setups(of: Setup) -> list[Setup]:
     if of == BASE:
         return list(NOISE)
     return [dataclasses.replace(n, type_k=of.type_k, type_v=of.type_v)
-            for n in NOISE if not (n.flash_attn == "off" and needs_flash_attention(of.type_v))]
+            for n in NOISE if not (n.flash_attn == "off" and cachetypes.v_needs_flash_attn(of.type_v, "--noise-of"))]
 
 
 #: Row order of the table: the reference, the base, the types, the control.
@@ -117,7 +117,7 @@ def measure(args: Any) -> dict[str, Any]:
     threads = getattr(args, "threads", None)
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     lengths = parse_list(args.lengths, int)
-    build = "turboquant" if any(build_for(k, v) == "turboquant" for k, v in pairs) else "mainline"
+    build = build_for(*(t for pair in pairs for t in pair))
     noise_of = parse_pair(args.noise_of) if getattr(args, "noise_of", None) else None
     if noise_of and not args.noise:
         raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
@@ -319,10 +319,11 @@ def _ci(d: dict[str, Any] | None, digits: int = 3) -> str:
 
 
 def table(out: dict[str, Any]) -> str:
-    ref = out["params"]["ref"] == "f32"
-    head = ["K/V", "length", "needles", "accuracy", "answer log-prob", "Δ log-prob vs f16", "Δ accuracy vs f16"]
-    head += ["KL vs f32"] if ref else []
-    head += ["KL vs f16", "above noise"]
+    ref = out["params"]["ref"] == EXACT
+    head = ["K/V", "length", "needles", "accuracy", "answer log-prob", f"Δ log-prob vs {DEFAULT}",
+            f"Δ accuracy vs {DEFAULT}"]
+    head += [f"KL vs {EXACT}"] if ref else []
+    head += [f"KL vs {DEFAULT}", "above noise"]
     body = []
     for r in out["rows"]:
         row = [r["cache"], r["length"], r["needles"], _ci(r["accuracy"], 2), _ci(r["answer_logp"]),
@@ -332,7 +333,7 @@ def table(out: dict[str, Any]) -> str:
         body.append(tuple(row))
     text = markdown(head, body, align="l" + "r" * (len(head) - 1))
     if out["noise"]:
-        of = out["params"].get("noise_of") or "f16"
+        of = out["params"].get("noise_of") or DEFAULT
         text += f"\n\nNoise floor ({of} changed in one thing that should not matter, against it):\n\n" + markdown(
             ["changed", "length", "accuracy", f"Δ log-prob vs {of}", "Δ accuracy", f"KL vs {of}"],
             [(r["source"], r["length"], _ci(r["accuracy"], 2), _ci(r.get("dlogp")), _ci(r.get("dacc"), 2),

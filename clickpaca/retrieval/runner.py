@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import core
+from ..cachetypes import DEFAULT
 from ..scoring import log_softmax
 
 
@@ -27,8 +28,8 @@ class Setup:
     thing that should not matter (the noise floor), or the exact f32 reference."""
 
     name: str
-    type_k: str = "f16"
-    type_v: str = "f16"
+    type_k: str = DEFAULT
+    type_v: str = DEFAULT
     flash_attn: str = "on"
     repack: bool = True
     chunk: int = 256  # haystack tokens per decode (prompt chunking)

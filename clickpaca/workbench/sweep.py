@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..cachetypes import DEFAULT
 from .results import Generation, Results, Score
 
 #: nProbs a sweep asks for when the caller did not (the margin needs alternatives).
@@ -38,7 +39,7 @@ def config_label(cfg: Mapping[str, Any]) -> str:
     k, v = cfg.get("cacheTypeK"), cfg.get("cacheTypeV")
     parts = []
     if k or v:
-        parts.append(k if k == v or v is None else f"{k or 'f16'}/{v or 'f16'}")
+        parts.append(k if k == v or v is None else f"{k or DEFAULT}/{v or DEFAULT}")
     if cfg.get("build"):
         parts.append(str(cfg["build"]))
     if cfg.get("deterministic"):
