@@ -101,3 +101,21 @@ def test_the_protocol_reads_the_live_registry():
     assert "oddShift" not in sampler_fields() and "oddShift" not in REQUESTS["infer"]
     with pytest.raises(ProtocolError, match="^oddShift: unknown field for infer"):
         validate(line)
+
+
+def test_no_plan_outlives_the_rows_it_was_made_from():
+    """The chain caches its plans by params; a step removed and registered again under
+    its name with another row is run as the new row (and says so to the batch plan)."""
+    from clickpaca.sampling.batch import thread_safe
+
+    V = 64
+    row = np.zeros(V, np.float32)
+    for keep, shared in ((7, False), (9, True)):
+        R.register(R.Step("again_38", R.GENERAL, run=lambda ids, logits, p, ctx, k=keep: (ids[ids == k], logits[ids == k]),
+                          off=lambda p, h: False, shared_state=shared))
+        try:  # equal params both times: the same cache keys
+            p = SamplerParams(samplers=["again_38"], temperature=1.0, top_k=0, top_p=1.0, seed=1)
+            assert SequenceSampler(p, V).sample(row).token == keep
+            assert thread_safe(p, False, V) is not shared
+        finally:
+            R.unregister("again_38")

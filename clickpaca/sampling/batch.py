@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import registry as R
 from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
 from .cut import _default_cols
 from .params import SamplerParams
@@ -73,6 +74,10 @@ def thread_safe(p: SamplerParams, has_hist: bool, n_vocab: int) -> bool:
     say they do (they were written for the engine thread: usersteps)."""
     active, _ = _steps_to_run(p, has_hist, n_vocab)  # the same steps whatever the grammar allows
     return not any(s.shared_state for s in active)
+
+
+R.on_change(batch_plan.cache_clear)  # plans made from the registry's rows: dropped when they change
+R.on_change(thread_safe.cache_clear)
 
 
 def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: Sequence[int],

@@ -102,6 +102,10 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
     return tail, (p.temperature if _TEMPERATURE in prefix else 1.0)
 
 
+# The plans are made from the registry's rows: a registration or removal drops them.
+R.on_change(_steps_to_run.cache_clear)
+R.on_change(greedy_tail.cache_clear)
+
 _NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
 _NO_IDS = np.empty(0, np.int32)
 _NO_LOGITS = np.empty(0, np.float64)

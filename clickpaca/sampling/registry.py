@@ -46,7 +46,7 @@ from ..fieldcheck import FieldError, boolean, choice_strings, integer, is_int, i
 if TYPE_CHECKING:
     from .params import SamplerParams
 
-__all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "steps", "step", "by_name", "version", "docs_table",
+__all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "on_change", "steps", "step", "by_name", "version", "docs_table",
            "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "boolean", "choice_strings",
            "show", "is_int", "is_real", "to_float",
            "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS"]
@@ -197,6 +197,20 @@ class Step:
 _STEPS: list[Step] = []
 _CHAIN_PARAMS: list[Param] = []
 _version = [0]  # bumped at every registration (params.py caches on it)
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn`` after every registration or removal: the chain's plan caches, keyed by
+    params alone, are emptied so no plan outlives the rows it was made from."""
+    _listeners.append(fn)
+    return fn
+
+
+def _changed() -> None:
+    _version[0] += 1
+    for fn in _listeners:
+        fn()
 
 
 def _check_new(names: set[str], p: Param) -> None:
@@ -226,14 +240,14 @@ def register(step: Step, *, before: str | None = None) -> Step:
         _STEPS.append(step)
     else:
         _STEPS.insert([s.name for s in _STEPS].index(before), step)
-    _version[0] += 1
+    _changed()
     return step
 
 
 def unregister(name: str) -> Step:
     """Remove a registered step (tests; a client-defined step going away)."""
     i = [s.name for s in _STEPS].index(name)
-    _version[0] += 1
+    _changed()
     return _STEPS.pop(i)
 
 
@@ -241,7 +255,7 @@ def register_chain_param(p: Param) -> Param:
     """A parameter of the whole chain rather than of one step (seed, nProbs, samplers)."""
     _check_new(set(), p)
     _CHAIN_PARAMS.append(p)
-    _version[0] += 1
+    _changed()
     return p
 
 
