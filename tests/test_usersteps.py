@@ -100,7 +100,7 @@ def test_user_step_parameters_are_checked_like_built_in_ones(srv):
         assert ev["type"] == "error" and ev["message"] == msg, ev
     srv.infer(2, PROMPT, maxTokens=1, samplers=["boost", "nosuch"])
     (ev,) = list(srv.stream(2))
-    assert ev["type"] == "error" and "unknown step 'nosuch'" in ev["message"] and "boost" in ev["message"]
+    assert ev["type"] == "error" and 'unknown step "nosuch"' in ev["message"] and "boost" in ev["message"]
 
 
 @pytest.mark.model
