@@ -362,6 +362,15 @@ class _Fields(Mapping):
     def __len__(self) -> int:
         return len(self._flat())
 
+    def items(self):  # one look at the sources, not one per field
+        return self._flat().items()
+
+    def keys(self):
+        return self._flat().keys()
+
+    def values(self):
+        return self._flat().values()
+
 
 #: Request type -> its dataclass, and -> its wire fields: name -> (check, default), where
 #: default MISSING means required. The sampler fields of infer map to _with_params.
