@@ -1,8 +1,15 @@
-"""The one thin, Pythonic layer over the generated bindings.
+"""The thin, Pythonic layer over the generated bindings for the common path: Model (load,
+vocabulary, tokenize), Context (decode, logits, sequence memory, sequence state), Batch
+(numpy views of a llama_batch).
 
-Everything above this module (scheduler, sampler, server, benchmarks) talks to
-llama.cpp through these classes only: Model (load, vocabulary, tokenize), Context
-(decode, logits, sequence memory, sequence state), Batch (numpy views of a llama_batch).
+The engine's decode loop, the server and the benchmarks reach llama.cpp through these
+classes. It is not the only door: modules with a narrower need call the bindings
+(``model.nat.lib`` / ``.ffi``) themselves where these classes offer nothing for it:
+the chat template (chat.py), token attributes for grammars and pretokenized prompts
+(grammars.py, pretokenize.py), the optional APIs' checks (features.py), the sliding
+window (engine/handlers.py), activations and control vectors (activations/,
+engine/readout.py), op dumps (opdump.py), RPC devices (rpc/), and llama.cpp's C
+samplers for tests and benchmarks (sampling/oracle.py, bench/sampler_steps.py).
 
 Lifetime rule for logits: `Context.logits()` returns a zero-copy numpy view of
 llama.cpp's output buffer. It is valid until the next `decode` on that context (or its

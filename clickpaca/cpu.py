@@ -91,6 +91,7 @@ def check_build(name: str, info: dict, flags: set[str] | None = None) -> str | N
         return None
     return (f"build {name!r} was compiled for {', '.join(missing)}, which this CPU "
             f"({cpu_name()}) lacks (it was built on {cpu.get('built_on', 'another machine')}); "
+            # paths.make_target's rule, spelled out: native/build.py loads this file alone
             f"run `make {name if name in ('mainline', 'turboquant', 'activations') else 'setup'}` here to build "
             "one for this CPU (builds are keyed by instruction set), or PORTABLE=1 for one that "
             "runs on any x86-64")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .cpu import check_build
-from .paths import sha256_file
+from .paths import make_target, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,8 +150,7 @@ def load_backends(nat: Native) -> None:
 def _load(name: str) -> Native:
     d = build_dir(name)
     if not (d / "build-info.json").exists():
-        target = name if name in ("mainline", "turboquant", "activations") else "setup"
-        raise NativeError(f"build {name!r} not found at {d}: run `make {target}`"
+        raise NativeError(f"build {name!r} not found at {d}: run `make {make_target(name)}`"
                           + (f" (available: {', '.join(available_builds())})" if available_builds() else ""))
     module_path = d / "bindings" / "_llama_cffi.py"
     if not module_path.exists():

@@ -26,6 +26,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+#: The builds the Makefile has a target of their own for (`make activations`, ...).
+MAKE_TARGETS = ("mainline", "turboquant", "activations")
+
+
+def make_target(build: str) -> str:
+    """The `make` target that makes build ``build``: its own name for the builds above,
+    `setup` for any other."""
+    return build if build in MAKE_TARGETS else "setup"
+
 
 def vendored_source(build: str = "mainline") -> Path:
     """The llama.cpp source tree a build was made from (its grammars/, tests/ and headers).
@@ -38,9 +47,9 @@ def vendored_source(build: str = "mainline") -> Path:
 
     info = build_dir(build) / "build-info.json"
     if not info.exists():
-        raise FileNotFoundError(f"build {build!r} not found ({info}): run `make mainline`")
+        raise FileNotFoundError(f"build {build!r} not found ({info}): run `make {make_target(build)}`")
     src = Path(json.loads(info.read_text())["source_dir"])
     if not (src / "include" / "llama.h").exists():
         raise FileNotFoundError(f"build {build!r} was made from {src}, which is gone: "
-                                "run `make mainline` to extract the pinned source again")
+                                f"run `make {make_target(build)}` to extract the pinned source again")
     return src

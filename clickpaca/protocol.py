@@ -15,8 +15,8 @@ examples.
 from __future__ import annotations
 
 import difflib
-import math
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -26,10 +26,12 @@ import orjson
 from . import cachetypes
 from . import endings as _endings
 from .chat import Message, check_messages
+from .fieldcheck import boolean as _bool, integer as _int, one_of as _one_of, optional as _opt, real as _num, \
+    show as _show, string as _str, string_list as _str_list
 from .json_schema import NUMBER_DIGITS
-from .sampling import PROTOCOL_NAMES, SamplerParams
+from .sampling import SamplerParams
 from .scoring import SCORE_LAST_MIN
-from .sampling.params import MISSPELLINGS
+from .sampling.params import misspellings, wire_names
 
 if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
     from .grammars import CompiledGrammar, GrammarError
@@ -67,51 +69,8 @@ class ProtocolError(Exception):
 
 
 # ------------------------------------------------------------------ field checks
-
-def _in_range(name: str, v, lo, hi):
-    """v itself, or a ValueError naming the field and the bound it breaks."""
-    if lo is not None and v < lo:
-        raise ValueError(f"{name}: must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise ValueError(f"{name}: must be <= {hi}, got {v}")
-    return v
-
-
-def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
-    """An integer field. One rule for every integer field of the protocol, the sampler's
-    (sampling/registry.py `integer`) included: a JSON number written with a fraction or
-    an exponent (`40.0`, `4e1`) is refused, whatever its value."""
-    def check(name: str, v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name}: must be an integer, got {_show(v)}")
-        return _in_range(name, v, lo, hi)
-    return check
-
-
-def _num(lo: float | None = None, hi: float | None = None) -> Callable[[str, Any], float]:
-    def check(name: str, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{name}: must be a number, got {_show(v)}")
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"{name}: must be finite, got {v}")
-        return _in_range(name, v, lo, hi)
-    return check
-
-
-def _str(nonempty: bool = False, max_bytes: int | None = None) -> Callable[[str, Any], str]:
-    def check(name: str, v: Any) -> str:
-        if not isinstance(v, str):
-            raise ValueError(f"{name}: must be a string, got {_show(v)}")
-        if nonempty and not v:
-            raise ValueError(f"{name}: must not be empty")
-        if max_bytes is not None and len(v) * 4 > max_bytes:  # UTF-8: at most 4 bytes a char
-            n = len(v.encode("utf-8", "surrogatepass"))
-            if n > max_bytes:
-                raise ValueError(f"{name}: {n} bytes, the limit is {max_bytes}")
-        return v
-    return check
-
+# The general checks and the message style are fieldcheck's (the sampler parameters use
+# them too); those below are the protocol's own fields'.
 
 def _name(name: str, v: Any) -> str:
     """A build name: one path component under builds/, never a path to import code from."""
@@ -122,28 +81,10 @@ def _name(name: str, v: Any) -> str:
     return v
 
 
-def _bool(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"{name}: must be true or false, got {_show(v)}")
-    return v
-
-
-def _opt(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    return lambda name, v: None if v is None else check(name, v)
-
-
 def _grammar_id(name: str, v: Any) -> str:
     if isinstance(v, bool) or not isinstance(v, (str, int)):
         raise ValueError(f"{name}: must be a string or an integer, got {_show(v)}")
     return str(v)
-
-
-def _str_list(name: str, v: Any) -> list[str]:
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise ValueError(f"{name}: must be a list of strings, got {_show(v)}")
-    if any(not s for s in v):
-        raise ValueError(f"{name}: strings must not be empty")
-    return v
 
 
 def _stops(name: str, v: Any) -> list[str]:
@@ -207,14 +148,6 @@ def _node_names(name: str, v: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v))
 
 
-def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def check(name: str, v: Any) -> str:
-        if v not in choices:
-            raise ValueError(f"{name}: must be one of {', '.join(choices)}, got {_show(v)}")
-        return v
-    return check
-
-
 def _capture_fits(obj: dict, values: dict, kind: str) -> None:
     """captureTokens / captureDtype need capture; captureTokens 'generated' needs a request
     that generates; the default captureTokens is the request kind's (CAPTURE_DEFAULT)."""
@@ -243,15 +176,6 @@ def _with_params(name: str, v: Any) -> Any:
     raise AssertionError(name)
 
 
-def _show(v: Any) -> str:
-    """A short rendering of a value for an error message; never raises."""
-    try:
-        text = orjson.dumps(v).decode() if not isinstance(v, float) or math.isfinite(v) else str(v)
-    except TypeError:  # e.g. an int beyond 64 bits, or nesting orjson refuses
-        text = repr(v) if isinstance(v, int) and not isinstance(v, bool) else f"a {type(v).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def json_depth(obj: Any, limit: int) -> int:
     """Nesting depth of arrays/objects, without recursion; stops counting past `limit`."""
     deepest = 0
@@ -271,7 +195,12 @@ def json_depth(obj: Any, limit: int) -> int:
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SEQ = _int(0, (1 << 31) - 1)  # bounded: an event's seq_id must stay encodable (1e20 crashed encode)
-SAMPLER_FIELDS = tuple(PROTOCOL_NAMES.values())
+
+
+def sampler_fields() -> tuple[str, ...]:
+    """infer's sampler fields: the wire name of every parameter in the step registry now,
+    a step registered after this module was imported (`serve --steps`) included."""
+    return wire_names()
 
 
 def _messages(name: str, v: Any) -> Any:
@@ -322,7 +251,7 @@ def _sampler_params(obj: dict) -> SamplerParams:
     """The sampler fields, checked together by SamplerParams (its errors name the field;
     each bound is its row's: sampling/table.py); the vocabulary-dependent checks wait for
     the model (SamplerParams.validate, in the infer handler)."""
-    return SamplerParams.from_request({k: obj[k] for k in SAMPLER_FIELDS if k in obj})
+    return SamplerParams.from_request({k: obj[k] for k in sampler_fields() if k in obj})
 
 
 def _prompt_or_messages(values: dict, kind: str) -> None:
@@ -359,8 +288,9 @@ def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
     return field(default=default, metadata={"check": check})
 
 
-def _folded(names: tuple[str, ...], make: Callable[[], Any]) -> Any:
-    """A value made from several wire fields together (the request's check_across makes it)."""
+def _folded(names: Callable[[], tuple[str, ...]], make: Callable[[], Any]) -> Any:
+    """A value made from several wire fields together (the request's check_across makes
+    it); ``names()`` says which fields, read at each use."""
     return field(default_factory=make, metadata={"folds": names})
 
 
@@ -392,10 +322,55 @@ class Request:
         checked and defaulted (it may be completed here); a ValueError naming the field."""
 
 
+class _Fields(Mapping):
+    """A request's wire fields in declaration order: name -> (check, default). A folded
+    group's names are asked of its source at each use (infer's sampler fields, of the
+    step registry), so a step registered later is a field with no copy to refresh; the
+    flat row is rebuilt only when a source answers differently."""
+
+    def __init__(self, parts: list) -> None:
+        self._parts = parts  # (name, (check, default)) pairs and folded groups' name sources
+        self._key: tuple | None = None
+        self._row: dict[str, tuple[Callable[[str, Any], Any], Any]] = {}
+
+    def _flat(self) -> dict[str, tuple[Callable[[str, Any], Any], Any]]:
+        key = tuple(part() for part in self._parts if callable(part))
+        if key != self._key:
+            row: dict[str, tuple[Callable[[str, Any], Any], Any]] = {}
+            for part in self._parts:
+                if callable(part):
+                    row.update((name, (_with_params, MISSING)) for name in part())
+                else:
+                    row[part[0]] = part[1]
+            self._key, self._row = key, row
+        return self._row
+
+    def __getitem__(self, name: str) -> tuple[Callable[[str, Any], Any], Any]:
+        return self._flat()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._flat()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._flat())
+
+    def __len__(self) -> int:
+        return len(self._flat())
+
+    def items(self):  # one look at the sources, not one per field
+        return self._flat().items()
+
+    def keys(self):
+        return self._flat().keys()
+
+    def values(self):
+        return self._flat().values()
+
+
 #: Request type -> its dataclass, and -> its wire fields: name -> (check, default), where
 #: default MISSING means required. The sampler fields of infer map to _with_params.
 REQUEST_TYPES: dict[str, type[Request]] = {}
-REQUESTS: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {}
+REQUESTS: dict[str, _Fields] = {}
 
 
 def _request(kind: str) -> Callable[[type], type]:
@@ -405,16 +380,16 @@ def _request(kind: str) -> Callable[[type], type]:
         if not is_dataclass(cls) or not cls.__dataclass_params__.frozen:
             raise TypeError(f"{cls.__name__}: a request is a frozen dataclass")
         cls.type = kind
-        spec: dict[str, tuple[Callable[[str, Any], Any], Any]] = {}
+        spec: list = []
         for f in fields(cls):
             if "check" in f.metadata:
-                spec[f.name] = (f.metadata["check"], f.default)
+                spec.append((f.name, (f.metadata["check"], f.default)))
             elif "folds" in f.metadata:
-                spec.update((name, (_with_params, MISSING)) for name in f.metadata["folds"])
+                spec.append(f.metadata["folds"])
             elif "prepared" not in f.metadata and "given" not in f.metadata:
                 raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _prepared()")
         REQUEST_TYPES[kind] = cls
-        REQUESTS[kind] = spec
+        REQUESTS[kind] = _Fields(spec)
         return cls
     return register
 
@@ -507,7 +482,7 @@ class InferRequest(Request):
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
-    params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
+    params: SamplerParams = _folded(sampler_fields, SamplerParams)
     prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
@@ -619,17 +594,6 @@ class QuitRequest(Request):
     now: bool = wire(_bool, False)
 
 
-def accept_registered_steps() -> None:
-    """Accept the parameters of sampler steps registered after this module was imported
-    (user-defined steps, `clickpaca serve --steps`): infer's sampler fields are read from
-    the registry again."""
-    global SAMPLER_FIELDS
-    from .sampling.params import protocol_names
-
-    SAMPLER_FIELDS = tuple(protocol_names().values())
-    REQUESTS["infer"].update((name, (_with_params, MISSING)) for name in SAMPLER_FIELDS)
-
-
 @_request("stats")
 @dataclass(frozen=True, kw_only=True)
 class StatsRequest(Request):
@@ -639,7 +603,7 @@ class StatsRequest(Request):
 def _did_you_mean(name: str, spec: dict) -> str:
     """A hint for a misspelt field: another server's name for it (llama-server's top_k),
     else the closest field of this request, ignoring case."""
-    guess = MISSPELLINGS.get(name)
+    guess = misspellings().get(name)
     if guess is None:
         lowered = {f.lower(): f for f in spec}
         close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.8)

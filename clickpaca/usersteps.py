@@ -132,8 +132,10 @@ def step(name: str, kind: str = GENERAL, params: Iterable[Param] = (), *,
             extra["truncates"] = truncates
         elif kind == TRUNCATION:
             extra["truncates"] = lambda p, n_allowed: True
+        # shared_state: the user's code may read anything (it was written for the engine
+        # thread), so its chains are never sampled on a worker thread (sampling/batch.py)
         row = Step(name, kind, run=_guard(name, fn), off=off, params=params, touches=touches,
-                   doc=doc or (fn.__doc__ or "").strip().split("\n")[0], **extra)
+                   doc=doc or (fn.__doc__ or "").strip().split("\n")[0], shared_state=True, **extra)
         register(row, before=before)
         fn.step = row
         return fn
@@ -171,7 +173,4 @@ def load(spec: str) -> list[str]:
     new = [s.name for s in steps() if s.name not in before]
     if not new:
         raise StepLoadError(f"{spec}: registered no step (decorate a function with clickpaca.usersteps.step)")
-    from .protocol import accept_registered_steps
-
-    accept_registered_steps()  # requests may now carry the new steps' parameters
-    return new
+    return new  # requests may now carry their parameters: the protocol reads the live registry

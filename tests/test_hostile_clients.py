@@ -585,7 +585,7 @@ def test_sample_is_accepted_as_the_last_step_only(srv, sock, transport):
         assert done["type"] == "done" and len(toks) == 2, done
         c.infer(3, "Hi", maxTokens=1, samplers=["sample", "top_k"])
         ev = error_for(c, 3)
-        assert "unknown step 'sample' ('sample' is the fixed last step: only there)" in ev["message"], ev
+        assert "unknown step \"sample\" ('sample' is the fixed last step: only there)" in ev["message"], ev
     finally:
         if c is not srv:
             c.close()

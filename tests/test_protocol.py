@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clickpaca.sampling.params import protocol_names
-from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, SAMPLER_FIELDS, ProtocolError, Request, encode,
+from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, encode, sampler_fields,
                                 error_event, parse_line, validate)
 from clickpaca.sampling import SamplerParams
 from clickpaca.server import read_lines
@@ -91,15 +91,15 @@ def test_validate_does_not_modify_its_input(kind):
 
 def test_sampler_fields_become_one_sampler_params():
     out = validate(req("infer"))
-    assert not set(SAMPLER_FIELDS) & set(as_dict(out))
+    assert not set(sampler_fields()) & set(as_dict(out))
     assert out.params == SamplerParams()
     fields = {"temperature": 0, "topK": 1, "topP": 0.5, "minP": 0.1, "penaltyRepeat": 1.1,
               "penaltyFreq": 0.2, "penaltyPresent": 0.3, "penaltyLastN": -1,
               "logit_bias": [{"token": 5, "bias": -1e9}], "seed": 42, "nProbs": 3,
               "samplers": ["grammar", "top_k", "temperature"]}
-    assert set(fields) <= set(SAMPLER_FIELDS) == set(protocol_names().values())  # the registry's
+    assert set(fields) <= set(sampler_fields()) == set(protocol_names().values())  # the registry's
     out = validate(req("infer", **fields))
-    assert not set(SAMPLER_FIELDS) & set(as_dict(out))
+    assert not set(sampler_fields()) & set(as_dict(out))
     assert out.params == SamplerParams.from_request(fields)
     echoed = out.params.to_request()
     assert {k: echoed[k] for k in fields} == {**fields, "samplers": ["grammar", "top_k", "temperature"]}
@@ -215,7 +215,7 @@ BAD = [
     ("init", "tensorSplit", [], "list of 1..16 numbers"), ("init", "tensorSplit", [1, -1], ">= 0"),
     ("init", "tensorSplit", [0, 0], "> 0"), ("init", "tensorSplit", ["1"], "number"),
     ("init", "tensorSplit", 1, "list"),
-    ("init", "rpcTimeout", 0, ">= 0.1"), ("init", "rpcTimeout", "5", "number"), ("init", "rpcTimeout", None, "number"),
+    ("init", "rpcTimeout", 0, "must be in [0.1, 86400], got 0.0"), ("init", "rpcTimeout", "5", "number"), ("init", "rpcTimeout", None, "number"),
     ("init", "outputLocal", 1, "true or false"),
     ("init", "controlVector", "", "empty"), ("init", "controlVector", 3, "GGUF path"),
     ("init", "controlVector", {}, "non-empty"), ("init", "controlVector", {"0": [1.0]}, "layer 0"),
@@ -307,7 +307,7 @@ def test_every_field_has_a_bad_case():
     covered = {(k, f) for k, f, _, _ in BAD}
     for kind, spec in REQUESTS.items():
         for name in spec:
-            if name in SAMPLER_FIELDS:
+            if name in sampler_fields():
                 continue
             assert (kind, name) in covered, (kind, name)
 
@@ -316,7 +316,7 @@ def test_every_field_has_a_bad_case():
 @pytest.mark.parametrize("value", [True, False])
 def test_bool_is_not_an_int(kind, value):
     for name, (check, _) in REQUESTS[kind].items():
-        if name in SAMPLER_FIELDS:
+        if name in sampler_fields():
             continue
         probe = {name: value}
         try:
@@ -556,10 +556,10 @@ def _check_result(line: bytes) -> None:
     assert isinstance(out, Request) and out.type in REQUESTS
     spec = REQUESTS[out.type]
     out = as_dict(out)
-    assert set(out) <= (set(spec) - set(SAMPLER_FIELDS)) | {"type", "params"}
+    assert set(out) <= (set(spec) - set(sampler_fields())) | {"type", "params"}
     assert ("params" in out) == (out["type"] == "infer")
     for name, (_, default) in spec.items():
-        if name not in SAMPLER_FIELDS:
+        if name not in sampler_fields():
             assert name in out
     if "params" in out:  # SamplerParams is not a dataclass (its fields come from the step registry)
         out["params"] = out["params"].to_request()

@@ -15,7 +15,7 @@ import pytest
 
 from clickpaca.engine.handlers import HANDLERS
 from clickpaca.engine.prepare import PromptTokens
-from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, SAMPLER_FIELDS, CancelRequest, ForkRequest,
+from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, CancelRequest, ForkRequest, sampler_fields,
                                 FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
                                 PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
                                 ScoreRequest, StatsRequest, _request, _with_params, parse_line, wire)
@@ -89,9 +89,9 @@ def test_the_field_table_is_the_dataclass(kind):
             assert spec[f.name] == (f.metadata["check"], f.default), f.name
             on_the_wire.append(f.name)
         elif "folds" in f.metadata:
-            assert (kind, f.name, f.metadata["folds"]) == ("infer", "params", SAMPLER_FIELDS)
+            assert (kind, f.name, f.metadata["folds"]) == ("infer", "params", sampler_fields)
             assert f.default_factory is SamplerParams
-            for name in SAMPLER_FIELDS:
+            for name in sampler_fields():
                 assert spec[name] == (_with_params, MISSING), name
                 on_the_wire.append(name)
         elif f.metadata.get("given"):  # init's record of the fields the client wrote
@@ -101,7 +101,7 @@ def test_the_field_table_is_the_dataclass(kind):
             assert f.metadata.get("prepared") and f.default is None and not f.compare, f.name
             assert f.name not in spec, f.name
     assert on_the_wire == list(spec)  # same fields, same order (the order errors are found in)
-    required = {name for name, (_, default) in spec.items() if default is MISSING} - set(SAMPLER_FIELDS)
+    required = {name for name, (_, default) in spec.items() if default is MISSING} - set(sampler_fields())
     assert required == {f.name for f in dataclasses.fields(cls) if f.default is MISSING
                         and f.default_factory is MISSING}
 

@@ -28,6 +28,27 @@ def test_bad_endpoints_are_refused(text):
         wire.parse_endpoint(text)
 
 
+def test_a_bad_endpoint_reads_as_any_bad_field():
+    """The value as JSON (fieldcheck.show), as every field's error writes it."""
+    from clickpaca.protocol import ProtocolError, validate
+
+    with pytest.raises(ProtocolError) as e:
+        validate({"type": "init", "rpcServers": ["h:0"]})
+    assert e.value.message == 'rpcServers: "h:0": port must be 1..65535, got "h:0"'
+
+
+def test_a_missing_rpc_server_names_the_make_target(tmp_path, monkeypatch):
+    """Each build's own target (`make activations` for the activations build: it said
+    `make setup`), `setup` for any other name."""
+    from clickpaca.rpc.worker import tool_path
+
+    monkeypatch.setenv("CLICKPACA_BUILDS", str(tmp_path))
+    for build, target in (("mainline", "mainline"), ("turboquant", "turboquant"),
+                          ("activations", "activations"), ("mine", "setup")):
+        with pytest.raises(FileNotFoundError, match=f"run `make {target}`"):
+            tool_path(build)
+
+
 def test_the_rpc_tensor_layout_of_protocol_7():
     # struct rpc_tensor (packed): static_assert(sizeof % 8 == 0) in ggml-rpc.cpp
     assert wire.RPC_TENSOR.size == 296 and wire.RPC_TENSOR.size % 8 == 0

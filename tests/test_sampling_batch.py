@@ -260,24 +260,29 @@ def test_a_failing_user_step_takes_only_its_own_place():
 
 
 def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
-    """threads=2: a chain with a user-defined step is sampled on the calling thread
-    (user steps were written for the engine thread); built-in chains may leave it."""
+    """threads=2: a chain holding a step whose row says it reads shared state
+    (``shared_state``: DRY; every user-defined step, which usersteps marks so: it was
+    written for the engine thread) is sampled on the calling thread; other chains may
+    leave it. The row decides, not the step's name or origin."""
+    from clickpaca import usersteps
     from clickpaca.sampling import registry as R
     from clickpaca.sampling.batch import thread_safe
 
     seen = []
-
-    def run(ids, logits, p, ctx):
-        seen.append(threading.current_thread())
-        return ids, logits
 
     V = 512
     block = np.random.default_rng(1).standard_normal((8, V)).astype(np.float32)
     built_in = SamplerParams(top_k=0, top_p=0.9)  # made before the registration: without it
     assert thread_safe(built_in, False, V)
     assert not thread_safe(SamplerParams(dry_multiplier=0.8, dry_sequence_breakers=()), True, V)
-    R.register(R.Step("where_29", R.GENERAL, run=run, off=lambda p, h: False))
+
+    @usersteps.step("where_29", off=lambda p, h: False)
+    def where(ids, logits, p, ctx):
+        seen.append(threading.current_thread())
+        return ids, logits
+
     try:
+        assert where.step.shared_state and R.step("where_29") is where.step
         user = SamplerParams(samplers=["where_29", "top_k"], seed=0)
         assert not thread_safe(user, False, V)
         samplers = [SequenceSampler(user.replace(seed=i), V) for i in range(8)]
@@ -285,3 +290,11 @@ def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
         assert seen and all(t is threading.current_thread() for t in seen)
     finally:
         R.unregister("where_29")
+    R.register(R.Step("plain_29", R.GENERAL, run=lambda ids, logits, p, ctx: (ids, logits),
+                      off=lambda p, h: False))  # a row that does not say it: may leave the thread
+    try:
+        assert thread_safe(SamplerParams(samplers=["plain_29", "top_k"]), False, V)
+        assert not thread_safe(SamplerParams(samplers=["plain_29", "dry"], dry_multiplier=0.8,
+                                             dry_sequence_breakers=()), True, V)
+    finally:
+        R.unregister("plain_29")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clickpaca.sampling import DEFAULT_SAMPLERS, SamplerParamError, SamplerParams
+from clickpaca.sampling import SamplerParamError, SamplerParams, step_names
 
 
 def test_defaults():
@@ -15,7 +15,7 @@ def test_defaults():
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.7, 40, 0.95, 0.0)
     assert (p.penalty_repeat, p.penalty_freq, p.penalty_present, p.penalty_last_n) == (1.0, 0.0, 0.0, 64)
     assert p.logit_bias == () and p.seed is None and p.n_probs == 0
-    assert p.samplers == DEFAULT_SAMPLERS
+    assert p.samplers == step_names()
     assert p.samplers[0] == "grammar"
     assert p.steps == ("logit_bias", "penalties", "dry", "top_n_sigma", "top_k", "typical_p", "min_p", "top_p",
                        "xtc", "temperature", "dynatemp", "mirostat", "mirostat_v2")
@@ -113,7 +113,7 @@ BAD = [
     ({"samplers": ["top_k", "topK"]}, "samplers", "more than once"),
     ({"samplers": ["top_k", "grammar"]}, "samplers", "'grammar' must come first"),
     ({"samplers": [1]}, "samplers", "unknown step"),
-    ({"top_k": 5}, "top_k", "did you mean 'topK'"),
+    ({"top_k": 5}, "top_k", "did you mean topK?"),
     ({"dryMultiplier": -1}, "dryMultiplier", ">= 0"),
     ({"dryBase": 0.5}, "dryBase", ">= 1"),
     ({"dryAllowedLength": -1}, "dryAllowedLength", ">= 0"),
@@ -131,11 +131,11 @@ BAD = [
     ({"mirostat": 3}, "mirostat", "<= 2"),
     ({"mirostat": 1.0}, "mirostat", "integer"),
     ({"mirostatTau": -1}, "mirostatTau", ">= 0"),
-    ({"mirostatEta": "x"}, "mirostatEta", "number"),
-    ({"typ_p": 0.5}, "typ_p", "did you mean 'typicalP'"),
-    ({"dry_multiplier": 0.5}, "dry_multiplier", "did you mean 'dryMultiplier'"),
-    ({"mirostat_tau": 0.5}, "mirostat_tau", "did you mean 'mirostatTau'"),
-    ({"repeat_penalty": 1.1}, "repeat_penalty", "did you mean 'penaltyRepeat'"),
+    ({"mirostatEta": "x"}, "mirostatEta", "must be a number, got \"x\""),  # the value as JSON, as every field's
+    ({"typ_p": 0.5}, "typ_p", "did you mean typicalP?"),
+    ({"dry_multiplier": 0.5}, "dry_multiplier", "did you mean dryMultiplier?"),
+    ({"mirostat_tau": 0.5}, "mirostat_tau", "did you mean mirostatTau?"),
+    ({"repeat_penalty": 1.1}, "repeat_penalty", "did you mean penaltyRepeat?"),
 ]
 
 
@@ -195,7 +195,7 @@ def test_numpy_scalars_accepted():
     min_p=st.floats(0, 1), repeat=st.floats(0.01, 5), freq=st.floats(-2, 2), present=st.floats(-2, 2),
     last_n=st.integers(-1, 500), bias=st.dictionaries(st.integers(0, 1000), st.floats(-1e10, 1e10), max_size=5),
     seed=st.none() | st.integers(0, 2**63), n_probs=st.integers(0, 20),
-    samplers=st.permutations(DEFAULT_SAMPLERS[1:]).flatmap(lambda s: st.integers(0, len(s)).map(lambda k: s[:k])),
+    samplers=st.permutations(step_names()[1:]).flatmap(lambda s: st.integers(0, len(s)).map(lambda k: s[:k])),
     grammar=st.booleans(),
 )
 def test_request_round_trip(temperature, top_k, top_p, min_p, repeat, freq, present, last_n, bias, seed,

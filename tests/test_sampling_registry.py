@@ -44,7 +44,7 @@ def test_a_registered_step_is_a_parameter_a_name_and_a_docs_row(registered):
     assert protocol_names()["odd_shift"] == "oddShift" and misspellings()["odd_shift"] == "oddShift"
     with pytest.raises(SamplerParamError, match=r"^oddShift: must be in \[-5, 5\], got 9.0$"):
         SamplerParams.from_request({"oddShift": 9})
-    with pytest.raises(SamplerParamError, match="did you mean 'oddShift'"):
+    with pytest.raises(SamplerParamError, match=r"unknown field \(did you mean oddShift\?\)$"):
         SamplerParams.from_request({"odd_shift": 1})
     assert "| `oddShift` | drop_odd | 0.0 | test only |" in R.docs_table()
     assert SamplerParams.from_request(p.to_request()) == p
@@ -76,3 +76,46 @@ def test_names_and_parameters_must_be_new():
     with pytest.raises(ValueError, match="touches"):
         R.register(R.Step("x_new", R.ELEMENTWISE, run=_drop_odd, off=lambda p, h: True))
     assert "x_new" not in R.aliases()
+
+
+def test_the_protocol_reads_the_live_registry():
+    """One registry, no copies: a step registered after the protocol was imported is an
+    infer field at once (no call to refresh anything), and gone once unregistered."""
+    from clickpaca.protocol import REQUESTS, ProtocolError, sampler_fields, validate
+
+    line = {"type": "infer", "seq_id": 0, "prompt": "x", "oddShift": 1.5, "oddOn": 1}
+    with pytest.raises(ProtocolError, match="^oddShift: unknown field for infer"):
+        validate(line)
+    R.register(STEP, before="temperature")
+    try:
+        assert {"oddShift", "oddOn"} <= set(sampler_fields()) and "oddShift" in REQUESTS["infer"]
+        req = validate(line)
+        assert (req.params.odd_shift, req.params.odd_on) == (1.5, 1)
+        assert "drop_odd" in req.params.samplers
+        with pytest.raises(ProtocolError, match=r'^oddShift: must be a number, got "x"$'):
+            validate({**line, "oddShift": "x"})
+        with pytest.raises(ProtocolError, match=r"^odd_shift: unknown field for infer \(did you mean oddShift\?\)$"):
+            validate({"type": "infer", "seq_id": 0, "odd_shift": 1})
+    finally:
+        R.unregister("drop_odd")
+    assert "oddShift" not in sampler_fields() and "oddShift" not in REQUESTS["infer"]
+    with pytest.raises(ProtocolError, match="^oddShift: unknown field for infer"):
+        validate(line)
+
+
+def test_no_plan_outlives_the_rows_it_was_made_from():
+    """The chain caches its plans by params; a step removed and registered again under
+    its name with another row is run as the new row (and says so to the batch plan)."""
+    from clickpaca.sampling.batch import thread_safe
+
+    V = 64
+    row = np.zeros(V, np.float32)
+    for keep, shared in ((7, False), (9, True)):
+        R.register(R.Step("again_38", R.GENERAL, run=lambda ids, logits, p, ctx, k=keep: (ids[ids == k], logits[ids == k]),
+                          off=lambda p, h: False, shared_state=shared))
+        try:  # equal params both times: the same cache keys
+            p = SamplerParams(samplers=["again_38"], temperature=1.0, top_k=0, top_p=1.0, seed=1)
+            assert SequenceSampler(p, V).sample(row).token == keep
+            assert thread_safe(p, False, V) is not shared
+        finally:
+            R.unregister("again_38")

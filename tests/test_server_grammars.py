@@ -709,7 +709,8 @@ def test_invalid_grammar_is_an_error_and_registers_nothing(server, text, needle)
     # nothing registered: an infer naming it fails, and the server goes on
     server.infer(3, "Hello", grammar_id=gid, maxTokens=2)
     _, final = server.collect(3)
-    assert final["type"] == "error" and "unknown grammar" in final["message"], final
+    assert final["type"] == "error" and final["message"] == \
+        f'grammar_id: unknown grammar "{gid}" (send a grammar request first)', final  # the id as JSON
     assert register(server, "after-bad", 'root ::= "ok"') == "after-bad"
 
 

@@ -36,6 +36,28 @@ def test_score_agrees_with_llama_perplexity(server, model_path, tmp_path):
     assert abs(scored["ppl"] - theirs) / theirs < 0.01, (scored["ppl"], theirs)
 
 
+def test_score_on_a_held_or_running_seq_id_says_which(server):
+    """A score never continues a sequence: on a held seq_id the error says it is held (it
+    said "already active"), on a running one that it is active; both sequences go on."""
+    held = server.request({"type": "prefill", "seq_id": 14, "prompt": "The capital of France is"})
+    assert held["type"] == "prefilled"
+    server.send({"type": "score", "seq_id": 14, "text": "Paris is the capital of France."})
+    (ev,) = list(server.stream(14))
+    assert ev == {"type": "error", "seq_id": 14, "request": "score",
+                  "message": "seq_id: sequence 14 is held; a score takes a free seq_id (it never "
+                             "continues a held sequence: free it first)"}, ev
+    server.infer(14, " Paris", maxTokens=2)  # still held: it continues (and its end frees it)
+    assert server.collect(14)[1]["type"] == "done"
+    assert server.score(14, "Paris is the capital of France.")["type"] == "scored"  # free now
+    server.infer(15, "Tell me a long story.", maxTokens=200, temperature=0.8, seed=2)
+    server.send({"type": "score", "seq_id": 15, "text": "Paris is the capital of France."})
+    events = list(server.stream(15))
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors[0]["message"] == "seq_id: sequence 15 is already active", errors
+    server.cancel(15)
+    assert list(server.stream(15))[-1]["type"] == "done"
+
+
 def test_score_short_text_and_per_token(server):
     scored = server.score(13, "The capital of France is Paris.", perToken=True)
     assert scored["windows"] == 1

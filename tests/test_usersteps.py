@@ -92,7 +92,7 @@ def test_a_user_step_steers_and_reports_its_time(srv):
 
 @pytest.mark.model
 def test_user_step_parameters_are_checked_like_built_in_ones(srv):
-    for params, msg in (({"boostBy": "x"}, "boostBy: must be a number, got 'x'"),
+    for params, msg in (({"boostBy": "x"}, 'boostBy: must be a number, got "x"'),
                         ({"boostBy": 101}, "boostBy: must be in [0, 100], got 101.0"),
                         ({"boostToken": 1.5}, "boostToken: must be an integer, got 1.5")):
         srv.infer(2, PROMPT, maxTokens=1, **params)
@@ -100,7 +100,7 @@ def test_user_step_parameters_are_checked_like_built_in_ones(srv):
         assert ev["type"] == "error" and ev["message"] == msg, ev
     srv.infer(2, PROMPT, maxTokens=1, samplers=["boost", "nosuch"])
     (ev,) = list(srv.stream(2))
-    assert ev["type"] == "error" and "unknown step 'nosuch'" in ev["message"] and "boost" in ev["message"]
+    assert ev["type"] == "error" and 'unknown step "nosuch"' in ev["message"] and "boost" in ev["message"]
 
 
 @pytest.mark.model

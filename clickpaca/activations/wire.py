@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..fieldcheck import show
+
 MAX_LAYERS = 1024  # directions in one controlVector
 MAX_EMBD = 1 << 16  # numbers in one direction
 MAX_STRENGTH = 1e6  # |controlVectorStrength|: finite and bounded (a direction times it stays finite in f32)
@@ -64,7 +66,7 @@ def direction(name: str, v: Any) -> np.ndarray:
         shape = v["shape"]
         if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
                 and 1 <= len(shape) <= 2 and (len(shape) == 1 or shape[0] == 1)):
-            raise ValueError(f"{name}: shape must be [n_embd] or [1, n_embd], got {shape!r}")
+            raise ValueError(f"{name}: shape must be [n_embd] or [1, n_embd], got {show(shape)}")
         try:
             arr = np.asarray(decode(v), dtype=np.float32).reshape(-1)
         except (ValueError, TypeError) as e:  # base64, or data that does not fill the shape
@@ -86,7 +88,7 @@ def layer_range(name: str, v: Any) -> tuple[int, int]:
     """[start, end], 1 <= start <= end."""
     if not (isinstance(v, list) and len(v) == 2
             and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
-        raise ValueError(f"{name}: must be [start, end] (two layer numbers), got {v!r}")
+        raise ValueError(f"{name}: must be [start, end] (two layer numbers), got {show(v)}")
     start, end = v
     if not 1 <= start <= end:
         raise ValueError(f"{name}: [{start}, {end}]: need 1 <= start <= end (llama.cpp never steers layer 0)")
@@ -95,7 +97,7 @@ def layer_range(name: str, v: Any) -> tuple[int, int]:
 
 def strength(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name}: must be a finite number, got {v!r}")
+        raise ValueError(f"{name}: must be a finite number, got {show(v)}")
     if abs(v) > MAX_STRENGTH:
         raise ValueError(f"{name}: must be within +-{MAX_STRENGTH:g}, got {v}")
     return float(v)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..sampling import SequenceSampler
 from ..sampling.bench import SCENARIOS, microbench, random_mask
-from ..sampling.table import CONSTRAINT, ELEMENTWISE, SCALE, STEPS, TRUNCATION
+from ..sampling.registry import CONSTRAINT, ELEMENTWISE, SCALE, TRUNCATION, steps as registered_steps
 from .common import out_dir, png, with_defaults
 from .sampler_steps import step_costs
 from .report import emit, machine, plot_points
@@ -29,10 +29,15 @@ N_VOCAB = 262_144
 SYNTH_REPEATS = 100  # sample calls per round on synthetic rows
 REAL_ROWS = 64  # real logits rows
 STEP_REPEATS = 5  # calls per round of each step on the full vocabulary
-# Timing stages in the order a default chain meets them: the steps before the cut (grammar,
-# elementwise), the cut, the truncations and temperature, then sampling and logprobs.
-STEP_ORDER = (*(s.name for s in STEPS if s.kind in (CONSTRAINT, ELEMENTWISE)), "cut",
-              *(s.name for s in STEPS if s.kind in (TRUNCATION, SCALE)), "sample", "probs")
+
+
+def step_order() -> tuple[str, ...]:
+    """Timing stages in the order a default chain meets them: the steps before the cut
+    (grammar, elementwise), the cut, the truncations and temperature, then sampling and
+    logprobs (the registry's rows now)."""
+    rows = registered_steps()
+    return (*(s.name for s in rows if s.kind in (CONSTRAINT, ELEMENTWISE)), "cut",
+            *(s.name for s in rows if s.kind in (TRUNCATION, SCALE)), "sample", "probs")
 
 
 def real_rows(n_rows: int, model_path: str | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -115,7 +120,8 @@ def measure(args: Any) -> dict[str, Any]:
 
 def table(out: dict[str, Any]) -> str:
     seen = {k for r in out["results"] for k in r["steps_us"]}
-    steps = [k for k in STEP_ORDER if k in seen] + sorted(seen - set(STEP_ORDER))
+    order = step_order()
+    steps = [k for k in order if k in seen] + sorted(seen - set(order))
     rows = []
     for r in out["results"]:
         real = r.get("real_rows") or {}

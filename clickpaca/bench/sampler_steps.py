@@ -23,7 +23,7 @@ from ..sampling import steps as S
 from ..sampling.bench import synthetic_row
 from ..sampling.oracle import TOKEN_DATA
 
-__all__ = ["CASES", "step_costs"]
+__all__ = ["step_costs"]
 
 HIST = 256  # context tokens for penalties and DRY
 

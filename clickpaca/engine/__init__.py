@@ -14,8 +14,9 @@ pure modules load without the model's bindings):
                    job) and every ending
                    (`done`, `error`, or silently), each freeing the KV cells at once
     handlers.py    one handler per request type: the checks that need the server's state,
-                   then a job started for the scheduler, or an answer (statefiles.py:
-                   save and load)
+                   then a job started for the scheduler, or an answer
+    statefiles.py  the handlers of `save` and `load` (a held sequence's cells to a state
+                   file and back)
     jobs.py        a job per request kind that runs over ticks (InferJob, ScoreJob,
                    PrefillJob): what it wants from a tick, what it does with its rows,
                    how it ends, the events it sends
@@ -25,6 +26,8 @@ pure modules load without the model's bindings):
                    full KV cache), advance each sequence by its plan entry, hand each job
                    its share
     generation.py  a generating sequence's row: sample, emit the token, decide the end
+    readout.py     activation capture through the jobs: which rows of a tick's batch each
+                   job reads, and what it keeps of them until its end event
     mask_ahead.py  grammar masks filled while the decode runs
     text.py        token bytes -> valid UTF-8 pieces; stop strings
     stateio.py     state files (`save`, `load`) hashed, written and read on a worker

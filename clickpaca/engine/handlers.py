@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import features
+from ..fieldcheck import show
 from ..activations import steer, vector
 from ..grammars import GrammarError
 from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
@@ -77,7 +78,7 @@ class Handlers(StateFileHandlers):
         if req.grammar_id is not None:
             compiled = session.grammars.get(req.grammar_id)
             if compiled is None:
-                raise ProtocolError(f"grammar_id: unknown grammar {req.grammar_id!r} "
+                raise ProtocolError(f"grammar_id: unknown grammar {show(req.grammar_id)} "
                                     "(send a grammar request first)", seq_id, "infer")
         try:
             cvec = vector.for_request(rt.cvec, rt.model.nat, req.controlVectorStrength)
@@ -109,7 +110,11 @@ class Handlers(StateFileHandlers):
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
         seq_id = req.seq_id
         seqs.check_id(seq_id, "score")
-        if seq_id in session.seqs:
+        taken = session.seqs.get(seq_id)
+        if taken is not None:  # a score starts from nothing: it never continues what a seq_id holds
+            if taken.held:
+                raise ProtocolError(f"seq_id: sequence {seq_id} is held; a score takes a free seq_id "
+                                    "(it never continues a held sequence: free it first)", seq_id, "score")
             raise ProtocolError(f"seq_id: sequence {seq_id} is already active", seq_id, "score")
         window = req.window or min(512, ctx.n_ctx_seq)
         if window > ctx.n_ctx_seq:

@@ -56,7 +56,8 @@ class Sequence:
 
     @property
     def held(self) -> bool:
-        """Its cells are kept with nothing running on them (prefill, fork, load, an infer's end)."""
+        """Its cells are kept with nothing running on them (after a prefill, a fork, a load;
+        an infer's end frees them)."""
         return self.job is None and not self.loading
 
 

@@ -19,6 +19,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from ..fieldcheck import show
+
 RPC_CMD_GET_ALLOC_SIZE = 13  # enum rpc_cmd (ALLOC_BUFFER = 0, ...)
 RPC_CMD_HELLO = 14  # fixed in every protocol version ("RPC_CMD_HELLO must be always 14")
 RPC_CONN_CAPS_SIZE = 24  # transport capabilities (RDMA); all zero: plain TCP
@@ -54,12 +56,12 @@ def parse_endpoint(text: str) -> Endpoint:
     """"host:port" (the form ggml-rpc takes: no brackets, IPv4 or a host name);
     ValueError saying what is wrong."""
     if not isinstance(text, str) or text.count(":") != 1:
-        raise ValueError(f"must be \"host:port\", got {text!r}")
+        raise ValueError(f"must be \"host:port\", got {show(text)}")
     host, port = text.split(":")
     if not host or any(c.isspace() for c in host):
-        raise ValueError(f"must be \"host:port\" with a host name or IPv4 address, got {text!r}")
+        raise ValueError(f"must be \"host:port\" with a host name or IPv4 address, got {show(text)}")
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"port must be 1..65535, got {text!r}")
+        raise ValueError(f"port must be 1..65535, got {show(text)}")
     return Endpoint(host, int(port))
 
 

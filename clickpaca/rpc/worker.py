@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import deterministic
 from ..native import build_dir
+from ..paths import make_target
 from .wire import Endpoint, WorkerCheckError, connect, hello
 
 
@@ -27,7 +28,7 @@ def tool_path(build: str = "mainline") -> Path:
     """The build's rpc-server, or FileNotFoundError saying how to get it."""
     path = build_dir(build) / "bin" / "rpc-server"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `make {build if build in ('mainline', 'turboquant') else 'setup'}` "
+        raise FileNotFoundError(f"{path} not found: run `make {make_target(build)}` "
                                 "(every build includes rpc-server since GGML_RPC=ON)")
     return path
 

@@ -10,9 +10,11 @@ Order (``params.samplers`` may reorder or drop all but the grammar, which runs f
 grammar -> logit bias -> repetition penalties -> DRY -> top-n-sigma -> top-k ->
 typical-p -> min-p -> top-p -> XTC -> temperature -> dynamic temperature -> mirostat
 1.0 / 2.0 -> sample (llama.cpp's steps off unless asked for). ``registry`` holds one row
-per step (its wire parameters, kind, state, superset hook; how to add a step),
-``table`` the built-in rows, ``steps`` and ``dry`` the definitions, ``cut`` the exact
-shortcuts, ``chain`` the composition and per-sequence state, ``trace`` what each step
+per step (its wire parameters, kind, state, superset hook, shared state, keep-one; how
+to add a step), ``table`` the built-in rows, ``params`` the frozen SamplerParams derived
+from the rows, ``steps`` and ``dry`` the definitions, ``cut`` the exact shortcuts,
+``bitmask`` the grammar's allowed-token words, ``candidates`` a candidate set (explicit
+or implicit) and its draw, ``chain`` the composition and per-sequence state, ``trace`` what each step
 did to a token, ``oracle`` llama.cpp's C samplers through the bindings (tests, bench),
 ``vocab`` token text for steps that need it, ``batch`` one tick's rows at once (exactly
 what per-sequence ``sample`` calls give), ``workers`` the threads it may spread them
@@ -20,11 +22,10 @@ over, ``bench`` the microbenchmark.
 """
 
 from .chain import Candidates, SampleResult, SequenceSampler, apply_chain
-from .params import (BAN, DEFAULT_SAMPLERS, FORCE, PROTOCOL_NAMES, STEP_NAMES, SamplerParamError,
-                     SamplerParams)
+from .params import BAN, FORCE, SamplerParamError, SamplerParams, protocol_names, step_names
 
 __all__ = [
-    "BAN", "FORCE", "DEFAULT_SAMPLERS", "STEP_NAMES", "PROTOCOL_NAMES",
+    "BAN", "FORCE", "step_names", "protocol_names",
     "SamplerParamError", "SamplerParams", "SequenceSampler", "SampleResult", "Candidates",
     "apply_chain",
 ]

@@ -19,8 +19,9 @@ A row whose top is NaN or infinite, or whose plan is anything else, takes the
 per-sequence path. With ``threads`` > 1 the row passes (the per-sequence rows, the
 greedy argmaxes, the top-k rows' candidates) are spread over that many threads
 (``workers.run_all``): each row is computed by the same calls as on one thread, so the
-results do not change; rows whose chain holds a user-defined step or DRY (which reads
-the shared vocabulary) stay on the calling thread. The engine calls it once per tick
+results do not change; rows whose chain holds a step whose row says it reads shared
+state (``Step.shared_state``: DRY, through the vocabulary; every user-defined step,
+usersteps) stay on the calling thread. The engine calls it once per tick
 with its decode's thread count (docs/BENCHMARKS.md, "Sampler host cost").
 """
 
@@ -31,10 +32,10 @@ from typing import Sequence
 
 import numpy as np
 
+from . import registry as R
 from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
 from .cut import _default_cols
 from .params import SamplerParams
-from .table import BY_NAME
 from .workers import run_all
 
 __all__ = ["sample_tick", "batch_plan", "thread_safe", "KMAX"]
@@ -66,18 +67,17 @@ def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
             p.temperature if "temperature" in rest else None)
 
 
-#: Built-in steps that read shared state besides their sequence's own (DRY: the vocabulary
-#: and its memo): their rows stay on the calling thread.
-_SHARED = frozenset(("dry",))
-
-
 @functools.lru_cache(maxsize=1024)
 def thread_safe(p: SamplerParams, has_hist: bool, n_vocab: int) -> bool:
-    """True when every active step of the chain is a built-in one that touches only its
-    sequence's own state, so the row may be sampled on a worker thread. User-defined
-    steps run on the calling thread (they were written for it: usersteps)."""
+    """True when no active step of the chain reads shared state (its row's
+    ``shared_state``), so the row may be sampled on a worker thread. User-defined steps
+    say they do (they were written for the engine thread: usersteps)."""
     active, _ = _steps_to_run(p, has_hist, n_vocab)  # the same steps whatever the grammar allows
-    return all(s is BY_NAME.get(s.name) and s.name not in _SHARED for s in active)
+    return not any(s.shared_state for s in active)
+
+
+R.on_change(batch_plan.cache_clear)  # plans made from the registry's rows: dropped when they change
+R.on_change(thread_safe.cache_clear)
 
 
 def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: Sequence[int],

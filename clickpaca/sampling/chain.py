@@ -18,15 +18,13 @@ from .params import SamplerParams
 from .steps import FORCE
 from . import registry as R
 from .registry import ELEMENTWISE, SCALE, TRUNCATION, Step, StepContext
-from .table import BY_NAME, EMPTY_REASONS
+from .table import LOGIT_BIAS as _LOGIT_BIAS, TEMPERATURE as _TEMPERATURE
 from .trace import trace
 
-__all__ = ["Candidates", "SampleResult", "SequenceSampler", "StepContext", "apply_chain", "EMPTY_REASONS"]
+__all__ = ["Candidates", "SampleResult", "SequenceSampler", "StepContext", "apply_chain"]
 
 #: With a grammar allowing at most this many tokens, the allowed ids are listed outright.
 EXPLICIT_MAX = 4096
-
-_LOGIT_BIAS, _TEMPERATURE = R.step("logit_bias"), R.step("temperature")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +78,13 @@ def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tup
     return tuple(active), first
 
 
-#: The steps that keep a one-token set as it is (or rescale its logit): after a cut to
-#: the canonical first token only these may follow for the greedy short path.
-_KEEP_ONE = frozenset(("top_k", "min_p", "top_p", "temperature", "top_n_sigma"))
-
-
 @functools.lru_cache(maxsize=1024)
 def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[Step, ...], float] | None:
     """(steps from the first truncation on, tau before it) when the chain without a
     grammar reduces to "the canonical first raw token" (one argmax pass), else None.
     That is: no elementwise step is active before the first truncation (nothing is
     touched), the first truncation keeps one token (top-k 1 or greedy temperature), and
-    only built-in stateless steps that keep a one-token set follow it. ``apply_chain``
+    only stateless steps whose rows say they keep a one-token set (``keeps_one``) follow it. ``apply_chain``
     would give the same candidates (its cut is the same argmax); this skips its set-up."""
     if p.trace:
         return None
@@ -104,10 +97,14 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
     head = tail[0]
     if not ((head.name == "top_k" and p.top_k == 1) or (head is _TEMPERATURE and p.temperature <= 0)):
         return None
-    if any(s.name not in _KEEP_ONE or s.stateful or s is not BY_NAME.get(s.name) for s in tail):
+    if any(not s.keeps_one or s.stateful for s in tail):
         return None
     return tail, (p.temperature if _TEMPERATURE in prefix else 1.0)
 
+
+# The plans are made from the registry's rows: a registration or removal drops them.
+R.on_change(_steps_to_run.cache_clear)
+R.on_change(greedy_tail.cache_clear)
 
 _NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
 _NO_IDS = np.empty(0, np.int32)
@@ -120,11 +117,11 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
                 ctx: StepContext | None = None) -> Candidates:
     """Run the sampler chain on one raw logits row; return the candidates to sample from.
 
-    Default order: grammar -> logit bias -> repetition penalties -> top-k -> min-p ->
-    top-p -> temperature (-> sample, done by ``Candidates.sample``). ``params.samplers``
-    may reorder or drop every step but the grammar, which always runs first when
-    ``words`` (uint32 bitmask words, see ``bitmask.as_words``) is given: a hard
-    constraint no other step may override. ``hist`` is (ids sorted, counts) of the
+    Default order: the registry's (``registry.steps()``: the built-in rows of ``table``,
+    then any registered later), grammar first (-> sample, done by ``Candidates.sample``).
+    ``params.samplers`` may reorder or drop every step but the grammar, which always
+    runs first when ``words`` (uint32 bitmask words, see ``bitmask.as_words``) is given:
+    a hard constraint no other step may override. ``hist`` is (ids sorted, counts) of the
     penalty window. ``view`` lets the caller reuse the row's column maxima (and tests
     shape them); ``explicit_max`` (tests) moves the explicit-grammar threshold. ``ctx``
     (``SequenceSampler`` passes one) carries the history, step states and random
@@ -499,4 +496,4 @@ def _greedy(row: np.ndarray, view: RowView, p: SamplerParams, short, ctx: StepCo
 
 
 def _reason(step: str) -> str:
-    return EMPTY_REASONS.get(step, f"no candidate left after {step}")
+    return R.empty_reasons().get(step, f"no candidate left after {step}")

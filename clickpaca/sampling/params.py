@@ -22,56 +22,58 @@ from . import table  # noqa: F401  (registers the built-in rows)
 __all__ = [
     "BAN",
     "FORCE",
-    "DEFAULT_SAMPLERS",
-    "STEP_NAMES",
-    "PROTOCOL_NAMES",
-    "MISSPELLINGS",
     "SamplerParamError",
     "SamplerParams",
+    "step_names",
     "protocol_names",
+    "wire_names",
     "misspellings",
 ]
 
+# Everything here is read from the registry when asked (cached per registry version):
+# a step registered later (usersteps, `serve --steps`) is a parameter like any other,
+# with no copy to refresh.
+
 
 def step_names() -> tuple[str, ...]:
-    """Every step, in the default order (the registry's rows). The grammar is always
-    applied first when the caller passes a bitmask: it is a hard constraint, not a
-    preference, so no other step may see (and e.g. force) a token the grammar forbids."""
-    return tuple(s.name for s in R.steps())
+    """Every step, in the default order (the registry's rows): ``samplers``' default. The
+    grammar is always applied first when the caller passes a bitmask: it is a hard
+    constraint, not a preference, so no other step may see (and e.g. force) a token the
+    grammar forbids."""
+    return _tables()[3]
 
 
 def protocol_names() -> dict[str, str]:
     """SamplerParams attribute -> protocol (wire) name, for every registered parameter."""
-    return {p.field: p.wire for p in R.all_params()}
+    return dict(_tables()[4])
+
+
+def wire_names() -> tuple[str, ...]:
+    """The wire names of every registered parameter, in order (the same tuple object
+    while the registry is unchanged)."""
+    return _tables()[5]
 
 
 def misspellings() -> dict[str, str]:
     """Spellings a client may plausibly send by mistake (e.g. llama-server's names) -> the
     wire name meant."""
-    out = {}
-    for p in R.all_params():
-        for m in p.misspellings:
-            out[m] = p.wire
-    return out
-
-
-# Snapshots for importers that read them once (protocol.py): the built-in rows.
-STEP_NAMES = step_names()
-DEFAULT_SAMPLERS = STEP_NAMES
-PROTOCOL_NAMES = protocol_names()
-MISSPELLINGS = misspellings()
+    return _tables()[6]
 
 
 _cache: dict[int, tuple] = {}
 
 
-def _tables() -> tuple[tuple[R.Param, ...], dict[str, R.Param], dict[str, str]]:
-    """(params, by attribute, wire -> attribute) for the registry's current version."""
+def _tables() -> tuple:
+    """(params, by attribute, wire -> attribute, step names, attribute -> wire, wire names,
+    misspelling -> wire) for the registry's current version."""
     t = _cache.get(R.version())
     if t is None:
         ps = R.all_params()
         _cache.clear()
-        t = _cache[R.version()] = (ps, {p.field: p for p in ps}, {p.wire: p.field for p in ps})
+        wrong = {m: p.wire for p in ps for m in p.misspellings}
+        t = _cache[R.version()] = (ps, {p.field: p for p in ps}, {p.wire: p.field for p in ps},
+                                   tuple(s.name for s in R.steps()), {p.field: p.wire for p in ps},
+                                   tuple(p.wire for p in ps), wrong)
     return t
 
 
@@ -87,7 +89,7 @@ class SamplerParams:
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        ps, by_field, by_wire = _tables()
+        ps, by_field, by_wire = _tables()[:3]
         for k in kwargs:
             if k not in by_field and k not in by_wire:
                 raise TypeError(f"SamplerParams: unknown parameter {k!r}")
@@ -154,11 +156,10 @@ class SamplerParams:
         ``n_vocab``, also runs ``validate``."""
         if not isinstance(request, Mapping):
             raise SamplerParamError("request", f"must be an object, got {type(request).__name__}")
-        _, _, by_wire = _tables()
-        wrong = misspellings()
+        by_wire, wrong = _tables()[2], misspellings()
         for k in request:
             if k in wrong and k not in by_wire:
-                raise SamplerParamError(k, f"unknown field; did you mean {wrong[k]!r}?")
+                raise SamplerParamError(k, f"unknown field (did you mean {wrong[k]}?)")
         kwargs = {by_wire[k]: v for k, v in request.items() if k in by_wire and v is not None}
         params = cls(**kwargs)
         if n_vocab is not None:

@@ -14,7 +14,10 @@ function (the definition, usually in ``steps``) and one ``register`` call:
 
 A step with no ``cut`` runs on the full candidate set when it is the first step that
 is not elementwise: correct, only slower. Randomness comes from ``StepContext.uniform``,
-a stream of the sequence's own seed; state from ``StepContext.state``.
+a stream of the sequence's own seed; state from ``StepContext.state``. A step that reads
+anything shared between sequences (the vocabulary, module-level mutable state) says so
+with ``shared_state=True``, and its chains stay on the calling thread; one that keeps a
+one-token set says ``keeps_one=True`` (the greedy short path may then run it).
 
 Kinds:
 - constraint: the grammar. Always first when the caller passes a bitmask, never run by
@@ -32,19 +35,20 @@ Kinds:
 
 from __future__ import annotations
 
-import math
-import numbers
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ..fieldcheck import FieldError, boolean, choice_strings, integer, is_int, is_real, real, show, to_float
+
 if TYPE_CHECKING:
     from .params import SamplerParams
 
-__all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "steps", "step", "by_name", "version", "docs_table",
+__all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "on_change", "steps", "step", "by_name", "version", "docs_table",
            "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "boolean", "choice_strings",
+           "show", "is_int", "is_real", "to_float",
            "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS"]
 
 CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL = (
@@ -52,90 +56,14 @@ CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL = (
 KINDS = (CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL)
 
 
-class SamplerParamError(ValueError):
-    """A bad sampler parameter. ``field`` is the protocol name, ``reason`` the why."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
+#: A bad sampler parameter: the field checks' error (``field``: the protocol name,
+#: ``reason``: the why), so a sampler field's message reads as any other field's.
+SamplerParamError = FieldError
 
 
 # ------------------------------------------------------------------ parameter checks
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
-def is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
-
-
-def to_float(v: numbers.Real) -> float:
-    """float(v); an integer beyond the float range (only in-process: JSON numbers that
-    large arrive as inf and are refused by the parser) becomes +-inf, not OverflowError."""
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf if v > 0 else -math.inf
-
-
-def real(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[str, Any], float]:
-    """A check: a finite real in [lo, hi] (or (lo, hi] with lo_open), returned as float."""
-    def check(name: str, v: Any) -> float:
-        if not is_real(v):
-            raise SamplerParamError(name, f"must be a number, got {v!r}")
-        x = to_float(v)
-        if not math.isfinite(x):
-            raise SamplerParamError(name, f"must be finite, got {x!r}")
-        bad_lo = lo is not None and (x <= lo if lo_open else x < lo)
-        if bad_lo and hi is None:
-            raise SamplerParamError(name, f"must be {'>' if lo_open else '>='} {lo:g}, got {x!r}")
-        if bad_lo or (hi is not None and x > hi):
-            lo_s = "-inf" if lo is None else f"{lo:g}"
-            raise SamplerParamError(name, f"must be in {'(' if lo_open else '['}{lo_s}, {hi:g}], got {x!r}")
-        return x
-    check.range = (lo, hi, lo_open)  # for the docs table
-    return check
-
-
-def integer(lo: int, hi: int | None = None) -> Callable[[str, Any], int]:
-    """A check: an integer >= lo (and <= hi)."""
-    def check(name: str, v: Any) -> int:
-        if not is_int(v):
-            raise SamplerParamError(name, f"must be an integer, got {v!r}")
-        x = int(v)
-        if x < lo:
-            raise SamplerParamError(name, f"must be >= {lo}, got {x}")
-        if hi is not None and x > hi:
-            raise SamplerParamError(name, f"must be <= {hi}, got {x}")
-        return x
-    return check
-
-
-def boolean(name: str, v: Any) -> bool:
-    """A check: true or false (not 0 / 1)."""
-    if not isinstance(v, (bool, np.bool_)):
-        raise SamplerParamError(name, f"must be true or false, got {v!r}")
-    return bool(v)
-
-
-def choice_strings(max_n: int, max_len: int) -> Callable[[str, Any], tuple[str, ...]]:
-    """A check: a list of at most max_n non-empty strings of at most max_len characters,
-    returned as a tuple (hashable)."""
-    def check(name: str, v: Any) -> tuple[str, ...]:
-        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
-            raise SamplerParamError(name, f"must be a list of strings, got {v!r}")
-        if len(v) > max_n:
-            raise SamplerParamError(name, f"at most {max_n} strings, got {len(v)}")
-        for s in v:
-            if not isinstance(s, str) or not s:
-                raise SamplerParamError(name, f"entries must be non-empty strings, got {s!r}")
-            if len(s) > max_len:
-                raise SamplerParamError(name, f"entries must be at most {max_len} characters, got {len(s)}")
-        return tuple(v)
-    return check
+# fieldcheck's (shared with the protocol): ``real``, ``integer``, ``boolean``,
+# ``choice_strings``; a step's own checks raise SamplerParamError with ``show(value)``.
 
 
 @dataclass(frozen=True)
@@ -231,6 +159,16 @@ class Step:
     empty: why the candidate set is empty when this step emptied it (None: the generic
       "no candidate left after <name>").
     doc: a line for the docs table.
+    shared_state: True when its functions read or write anything besides their arguments,
+      the sequence's own StepContext fields and immutable module constants: the
+      vocabulary (``ctx.vocab`` and its memo), module-level mutable state, the registry.
+      A chain holding such a step is sampled on the calling thread (``batch``), never on
+      a worker. tests/test_sampling_table.py runs every row on a worker thread with the
+      shared objects watched and fails for a row that touches one without saying so.
+    keeps_one: True when, run on a one-token candidate set, it keeps that token (it may
+      rescale its logit): after a cut to the canonical first token, a chain whose
+      remaining steps all keep one is greedy (``chain.greedy_tail``). Checked by
+      tests/test_sampling_table.py on one-token sets.
     """
 
     name: str
@@ -246,6 +184,8 @@ class Step:
     sampled: Callable[[Any, int, "SamplerParams"], None] | None = None
     empty: str | None = None
     doc: str = ""
+    shared_state: bool = False
+    keeps_one: bool = False
 
     @property
     def stateful(self) -> bool:
@@ -257,6 +197,20 @@ class Step:
 _STEPS: list[Step] = []
 _CHAIN_PARAMS: list[Param] = []
 _version = [0]  # bumped at every registration (params.py caches on it)
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn`` after every registration or removal: the chain's plan caches, keyed by
+    params alone, are emptied so no plan outlives the rows it was made from."""
+    _listeners.append(fn)
+    return fn
+
+
+def _changed() -> None:
+    _version[0] += 1
+    for fn in _listeners:
+        fn()
 
 
 def _check_new(names: set[str], p: Param) -> None:
@@ -286,14 +240,14 @@ def register(step: Step, *, before: str | None = None) -> Step:
         _STEPS.append(step)
     else:
         _STEPS.insert([s.name for s in _STEPS].index(before), step)
-    _version[0] += 1
+    _changed()
     return step
 
 
 def unregister(name: str) -> Step:
     """Remove a registered step (tests; a client-defined step going away)."""
     i = [s.name for s in _STEPS].index(name)
-    _version[0] += 1
+    _changed()
     return _STEPS.pop(i)
 
 
@@ -301,7 +255,7 @@ def register_chain_param(p: Param) -> Param:
     """A parameter of the whole chain rather than of one step (seed, nProbs, samplers)."""
     _check_new(set(), p)
     _CHAIN_PARAMS.append(p)
-    _version[0] += 1
+    _changed()
     return p
 
 

@@ -5,8 +5,12 @@ meaning), when it is an identity for the given params (the chain skips it then),
 it truncates, how it runs from the params (``steps`` holds the definitions), which
 tokens it touches when elementwise, how the chain finds a superset of what it keeps
 without scanning the row when it is the first truncation, and what an empty candidate
-set after it means. Adding a step is one definition in ``steps`` and one
-``register(Step(...))`` here (or anywhere: see ``registry``).
+set after it means, whether it reads state shared between sequences (``shared_state``:
+DRY, through the vocabulary) and whether it keeps a one-token set (``keeps_one``).
+Adding a step is one definition in ``steps`` and one ``register(Step(...))`` here (or
+anywhere: see ``registry``). The rows live in the registry only: read them with
+``registry.steps()`` / ``registry.by_name()``; the names bound here (``TEMPERATURE``, ...)
+are the rows other modules refer to by identity.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from .bitmask import allows
 from .candidates import dense_exp, gather
 from .cut import RowView, isin_sorted, upper_ids
 from .registry import (CONSTRAINT, ELEMENTWISE, GENERAL, SCALE, TRUNCATION, Param, SamplerParamError, Step,
-                       aliases, choice_strings, integer, is_int, is_real, real, register, register_chain_param, to_float)
+                       aliases, choice_strings, integer, is_int, is_real, real, register, register_chain_param, show,
+                       to_float)
 from . import registry as R
 
 if TYPE_CHECKING:
     from .params import SamplerParams
 
-__all__ = ["Step", "STEPS", "STEP_NAMES", "BY_NAME", "ALIASES", "EMPTY_REASONS",
+__all__ = ["Step", "LOGIT_BIAS", "TEMPERATURE", "XTC", "MIROSTAT", "MIROSTAT_V2", "MIN_TEMPERATURE", "N_PROBS_MAX",
            "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL"]
 
 #: (view, params, tau, words, frac, touched, touched logits) -> (ids, rest_mass)
@@ -53,11 +58,11 @@ def _norm_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
         for pair in v:
             if isinstance(pair, Mapping):
                 if set(pair) != {"token", "bias"}:
-                    raise SamplerParamError(name, f"entries must be {{\"token\": id, \"bias\": x}}, got {pair!r}")
+                    raise SamplerParamError(name, f"entries must be {{\"token\": id, \"bias\": x}}, got {show(pair)}")
                 items.append((pair["token"], pair["bias"]))
                 continue
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise SamplerParamError(name, f"list entries must be [tokenId, bias] pairs, got {pair!r}")
+                raise SamplerParamError(name, f"list entries must be [tokenId, bias] pairs, got {show(pair)}")
             items.append((pair[0], pair[1]))
     else:
         raise SamplerParamError(name, f"must be an object {{tokenId: bias}} or a list of [tokenId, bias], got {type(v).__name__}")
@@ -66,16 +71,16 @@ def _norm_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
         if isinstance(key, str):
             s = key.strip()
             if not (s.isascii() and s.isdigit()):
-                raise SamplerParamError(name, f"token id must be a non-negative integer, got {key!r}")
+                raise SamplerParamError(name, f"token id must be a non-negative integer, got {show(key)}")
             tok = int(s)
         elif is_int(key):
             tok = int(key)
         else:
-            raise SamplerParamError(name, f"token id must be an integer, got {key!r}")
+            raise SamplerParamError(name, f"token id must be an integer, got {show(key)}")
         if tok < 0:
             raise SamplerParamError(name, f"token id must be >= 0, got {tok}")
         if not is_real(bias):
-            raise SamplerParamError(name, f"bias for token {tok} must be a number, got {bias!r}")
+            raise SamplerParamError(name, f"bias for token {tok} must be a number, got {show(bias)}")
         b = to_float(bias)
         if math.isnan(b):
             raise SamplerParamError(name, f"bias for token {tok} must not be NaN")
@@ -92,7 +97,7 @@ def _norm_samplers(name: str, v: Any) -> tuple[str, ...]:
     if v is None:
         return tuple(s.name for s in R.steps())
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
-        raise SamplerParamError(name, f"must be a list of step names, got {v!r}")
+        raise SamplerParamError(name, f"must be a list of step names, got {show(v)}")
     known = aliases()
     out = []
     if v and v[-1] == "sample":  # the draw itself: always the chain's end, accepted there
@@ -101,10 +106,10 @@ def _norm_samplers(name: str, v: Any) -> tuple[str, ...]:
         canon = known.get(s) if isinstance(s, str) else None
         if canon is None:
             where = " ('sample' is the fixed last step: only there)" if s == "sample" else ""
-            raise SamplerParamError(name, f"unknown step {s!r}{where}; known: "
+            raise SamplerParamError(name, f"unknown step {show(s)}{where}; known: "
                                     f"{', '.join(x.name for x in R.steps())}")
         if canon in out:
-            raise SamplerParamError(name, f"step {canon!r} listed more than once")
+            raise SamplerParamError(name, f"step {show(canon)} listed more than once")
         out.append(canon)
     if "grammar" in out and out[0] != "grammar":
         raise SamplerParamError(name, "'grammar' must come first: the grammar is always applied before every other step")
@@ -193,7 +198,7 @@ def _nucleus_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: flo
 
 register(Step("grammar", CONSTRAINT, run=None, off=lambda p, has_hist: True,
               empty="the grammar allows no token"))
-register(Step(
+LOGIT_BIAS = register(Step(
     "logit_bias", ELEMENTWISE, alias="logitBias",
     params=(Param("logit_bias", "logit_bias", (), _norm_bias, ("logitBias",),
                   "list of `{\"token\": id, \"bias\": x}`; `-1e9` bans, `+1e9` forces", shown="none"),),
@@ -234,21 +239,22 @@ register(Step(
                   shown='`["\\n", ":", "\\"", "*"]`')),
     run=lambda ids, logits, p, ctx: D.apply(ids, logits, *D.penalties_for(p, ctx)),
     off=lambda p, has_hist: p.dry_multiplier == 0 or p.dry_penalty_last_n == 0,
-    touches=lambda p, ctx: D.penalties_for(p, ctx)[0]))
+    touches=lambda p, ctx: D.penalties_for(p, ctx)[0],
+    shared_state=True))  # the vocabulary's memo (breakers) and dry's one-call memo
 register(Step(
     "top_n_sigma", TRUNCATION, alias="topNSigma",
     params=(Param("top_n_sigma", "topNSigma", -1.0, real(), ("top_n_sigma",),
                   "keep logits >= max - n * std of the candidates' logits; <= 0 = off"),),
     run=lambda ids, logits, p, ctx: S.top_n_sigma(ids, logits, p.top_n_sigma),
     off=lambda p, has_hist: p.top_n_sigma <= 0,
-    truncates=lambda p, n_allowed: p.top_n_sigma > 0))
+    truncates=lambda p, n_allowed: p.top_n_sigma > 0, keeps_one=True))
 register(Step(
     "top_k", TRUNCATION, alias="topK",
     params=(Param("top_k", "topK", 40, integer(0), ("top_k",), "1 = greedy, 0 = off"),),
     run=lambda ids, logits, p, ctx: S.top_k(ids, logits, p.top_k),
     off=lambda p, has_hist: p.top_k <= 0,
     truncates=lambda p, n_allowed: 0 < p.top_k < n_allowed,
-    cut=_upper_k(lambda p: p.top_k)))
+    cut=_upper_k(lambda p: p.top_k), keeps_one=True))
 register(Step(
     "typical_p", GENERAL, alias="typicalP",
     params=(Param("typical_p", "typicalP", 1.0, real(0.0, 1.0), ("typical_p", "typ_p"),
@@ -263,15 +269,15 @@ register(Step(
     run=lambda ids, logits, p, ctx: S.min_p(ids, logits, p.min_p),
     off=lambda p, has_hist: p.min_p <= 0,
     truncates=lambda p, n_allowed: p.min_p > 0,
-    cut=_min_p_cut))
+    cut=_min_p_cut, keeps_one=True))
 register(Step(
     "top_p", TRUNCATION, alias="topP",
     params=(Param("top_p", "topP", 0.95, real(0.0, 1.0), ("top_p",), "1 = off"),),
     run=lambda ids, logits, p, ctx: S.top_p(ids, logits, p.top_p, ctx.rest_mass),
     off=lambda p, has_hist: p.top_p >= 1,
     truncates=lambda p, n_allowed: p.top_p < 1,
-    cut=_nucleus_cut))
-register(Step(
+    cut=_nucleus_cut, keeps_one=True))
+XTC = register(Step(
     "xtc", GENERAL,
     params=(Param("xtc_probability", "xtcProbability", 0.0, real(0.0, 1.0), ("xtc_probability",),
                   "XTC: the chance, per token, that it runs; 0 = off"),
@@ -279,10 +285,10 @@ register(Step(
                   "XTC: it removes every token at or above this probability but the least likely "
                   "of them; > 0.5 = off")),
     run=lambda ids, logits, p, ctx: S.xtc(ids, logits, p.xtc_probability, p.xtc_threshold,
-                                          ctx.uniform(R.step("xtc")) if ids.size >= 2 else None),
+                                          ctx.uniform(XTC) if ids.size >= 2 else None),
     off=lambda p, has_hist: p.xtc_probability <= 0 or p.xtc_threshold > 0.5,
     truncates=lambda p, n_allowed: p.xtc_probability > 0 and p.xtc_threshold <= 0.5))
-register(Step(
+TEMPERATURE = register(Step(
     "temperature", SCALE, alias="temp",
     params=(Param("temperature", "temperature", 0.7, _temperature, ("temp",),
                   "<= 0 is greedy; so is a positive value below 1e-20 (dividing the logits by it would "
@@ -292,7 +298,7 @@ register(Step(
                                      else (ids, logits)),
     off=lambda p, has_hist: p.temperature == 1.0 or p.dynatemp_range > 0,
     truncates=lambda p, n_allowed: p.temperature <= 0,
-    cut=_upper_k(lambda p: 1)))  # greedy: the canonical first candidate
+    cut=_upper_k(lambda p: 1), keeps_one=True))  # greedy: the canonical first candidate
 register(Step(
     "dynatemp", GENERAL, alias="dynaTemp",
     params=(Param("dynatemp_range", "dynatempRange", 0.0, real(0.0), ("dynatemp_range",),
@@ -310,7 +316,7 @@ def _mirostat_run(version: int):
     def run(ids, logits, p, ctx):
         if p.mirostat != version:
             return ids, logits
-        st = ctx.state(R.step("mirostat" if version == 1 else "mirostat_v2"), p)
+        st = ctx.state(MIROSTAT if version == 1 else MIROSTAT_V2, p)
         if version == 1:
             ids, logits = S.mirostat(ids, logits, st["mu"], 100, ctx.n_vocab or ids.size)
         else:
@@ -328,7 +334,7 @@ def _mirostat_sampled(st: dict, token: int, p) -> None:
         st["mu"] -= p.mirostat_eta * (s - p.mirostat_tau)
 
 
-register(Step(
+MIROSTAT = register(Step(
     "mirostat", TRUNCATION,
     params=(Param("mirostat", "mirostat", 0, integer(0, 2), (),
                   "1 = mirostat 1.0, 2 = mirostat 2.0 (the steps `mirostat`, `mirostat_v2`); 0 = off"),
@@ -339,7 +345,7 @@ register(Step(
     run=_mirostat_run(1), off=lambda p, has_hist: p.mirostat != 1,
     truncates=lambda p, n_allowed: True,
     state=lambda p: {"mu": 2.0 * p.mirostat_tau}, sampled=_mirostat_sampled))
-register(Step(
+MIROSTAT_V2 = register(Step(
     "mirostat_v2", TRUNCATION, alias="mirostatV2",
     run=_mirostat_run(2), off=lambda p, has_hist: p.mirostat != 2,
     truncates=lambda p, n_allowed: True,
@@ -356,12 +362,3 @@ register_chain_param(Param("samplers", "samplers", None, _norm_samplers, (), "or
                            shown="full chain"))
 register_chain_param(Param("trace", "trace", False, R.boolean, (),
                            "token events carry what every step did (below); costs a few full-row passes per step"))
-
-# Snapshots of the built-in rows (the registry itself is live: ``registry.steps()``).
-STEPS: tuple[Step, ...] = R.steps()
-STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
-BY_NAME: dict[str, Step] = {s.name: s for s in STEPS}
-#: Accepted spellings in ``samplers`` -> canonical step name.
-ALIASES: dict[str, str] = aliases()
-#: Why a candidate set became empty, by what emptied it ("sample": nothing drawable).
-EMPTY_REASONS: dict[str, str] = R.empty_reasons()

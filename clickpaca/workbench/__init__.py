@@ -1,7 +1,8 @@
 """Experiments in a few lines over the server: `Workbench` (api.py) schedules requests
 over the slots (schedule.py) and returns typed results (results.py); `sweep.py` runs
 the same requests under several server configs and records them; `progress.py` is the
-bar on stderr."""
+bar on stderr; `overhead.py` measures the Workbench's own cost against the same requests
+sent by hand through the Client."""
 
 from .api import Document, Workbench
 from .results import Generation, Results, Score
