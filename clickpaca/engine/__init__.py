@@ -17,14 +17,14 @@ pure modules load without the model's bindings):
                    then a job started for the scheduler, or an answer (statefiles.py:
                    save and load)
     jobs.py        a job per request kind that runs over ticks (InferJob, ScoreJob,
-                   PrefillJob): what it wants from a tick, what it does with its rows,
-                   how it ends, the events it sends
+                   PrefillJob): what it wants from a tick, what it does with its rows
+                   and with a token drawn for it (infer: accept, stops, UTF-8, the one
+                   decision of its end), how it ends, the events it sends
     plan.py        the tick's plan, a pure function: what each sequence feeds (tokens,
                    positions, logits rows) and whether it samples, decided once
     scheduler.py   the tick: fill the batch from the jobs' plan, decode (recovering from a
                    full KV cache), advance each sequence by its plan entry, hand each job
-                   its share
-    generation.py  a generating sequence's row: sample, emit the token, decide the end
+                   its share, sample the rows they asked for in one batched call
     mask_ahead.py  grammar masks filled while the decode runs
     text.py        token bytes -> valid UTF-8 pieces; stop strings
     stateio.py     state files (`save`, `load`) hashed, written and read on a worker
