@@ -18,7 +18,7 @@ import difflib
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import orjson
@@ -30,9 +30,6 @@ from .sampling import PROTOCOL_NAMES, SamplerParams
 from .scoring import SCORE_LAST_MIN
 from .sampling.params import MISSPELLINGS
 
-if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
-    from .grammars import CompiledGrammar, GrammarError
-    from .engine.prepare import PromptTokens
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 # Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
@@ -353,7 +350,8 @@ def _prompt_or_messages(values: dict, kind: str) -> None:
 # mixes camelCase and snake_case, and one spelling in docs, error messages and code
 # needs no table translating between them. Attributes that are not on the wire are
 # snake_case: infer's `params` (its sampler fields, folded into one SamplerParams) and
-# the work a reader thread may have prepared (engine/prepare.py).
+# init's `given`. A request holds only what the client sent: the engine's work on it
+# (prompt tokens, a compiled grammar) travels beside it, in the engine's own type.
 
 
 def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
@@ -367,12 +365,6 @@ def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
 def _folded(names: tuple[str, ...], make: Callable[[], Any]) -> Any:
     """A value made from several wire fields together (the request's check_across makes it)."""
     return field(default_factory=make, metadata={"folds": names})
-
-
-def _prepared() -> Any:
-    """Work a reader thread may have done for the engine (engine/prepare.py); None: the engine
-    does it itself. Not compared: requests are equal by what the client sent."""
-    return field(default=None, compare=False, repr=False, metadata={"prepared": True})
 
 
 def _given() -> Any:
@@ -416,8 +408,8 @@ def _request(kind: str) -> Callable[[type], type]:
                 spec[f.name] = (f.metadata["check"], f.default)
             elif "folds" in f.metadata:
                 spec.update((name, (_with_params, MISSING)) for name in f.metadata["folds"])
-            elif "prepared" not in f.metadata and "given" not in f.metadata:
-                raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _prepared()")
+            elif "given" not in f.metadata:
+                raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _given()")
         REQUEST_TYPES[kind] = cls
         REQUESTS[kind] = spec
         return cls
@@ -483,7 +475,6 @@ class GrammarRequest(Request):
     # does not implement, and bound typed numbers' integral digits (null: unbounded)
     lenient: bool = wire(_bool, False)
     numberDigits: int | None = wire(_opt(_int(1, MAX_NUMBER_DIGITS)), NUMBER_DIGITS)
-    compiled: CompiledGrammar | GrammarError | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -513,7 +504,6 @@ class InferRequest(Request):
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
     params: SamplerParams = _folded(SAMPLER_FIELDS, SamplerParams)
-    prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -541,7 +531,6 @@ class ScoreRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
-    text_tokens: np.ndarray | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -577,7 +566,6 @@ class PrefillRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
-    prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:

@@ -9,7 +9,8 @@ pure modules load without the model's bindings):
                    the `ready` event
     prepare.py     a request's own work (tokenizing, compiling), done on the reader
                    thread that read it (Engine.prepare), else by the engine before its
-                   handler: one function (attach)
+                   handler: one function (work_for); it travels beside the request
+                   (Prepared), never in it
     sequences.py   Session, Sequence; the slots, the active order (the sequences with a
                    job) and every ending
                    (`done`, `error`, or silently), each freeing the KV cells at once
