@@ -654,7 +654,7 @@ class Matcher:
         mask allows only the one token that spells them canonically (`{"`), though the
         matcher accepts the same bytes spelled by shorter tokens (`{`, then `"`). A
         logit_bias that bans the canonical token would leave nothing to sample; the
-        sampler retries with this wider row instead (engine/generation.py)."""
+        sampler retries with this wider row instead (engine/jobs.py: InferJob.sampled)."""
         forced = self.forced_bytes()
         model = self.engine.model
         extra = []

@@ -18,7 +18,7 @@ import difflib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import orjson
@@ -33,9 +33,6 @@ from .sampling import SamplerParams
 from .scoring import SCORE_LAST_MIN
 from .sampling.params import misspellings, wire_names
 
-if TYPE_CHECKING:  # the types of prepared work (engine/prepare.py), for the reader
-    from .grammars import CompiledGrammar, GrammarError
-    from .engine.prepare import PromptTokens
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused (and skipped)
 # Nesting of arrays/objects in one request line. Requests are at most 3 deep (logit_bias);
@@ -277,7 +274,8 @@ def _prompt_or_messages(values: dict, kind: str) -> None:
 # mixes camelCase and snake_case, and one spelling in docs, error messages and code
 # needs no table translating between them. Attributes that are not on the wire are
 # snake_case: infer's `params` (its sampler fields, folded into one SamplerParams) and
-# the work a reader thread may have prepared (engine/prepare.py).
+# init's `given`. A request holds only what the client sent: the engine's work on it
+# (prompt tokens, a compiled grammar) travels beside it, in the engine's own type.
 
 
 def wire(check: Callable[[str, Any], Any], default: Any = MISSING) -> Any:
@@ -292,12 +290,6 @@ def _folded(names: Callable[[], tuple[str, ...]], make: Callable[[], Any]) -> An
     """A value made from several wire fields together (the request's check_across makes
     it); ``names()`` says which fields, read at each use."""
     return field(default_factory=make, metadata={"folds": names})
-
-
-def _prepared() -> Any:
-    """Work a reader thread may have done for the engine (engine/prepare.py); None: the engine
-    does it itself. Not compared: requests are equal by what the client sent."""
-    return field(default=None, compare=False, repr=False, metadata={"prepared": True})
 
 
 def _given() -> Any:
@@ -386,8 +378,8 @@ def _request(kind: str) -> Callable[[type], type]:
                 spec.append((f.name, (f.metadata["check"], f.default)))
             elif "folds" in f.metadata:
                 spec.append(f.metadata["folds"])
-            elif "prepared" not in f.metadata and "given" not in f.metadata:
-                raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _prepared()")
+            elif "given" not in f.metadata:
+                raise TypeError(f"{cls.__name__}.{f.name}: declare it with wire(), _folded() or _given()")
         REQUEST_TYPES[kind] = cls
         REQUESTS[kind] = _Fields(spec)
         return cls
@@ -453,7 +445,6 @@ class GrammarRequest(Request):
     # does not implement, and bound typed numbers' integral digits (null: unbounded)
     lenient: bool = wire(_bool, False)
     numberDigits: int | None = wire(_opt(_int(1, MAX_NUMBER_DIGITS)), NUMBER_DIGITS)
-    compiled: CompiledGrammar | GrammarError | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -483,7 +474,6 @@ class InferRequest(Request):
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
     params: SamplerParams = _folded(sampler_fields, SamplerParams)
-    prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -511,7 +501,6 @@ class ScoreRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
-    text_tokens: np.ndarray | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -547,7 +536,6 @@ class PrefillRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(_node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
-    prompt_tokens: PromptTokens | None = _prepared()
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:

@@ -1,9 +1,10 @@
 """The NDJSON server over stdin/stdout, and the transport loop both servers share.
 
 A reader thread per input (`read_requests`) turns lines into typed requests (or error
-events), prepared (engine/prepare.py), and puts them in the inbox as typed items
-(Arrived, Ended, Call); the engine thread (`run_loop`) applies them between ticks and
-runs the engine, and is the only writer, so events come out in the order they happen.
+events) with their work prepared beside them (engine/prepare.py), and puts them in the
+inbox as typed items (Arrived, Ended, Call); the engine thread (`run_loop`) applies
+them between ticks and runs the engine, and is the only writer, so events come out in
+the order they happen.
 A transport gives only its rules (`Rules`): what `init` and `quit` do and what the end
 of one input means. Here (`StdioRules`): init opens the engine; end of input and `quit`
 are graceful, running sequences finish, then the process exits; `{"type": "quit",
@@ -26,14 +27,17 @@ from typing import BinaryIO, Callable, Iterator
 from .protocol import (MAX_LINE_BYTES, InitRequest, ProtocolError, QuitRequest, Request, encode, error_event,
                        parse_line)
 from .engine.engine import Engine, Session, report_bug
+from .engine.prepare import Prepared
 
 
 @dataclass(frozen=True)
 class Arrived:
-    """A line of one input: its typed request, or the error to answer it with."""
+    """A line of one input: its typed request and the work its reader did for it (None:
+    none, the engine does it), or the error to answer it with."""
 
     session: Session
     req: Request | ProtocolError
+    prepared: Prepared | None = None
 
 
 @dataclass(frozen=True)
@@ -114,16 +118,15 @@ def parse_or_error(line: bytes | ProtocolError) -> Request | ProtocolError:
 
 def read_requests(stream: BinaryIO, inbox: queue.Queue, session: Session, engine: Engine,
                   quit_ends_input: bool) -> None:
-    """Lines -> typed requests (prepared: slow pure work here, not on the engine thread)
-    -> the inbox, then Ended. After an `init` it waits until the engine thread has applied
-    it before preparing the next request: a prompt read meanwhile would otherwise reach
-    the engine thread untokenized. `quit_ends_input`: stop reading at a quit."""
+    """Lines -> typed requests and their work (prepared: slow pure work here, not on the
+    engine thread) -> the inbox, then Ended. After an `init` it waits until the engine
+    thread has applied it before preparing the next request: a prompt read meanwhile
+    would otherwise reach the engine thread untokenized. `quit_ends_input`: stop reading at a quit."""
     try:
         for line in read_lines(stream):
             req = parse_or_error(line)
-            if isinstance(req, Request):
-                req = engine.prepare(req)
-            inbox.put(Arrived(session, req))
+            prepared = engine.prepare(req) if isinstance(req, Request) else None
+            inbox.put(Arrived(session, req, prepared))
             if isinstance(req, InitRequest):
                 applied = threading.Event()
                 inbox.put(Call(applied.set))
@@ -191,7 +194,7 @@ def run_loop(engine: Engine, inbox: queue.Queue, flush, rules: Rules, state: Loo
             if isinstance(req, InitRequest):
                 rules.init(st, session, req)
             else:
-                engine.handle(session, req)
+                engine.handle(session, req, item.prepared)
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
             report_bug(session, req, e)
 

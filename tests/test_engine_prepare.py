@@ -2,8 +2,9 @@
 any prompt, chat conversation or score text is what llama.cpp's tokenizer makes of it
 (both with and without BOS), a conversation the template cannot format carries its
 error for the engine to answer, nothing is prepared once the engine has shut down, and
-a request no reader prepared gets the same answers (the engine attaches the same work
-itself: prepare.attach, one path).
+a request no reader prepared gets the same answers (the engine does the same work
+itself: prepare.work_for, one path). The work travels beside the request (a Prepared),
+never in it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 
 from clickpaca.chat import format_messages
 from clickpaca.engine.engine import Engine, Session
+from clickpaca.engine.prepare import Prepared
 
 from clickpaca.protocol import validate
 from conftest import TEST_BUILD
@@ -48,8 +50,8 @@ def llama_tokens(eng: Engine, req) -> dict[bool, np.ndarray]:
      "chatTemplate": "gemma"},
 ], ids=["prompt", "messages"])
 def test_long_prompts_and_conversations_are_tokenized_as_llama_cpp_does(engine, fields):
-    req = engine.prepare(validate({"type": "prefill", "seq_id": 0, **fields}))
-    pre = req.prompt_tokens
+    req = validate({"type": "prefill", "seq_id": 0, **fields})
+    pre = engine.prepare(req).prompt
     want = llama_tokens(engine, req)
     for continuing in (False, True):
         assert np.array_equal(pre.get(continuing), want[continuing]), continuing
@@ -58,11 +60,12 @@ def test_long_prompts_and_conversations_are_tokenized_as_llama_cpp_does(engine, 
         assert engine.rt.model.detokenize(pre.continuing, special=True).startswith("<start_of_turn>user\n")
 
 
-def run(eng: Engine, req) -> list[dict]:
-    """The events of one request applied in-process, ticked until nothing runs."""
+def run(eng: Engine, req, prepared: Prepared | None = None) -> list[dict]:
+    """The events of one request applied in-process (with a reader's work, or none),
+    ticked until nothing runs."""
     events: list[dict] = []
     session = Session(send=events.append)
-    eng.handle(session, req)
+    eng.handle(session, req, prepared)
     while eng.has_work():
         eng.tick()
     for seq in list(session.seqs.values()):
@@ -84,45 +87,47 @@ def run(eng: Engine, req) -> list[dict]:
 def test_a_request_no_reader_prepared_is_answered_the_same(engine, line):
     req = validate(line)
     prepared = engine.prepare(req)
-    assert prepared is not req  # the reader did the work
-    assert run(engine, req) == run(engine, prepared)
+    assert isinstance(prepared, Prepared)  # the reader did the work:
+    assert [f for f in ("prompt", "text", "grammar") if getattr(prepared, f) is not None]
+    assert run(engine, req) == run(engine, req, prepared)
     assert len(engine.seqs.free_slots) == 2
 
 
 @pytest.mark.model
 def test_short_prompts_are_prepared_and_bad_conversations_carry_their_error(engine):
-    short = engine.prepare(validate({"type": "infer", "seq_id": 0, "prompt": "Hello"}))
-    assert np.array_equal(short.prompt_tokens.get(False), llama_tokens(engine, short)[False])
+    short = validate({"type": "infer", "seq_id": 0, "prompt": "Hello"})
+    assert np.array_equal(engine.prepare(short).prompt.get(False), llama_tokens(engine, short)[False])
     # the base model has no template: the engine answers with the reason, naming messages
-    bad = engine.prepare(validate({"type": "infer", "seq_id": 0, "maxTokens": 1,
-                                    "messages": [{"role": "user", "content": LONG}]}))
-    assert bad.prompt_tokens is not None and bad.prompt_tokens.error is not None
+    bad = validate({"type": "infer", "seq_id": 0, "maxTokens": 1, "messages": [{"role": "user", "content": LONG}]})
+    work = engine.prepare(bad)
+    assert work.prompt is not None and work.prompt.error is not None
     events: list[dict] = []
-    engine.handle(Session(send=events.append), bad)
+    engine.handle(Session(send=events.append), bad, work)
     assert events[-1]["type"] == "error" and events[-1]["message"].startswith("messages:"), events
     assert len(engine.seqs.free_slots) == 2  # no slot kept by the refused request
 
 
 @pytest.mark.model
 def test_score_texts_are_tokenized_as_llama_cpp_does(engine):
-    req = engine.prepare(validate({"type": "score", "seq_id": 0, "text": LONG}))
+    work = engine.prepare(validate({"type": "score", "seq_id": 0, "text": LONG}))
     model = engine.rt.model
-    assert np.array_equal(req.text_tokens, model.tokenize(LONG, add_special=True, parse_special=False))
+    assert np.array_equal(work.text, model.tokenize(LONG, add_special=True, parse_special=False))
 
 
 @pytest.mark.model
 def test_grammars_are_compiled_by_the_reader_and_their_errors_answered_by_the_engine(engine):
     from clickpaca.grammars import CompiledGrammar, GrammarError
 
-    good = engine.prepare(validate({"type": "grammar", "id": "g", "grammar": 'root ::= "a"'}))
-    bad = engine.prepare(validate({"type": "grammar", "id": "b", "grammar": "root ::= ("}))
-    assert isinstance(good.compiled, CompiledGrammar) and isinstance(bad.compiled, GrammarError)
+    good = validate({"type": "grammar", "id": "g", "grammar": 'root ::= "a"'})
+    bad = validate({"type": "grammar", "id": "b", "grammar": "root ::= ("})
+    good_work, bad_work = engine.prepare(good), engine.prepare(bad)
+    assert isinstance(good_work.grammar, CompiledGrammar) and isinstance(bad_work.grammar, GrammarError)
     events: list[dict] = []
     session = Session(send=events.append)
-    engine.handle(session, bad)
+    engine.handle(session, bad, bad_work)
     assert events[-1]["type"] == "error" and events[-1]["message"].startswith("grammar:"), events
-    engine.handle(session, good)
-    assert events[-1] == {"type": "grammar_ready", "id": "g"} and session.grammars["g"] is good.compiled
+    engine.handle(session, good, good_work)
+    assert events[-1] == {"type": "grammar_ready", "id": "g"} and session.grammars["g"] is good_work.grammar
 
 
 @pytest.mark.model
@@ -133,5 +138,4 @@ def test_nothing_is_prepared_after_shutdown(tmp_path):
                          "build": TEST_BUILD}))
     assert eng.rt is not None
     eng.shutdown()
-    req = eng.prepare(validate({"type": "prefill", "seq_id": 0, "prompt": LONG}))
-    assert req.prompt_tokens is None
+    assert eng.prepare(validate({"type": "prefill", "seq_id": 0, "prompt": LONG})) is None

@@ -6,15 +6,15 @@ the wire field (with the "did you mean" hint) in the event the client gets.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import MISSING
+from pathlib import Path
 
-import numpy as np
 import orjson
 import pytest
 
 from clickpaca.engine.handlers import HANDLERS
-from clickpaca.engine.prepare import PromptTokens
 from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, CancelRequest, ForkRequest, sampler_fields,
                                 FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
                                 PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
@@ -65,7 +65,6 @@ def test_parsed_values_and_defaults():
     infer = parse_line(LINES["infer"])
     assert (infer.seq_id, infer.prompt, infer.maxTokens, infer.reusePrefix, infer.grammar_id) == (3, "Hi", 256, True, None)
     assert infer.params == SamplerParams(top_k=5)
-    assert infer.prompt_tokens is None
     assert parse_line(LINES["grammar"]).id == "7"
     init = parse_line(b'{"type": "init", "nBatch": 64, "nSeqMax": 8, "cacheTypeK": "q8_0"}')
     assert (init.nBatch, init.nSeqMax, init.cacheTypeK, init.cacheTypeV, init.nCtx) == (64, 8, "q8_0", "f16", 8192)
@@ -81,7 +80,8 @@ def test_parsed_values_and_defaults():
 @pytest.mark.parametrize("kind", sorted(LINES))
 def test_the_field_table_is_the_dataclass(kind):
     """REQUESTS is derived from the classes: every wire field with its check and default,
-    infer's sampler fields folded into params, prepared work never on the wire."""
+    infer's sampler fields folded into params, init's `given`; nothing else (the
+    engine's work on a request travels beside it: engine/prepare.Prepared)."""
     cls, spec = CLASSES[kind], REQUESTS[kind]
     on_the_wire = []
     for f in dataclasses.fields(cls):
@@ -94,12 +94,10 @@ def test_the_field_table_is_the_dataclass(kind):
             for name in sampler_fields():
                 assert spec[name] == (_with_params, MISSING), name
                 on_the_wire.append(name)
-        elif f.metadata.get("given"):  # init's record of the fields the client wrote
+        else:  # init's record of the fields the client wrote
+            assert f.metadata.get("given"), f.name
             assert (kind, f.name, f.compare) == ("init", "given", False)
             assert f.name not in spec
-        else:
-            assert f.metadata.get("prepared") and f.default is None and not f.compare, f.name
-            assert f.name not in spec, f.name
     assert on_the_wire == list(spec)  # same fields, same order (the order errors are found in)
     required = {name for name, (_, default) in spec.items() if default is MISSING} - set(sampler_fields())
     assert required == {f.name for f in dataclasses.fields(cls) if f.default is MISSING
@@ -127,16 +125,26 @@ def test_each_handler_takes_its_request_class():
         assert handler.__annotations__["req"] == CLASSES[kind].__name__, kind
 
 
-def test_prepared_work_is_a_field_not_part_of_equality():
-    infer = parse_line(LINES["infer"])
-    toks = PromptTokens(np.array([2, 5], np.int32), np.array([5], np.int32))
-    prepared = dataclasses.replace(infer, prompt_tokens=toks)
-    assert prepared == infer and prepared.prompt_tokens.get(False).tolist() == [2, 5]
-    assert prepared.prompt_tokens.get(True).tolist() == [5]
-    assert infer.prompt_tokens is None  # the original is untouched
-    assert {f.name for f in dataclasses.fields(ScoreRequest) if not f.compare} == {"text_tokens"}
-    assert {f.name for f in dataclasses.fields(GrammarRequest) if not f.compare} == {"compiled"}
-    assert {f.name for f in dataclasses.fields(PrefillRequest) if not f.compare} == {"prompt_tokens"}
+def test_the_protocol_imports_nothing_from_the_engine():
+    """The wire types hold what the client sent; the engine's work on them (prompt
+    tokens, compiled grammars) is the engine's type (engine/prepare.Prepared), so the
+    edge names nothing of the engine: no import of it anywhere in protocol.py, at the
+    top or inside a function."""
+    import clickpaca.protocol as protocol
+
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    imported = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            imported.append(base)
+            if node.module is None:  # from . import x: x is a module
+                imported += [base + a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            imported += [a.name for a in node.names]
+    assert imported and ".sampling" in imported  # the walk sees the module's imports
+    engine = [m for m in imported if m.split(".")[-1] == "engine" or ".engine." in m + "."]
+    assert not engine, engine
 
 
 @pytest.mark.parametrize("line,message", [

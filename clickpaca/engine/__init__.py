@@ -9,7 +9,8 @@ pure modules load without the model's bindings):
                    the `ready` event
     prepare.py     a request's own work (tokenizing, compiling), done on the reader
                    thread that read it (Engine.prepare), else by the engine before its
-                   handler: one function (attach)
+                   handler: one function (work_for); it travels beside the request
+                   (Prepared), never in it
     sequences.py   Session, Sequence; the slots, the active order (the sequences with a
                    job) and every ending
                    (`done`, `error`, or silently), each freeing the KV cells at once
@@ -18,14 +19,14 @@ pure modules load without the model's bindings):
     statefiles.py  the handlers of `save` and `load` (a held sequence's cells to a state
                    file and back)
     jobs.py        a job per request kind that runs over ticks (InferJob, ScoreJob,
-                   PrefillJob): what it wants from a tick, what it does with its rows,
-                   how it ends, the events it sends
+                   PrefillJob): what it wants from a tick, what it does with its rows
+                   and with a token drawn for it (infer: accept, stops, UTF-8, the one
+                   decision of its end), how it ends, the events it sends
     plan.py        the tick's plan, a pure function: what each sequence feeds (tokens,
                    positions, logits rows) and whether it samples, decided once
     scheduler.py   the tick: fill the batch from the jobs' plan, decode (recovering from a
                    full KV cache), advance each sequence by its plan entry, hand each job
-                   its share
-    generation.py  a generating sequence's row: sample, emit the token, decide the end
+                   its share, sample the rows they asked for in one batched call
     readout.py     activation capture through the jobs: which rows of a tick's batch each
                    job reads, and what it keeps of them until its end event
     mask_ahead.py  grammar masks filled while the decode runs

@@ -12,13 +12,14 @@ from __future__ import annotations
 import sys
 import traceback
 import weakref
+from functools import partial
 from typing import Callable
 
 from .. import statedir
 from ..protocol import InitRequest, ProtocolError, Request, error_event
 from . import accounting
 from .handlers import HANDLERS, Handlers
-from .prepare import SharedUse, attach, prepare
+from .prepare import Prepared, SharedUse, prepare, work_for
 from .runtime import Runtime
 from .scheduler import Scheduler
 from .sequences import Sequence, Sequences, Session
@@ -65,8 +66,9 @@ class Engine:
         self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session that sent a request
         self.transport_stats = transport_stats
 
-    def prepare(self, req: Request) -> Request:
-        """The reader thread's share of the request's work (prepare.py); never raises."""
+    def prepare(self, req: Request) -> Prepared | None:
+        """The reader thread's share of the request's work (prepare.py), to hand to
+        `handle` beside the request; None: none was done. Never raises."""
         return prepare(req, lambda: self.rt, self.model_lock)
 
     @property
@@ -85,23 +87,24 @@ class Engine:
         self.sessions.add(session)
         self._apply(session, req, self._init)
 
-    def handle(self, session: Session, req: Request) -> None:
-        """Apply one typed request (not init or quit: the transport's rules); errors become
-        `error` events for that session.
+    def handle(self, session: Session, req: Request, prepared: Prepared | None = None) -> None:
+        """Apply one typed request (not init or quit: the transport's rules), with the work
+        a reader did for it (`prepare`; None: the engine does it); errors become `error`
+        events for that session.
 
         While the session waits for a state file (stateio.py), its requests are held and
         applied in order afterwards, so it sees the answers in the order it asked."""
         self.sessions.add(session)
         if session.io_pending or session.deferred:
-            session.deferred.append(req)
+            session.deferred.append((req, prepared))
             return
-        self._apply(session, req, self._route)
+        self._apply(session, req, partial(self._route, prepared=prepared))
 
-    def _route(self, session: Session, req: Request) -> None:
+    def _route(self, session: Session, req: Request, prepared: Prepared | None) -> None:
         if self.handlers is None:
             raise ProtocolError(f"{req.type} before init: send an init request first",
                                 req.reply_seq_id, req.type)
-        HANDLERS[req.type](self.handlers, session, attach(req, self.rt))  # what no reader prepared
+        HANDLERS[req.type](self.handlers, session, req, work_for(req, self.rt, prepared))  # what no reader did
 
     def _apply(self, session: Session, req: Request, run: Callable[[Session, Request], None]) -> None:
         kind = req.type
@@ -128,9 +131,9 @@ class Engine:
         """The session's state files are done: apply its held requests, in order, until
         one starts another state-file job."""
         while session.deferred and not session.io_pending:
-            req = session.deferred.pop(0)
+            req, prepared = session.deferred.pop(0)
             try:
-                self._apply(session, req, self._route)
+                self._apply(session, req, partial(self._route, prepared=prepared))
             except Exception as e:  # noqa: BLE001 - as the server loop does for a request
                 report_bug(session, req, e)
 

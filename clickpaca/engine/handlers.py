@@ -1,8 +1,8 @@
 """One handler per request type but `init` and `quit` (the transport's), applied between ticks.
 
 A handler gets the typed request the protocol layer has validated (every check that
-needs only the request is done), with its own work attached (prepare.attach: by the
-reader thread, else by the engine just before). It makes the checks that need the
+needs only the request is done) and, beside it, the request's own work (a
+prepare.Prepared: by the reader thread, else by the engine just before). It makes the checks that need the
 server's state (is the seq_id in range and free, does the grammar exist, do the
 logit_bias ids fit the vocabulary, does the prompt fit the context), each raising a
 ProtocolError that names the field, and then either answers at once (grammar, cancel,
@@ -27,6 +27,7 @@ from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, Gramm
 from ..sampling import SamplerParamError, SequenceSampler
 from ..scoring import windows_for
 from .jobs import InferJob, PrefillJob, ScoreJob
+from .prepare import Prepared
 from . import readout
 from .text import StopMatcher
 from .accounting import MAX_GRAMMAR_TEXT_PER_SESSION, MAX_GRAMMARS_PER_SESSION, grammar_bytes
@@ -47,11 +48,11 @@ class Handlers(StateFileHandlers):
 
     # ------------------------------------------------------------ grammars
 
-    def grammar(self, session: Session, req: GrammarRequest) -> None:
+    def grammar(self, session: Session, req: GrammarRequest, work: Prepared) -> None:
         if req.id not in session.grammars and len(session.grammars) >= MAX_GRAMMARS_PER_SESSION:
             raise ProtocolError(f"id: this session holds {MAX_GRAMMARS_PER_SESSION} grammars, the "
                                 "limit (re-use an id to replace one)")
-        compiled = req.compiled  # compiled by the reader, or the engine (prepare.attach)
+        compiled = work.grammar  # compiled by the reader, or the engine (prepare.work_for)
         if isinstance(compiled, GrammarError):
             raise ProtocolError(f"grammar: {compiled}")
         old = session.grammars.get(req.id)
@@ -65,7 +66,7 @@ class Handlers(StateFileHandlers):
 
     # ------------------------------------------------------------ sequences that run
 
-    def infer(self, session: Session, req: InferRequest) -> None:
+    def infer(self, session: Session, req: InferRequest, work: Prepared) -> None:
         rt, seqs = self.rt, self.seqs
         seq_id = req.seq_id
         seqs.check_id(seq_id, "infer")
@@ -84,7 +85,7 @@ class Handlers(StateFileHandlers):
             cvec = vector.for_request(rt.cvec, rt.model.nat, req.controlVectorStrength)
         except (features.FeatureMissing, steer.SteerError) as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
-        prompt = req.prompt_tokens.get(continuing=held is not None)  # both ways: prepare.attach
+        prompt = work.prompt.get(continuing=held is not None)  # both ways: prepare.work_for
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
@@ -106,7 +107,7 @@ class Handlers(StateFileHandlers):
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,
                                  steer=cvec, strength=req.controlVectorStrength))
 
-    def score(self, session: Session, req: ScoreRequest) -> None:
+    def score(self, session: Session, req: ScoreRequest, work: Prepared) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs
         seq_id = req.seq_id
         seqs.check_id(seq_id, "score")
@@ -120,7 +121,7 @@ class Handlers(StateFileHandlers):
         if window > ctx.n_ctx_seq:
             raise ProtocolError(f"window: {window} exceeds the context per sequence "
                                 f"({ctx.n_ctx_seq})", seq_id, "score")
-        tokens = req.text_tokens  # tokenized by the reader, or the engine (prepare.attach)
+        tokens = work.text  # tokenized by the reader, or the engine (prepare.work_for)
         try:  # scoreLast against the window: scoring.check_score_last, the rule's one place
             windows = windows_for(tokens, window, model.bos if model.add_bos else None, req.scoreLast,
                                   field="scoreLast")
@@ -135,12 +136,12 @@ class Handlers(StateFileHandlers):
         seqs.start(seq, ScoreJob(n_prompt=sum(len(w[0]) for w in windows), windows=windows,
                                  per_token=req.perToken, capture=capture))
 
-    def prefill(self, session: Session, req: PrefillRequest) -> None:
+    def prefill(self, session: Session, req: PrefillRequest, work: Prepared) -> None:
         seqs = self.seqs
         seq_id = req.seq_id
         seqs.check_id(seq_id, "prefill")
         held = self._held_or_free(session, seq_id, "prefill")
-        prompt = req.prompt_tokens.get(continuing=held is not None)  # both ways: prepare.attach
+        prompt = work.prompt.get(continuing=held is not None)  # both ways: prepare.work_for
         self._check_fits(held, prompt, seq_id, "prefill")
         capture = readout.for_request(self.rt, req, session.namespace,
                                       1 if req.captureTokens == "last" else len(prompt) + 1)
@@ -206,14 +207,14 @@ class Handlers(StateFileHandlers):
 
     # ------------------------------------------------------------ running and held sequences
 
-    def cancel(self, session: Session, req: CancelRequest) -> None:
+    def cancel(self, session: Session, req: CancelRequest, work: Prepared) -> None:
         seq = session.seqs.get(req.seq_id)
         if seq is None or seq.job is None:
             raise ProtocolError(f"seq_id: sequence {req.seq_id} is not running "
                                 "(use free to release a held sequence)", req.seq_id, "cancel")
         self.seqs.finish(seq, "cancelled")
 
-    def free(self, session: Session, req: FreeRequest) -> None:
+    def free(self, session: Session, req: FreeRequest, work: Prepared) -> None:
         seq = session.seqs.get(req.seq_id)
         if seq is None:
             raise ProtocolError(f"seq_id: sequence {req.seq_id} holds nothing", req.seq_id, "free")
@@ -223,7 +224,7 @@ class Handlers(StateFileHandlers):
             self.seqs.finish(seq, "cancelled")
         session.send(freed_event(req.seq_id))
 
-    def fork(self, session: Session, req: ForkRequest) -> None:
+    def fork(self, session: Session, req: ForkRequest, work: Prepared) -> None:
         seqs = self.seqs
         src = session.seqs.get(req.seq_id)
         dst_id = req.dst_seq_id
@@ -242,11 +243,12 @@ class Handlers(StateFileHandlers):
         dst.tokens, dst.n_past = list(src.tokens), src.n_past
         session.send(forked_event(src.seq_id, dst_id, dst.n_past))
 
-    def stats(self, session: Session, req: StatsRequest) -> None:
+    def stats(self, session: Session, req: StatsRequest, work: Prepared) -> None:
         session.send(stats_event(**(self._stats(session) if self._stats is not None else {})))
 
 
-#: Request type -> its handler: every request of the protocol's list (REQUESTS) but
+#: Request type -> its handler, called with the session, the request and its work (a
+#: prepare.Prepared, empty for the types with none): every request of the protocol's list (REQUESTS) but
 #: `init` and `quit`, whose rules are the transport's (server.Rules): stdio applies init
 #: (Engine.init) and ends at quit, the socket server compares init with what it runs and
 #: ends the client's connection at quit.

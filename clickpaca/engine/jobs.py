@@ -5,9 +5,16 @@ request runs on it, it holds that request's job, and only the job knows its kind
 
 - what it sets while it runs (`begin`, `end`: a sequence's control-vector strength),
 - what it wants from a tick (`want`, for the planner: plan.py),
-- what it does with its share of the decode (`fed`: its logits rows, its end),
+- the grammar its sampled row is masked by (`grammar`: filled during the decode),
+- what it does with its share of the decode (`fed`: its logits rows; a row to sample
+  is asked of the tick, `Tick.draw`),
+- what it does with a token drawn for it (`sampled`: accept it, or end),
 - how it ends (`done`: the `done` event of a cancel, a shutdown or its own end),
 - the events it sends, through the protocol's constructors.
+
+The scheduler calls only this interface. The rows of every job that samples in a tick
+are drawn together, in one batched call (Scheduler._sample: sampling.batch.sample_tick),
+and each result goes back to its job.
 
 Fork and load are ways a held sequence starts (no job: nothing to run), not kinds. A
 new request kind that runs over ticks is one class here, its protocol dataclass and its
@@ -21,29 +28,37 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..protocol import done_event, prefilled_event, scored_event
+from ..protocol import done_event, prefilled_event, scored_event, token_event
 from ..scoring import score_rows
-from ..usersteps import step_ms
+from ..usersteps import StepFailed, step_ms
 from .plan import Feed, Want
 from .text import StopMatcher, Utf8Assembler
 
 if TYPE_CHECKING:
+    from ..grammars import Matcher
     from .readout import JobCapture
-    from ..sampling import SequenceSampler
+    from ..sampling import SampleResult, SequenceSampler
     from .runtime import Runtime
     from .sequences import Sequence, Sequences
 
 
 @dataclass
 class Tick:
-    """What a job's `fed` may use after a successful decode."""
+    """What a job's `fed` and `sampled` may use after a successful decode, and the rows
+    the jobs ask to sample (`draw`)."""
 
     rt: "Runtime"
     seqs: "Sequences"
     logits: np.ndarray
     now: float
-    sampling: list = field(default_factory=list)  # (sequence, row) that sample this tick
     captured: dict = field(default_factory=dict)  # sequence -> its captured rows or CaptureError (readout.py)
+    draws: list = field(default_factory=list)  # (sequence, row, sampler) to sample, in plan order
+
+    def draw(self, seq: "Sequence", row: int, sampler: "SequenceSampler") -> None:
+        """Sample a token for `seq` from logits row `row` with its sampler, together with
+        the tick's other rows (one batched call after every job's `fed`); the result
+        comes back through the job's `sampled`."""
+        self.draws.append((seq, row, sampler))
 
 
 @dataclass(eq=False)
@@ -84,9 +99,22 @@ class Job:
             return {}
         return {"capture": self.capture.event_field(seq.seq_id)}
 
+    def grammar(self) -> "Matcher | None":
+        """The grammar whose mask its sampled row takes this tick (the scheduler fills it
+        while the decode runs: mask_ahead.py); None: none, or it does not sample."""
+        return None
+
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
-        """Its plan entry's tokens are in the KV cells now (seq.n_past moved on)."""
+        """Its plan entry's tokens are in the KV cells now (seq.n_past moved on); a job
+        that samples asks for its row here (`tick.draw`)."""
         raise NotImplementedError
+
+    def sampled(self, tick: Tick, seq: "Sequence", row: int, mask: np.ndarray | None,
+                res: "SampleResult | StepFailed") -> None:
+        """The token drawn from the row it asked for (`tick.draw`) with its grammar's
+        mask (None: no grammar), or the StepFailed a user-defined step raised. Only a
+        job that draws is called; it must take the result."""
+        raise NotImplementedError(f"{type(self).__name__} asked for a row it does not take")
 
     def overflow(self, seq: "Sequence", n_ctx_seq: int) -> str | None:
         """Why it cannot go on in the context's room, before a tick (None: it can)."""
@@ -99,8 +127,10 @@ class Job:
 
 @dataclass(eq=False)
 class InferJob(Job):
-    """Feed the prompt, then sample a token a tick until the request is over
-    (generation.py samples the rows and decides the end)."""
+    """Feed the prompt, then sample a token a tick until the request is over: its token
+    step (the drawn token accepted into the history and the grammar, its text assembled
+    into valid UTF-8 and sent, the stop strings watched) and the one decision of when
+    it is over (`_over`) are its own."""
 
     kind: ClassVar[str] = "infer"
     sampler: "SequenceSampler | None" = None
@@ -132,15 +162,85 @@ class InferJob(Job):
         samples = self.max_tokens > 0
         return self.reads(Want(seq, False, seq.n_past, n, n - 1 if samples else n, n - 1, samples, seq.kv_wait))
 
+    def grammar(self) -> "Matcher | None":
+        return self.matcher
+
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         if f.samples:
             if not f.generating:
                 self.generating = True
                 self.t_first = tick.now
-            tick.sampling.append((seq, f.rows[-1]))
-        elif f.ends:  # maxTokens 0
+            tick.draw(seq, f.rows[-1], self.sampler)
+        elif f.ends:  # maxTokens 0: the prompt is in and nothing is sampled
             self.t_first = tick.now
-            tick.seqs.finish(seq, "max_tokens")
+            self._end_if_over(tick, seq)
+
+    def sampled(self, tick: Tick, seq: "Sequence", row: int, mask: np.ndarray | None,
+                res: "SampleResult | StepFailed") -> None:
+        """Accept the drawn token, or end with the reason there is none: a user-defined
+        step raised, or nothing can be sampled (a ban of a token the grammar forces is
+        first retried with the forced token spelled shorter)."""
+        try:
+            if isinstance(res, StepFailed):
+                raise res
+            if res.empty and mask is not None:
+                wider = self.matcher.widen_forced(mask)
+                if wider is not None:
+                    res = self.sampler.sample(tick.logits[row], wider)
+        except StepFailed as e:  # a user-defined step raised: this sequence ends, the others go on
+            tick.seqs.fail(seq, str(e))
+            return
+        if res.empty:
+            tick.seqs.fail(seq, f"no token can be sampled: {res.reason}")
+            return
+        self._accept(tick, seq, int(res.token), res)
+
+    def _accept(self, tick: Tick, seq: "Sequence", token: int, res: "SampleResult") -> None:
+        # A sampled token enters the context: the sequence's one history takes it (the
+        # sampler reads that list: its penalty window follows at the next draw; the next
+        # tick feeds it to the KV cells); the matcher just below.
+        rt = tick.rt
+        seq.tokens.append(token)
+        if rt.model.is_eog(token):
+            self._end_if_over(tick, seq, eog=True)
+            return
+        if self.matcher is not None and not self.matcher.consume(token):
+            tick.seqs.fail(seq, f"grammar rejected token {token} (matcher: {self.matcher.error()})")
+            return
+        piece = self.utf8.feed(rt.model.token_to_piece(token, special=True))
+        logprobs = None
+        if self.sampler.params.n_probs:
+            logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
+                        "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
+        if res.trace is not None:
+            logprobs = {**(logprobs or {}), "trace": res.trace}
+        seq.session.send(token_event(seq.seq_id, token, piece, logprobs))
+        self.n_predicted += 1
+        self._end_if_over(tick, seq, stop=self.stops.feed(piece) if self.stops else None)
+
+    def _end_if_over(self, tick: Tick, seq: "Sequence", eog: bool = False, stop: str | None = None) -> None:
+        reason = self._over(eog, stop)
+        if reason is not None:
+            tick.seqs.finish(seq, reason, stop=stop if reason == "stop" else None)
+
+    def _over(self, eog: bool, stop: str | None) -> str | None:
+        """The one place that decides when an infer is over, and why (the `done` event's
+        stop_reason); None: it goes on. Asked when its prompt is in and nothing is to be
+        sampled (maxTokens 0), and after each drawn token: `eog` (an end-of-generation
+        token, not emitted), `stop` (the stop string the emitted text now contains).
+        Errors end it where they are met (context full: `overflow`; a rejected or
+        unsamplable token: `sampled`, `_accept`); a cancel or shutdown from outside."""
+        if self.max_tokens == 0:
+            return "max_tokens"
+        if eog:
+            return "grammar" if self.matcher is not None and self.matcher.is_accepting() else "eos"
+        if stop is not None:
+            return "stop"
+        if self.matcher is not None and self.matcher.is_stopped():
+            return "grammar"
+        if self.n_predicted >= self.max_tokens:
+            return "max_tokens"
+        return None
 
     def overflow(self, seq: "Sequence", n_ctx_seq: int) -> str | None:
         if self.generating and seq.n_past >= n_ctx_seq:
@@ -225,3 +325,7 @@ class PrefillJob(Job):
             tick.seqs.hold(seq)
             ms = (tick.now - self.t_prompt) * 1000 if self.t_prompt else 0.0
             seq.session.send(prefilled_event(seq.seq_id, seq.n_past, ms, **self.captured(seq)))
+
+
+def _top(rt: "Runtime", pairs) -> list[dict]:
+    return [{"token": t, "piece": rt.piece(t), "logprob": lp} for t, lp in pairs]

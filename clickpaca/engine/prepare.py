@@ -6,24 +6,24 @@ grows with that request delays all the others (tokenizing a 4 MB prompt blocked 
 sequence for 9.5 s, compiling a 3,000-rule grammar for 8.7 s, formatting and tokenizing
 20,000 empty chat turns for 50 s). So every request's own text is worked on here
 instead, on the thread that read it (stdio: the reader; socket: that client's reader),
-and the result is attached to a copy of the typed request in the field protocol
-declares for it (`prompt_tokens`, `text_tokens`, `compiled`):
+and the result travels beside the typed request as a `Prepared` (the request itself
+holds only what the client sent):
 
 - `infer` / `prefill`: the prompt, or the chat messages formatted by the same
   Runtime.prompt_text the engine uses, tokenized both with and without BOS (whether
   the prompt continues a held sequence is known only when the engine applies it); a
   template that cannot format them, or a text whose special tokens alone overflow the
-  context, is attached as the ProtocolError to answer with;
-- `score`: the text's tokens;
-- `grammar`: the compiled grammar, or the GrammarError to answer with.
+  context, is kept as the ProtocolError to answer with (`prompt`);
+- `score`: the text's tokens (`text`);
+- `grammar`: the compiled grammar, or the GrammarError to answer with (`grammar`).
 
 Tokenizing is linear in the text (pretokenize.py) and llama_tokenize and llguidance
 release the GIL, so the engine thread keeps decoding meanwhile. One function does the
-work (`attach`): the reader threads call it through `prepare` (the transports: as
-`Engine.prepare`), and the engine calls it before every handler, where it attaches
-whatever is still missing (in-process use, a request read before `init`, or a reader
-that met a bug), so the handlers only read the attached fields and a request is
-answered the same either way.
+work (`work_for`): the reader threads call it through `prepare` (the transports: as
+`Engine.prepare`, the result carried in the inbox beside the request), and the engine
+calls it before every handler, where it does the work no reader did (in-process use, a
+request read before `init`, or a reader that met a bug), so the handlers only read the
+Prepared they are given and a request is answered the same either way.
 
 State files are not read here: a `load` must see the file of every `save` before it,
 so they are written and read on the engine's own worker, in order (engine/stateio.py).
@@ -31,7 +31,6 @@ so they are written and read on the engine's own worker, in order (engine/statei
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from ..grammars import CompiledGrammar, GrammarError
 from ..protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
 
 if TYPE_CHECKING:
@@ -85,45 +85,58 @@ class PromptTokens:
         return self.continuing if continuing else self.fresh
 
 
-def attach(req: Request, rt: "Runtime") -> Request:
-    """`req`, or a copy with its own work attached where that is still missing: the
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A request's own work, kept beside it (the request holds what the client sent):
+    at most one field is set, by the request's type; none for the types with no work."""
+
+    prompt: PromptTokens | None = None  # infer, prefill
+    text: np.ndarray | None = None  # score: the text's tokens
+    grammar: CompiledGrammar | GrammarError | None = None  # grammar: compiled, or why not
+
+
+NOTHING = Prepared()  # the work of a request that needs none
+
+
+def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepared:
+    """The request's own work: `done` when a reader did it, else done here: the
     prompt's tokens both ways (or the ProtocolError to answer with), the score text's
     tokens, the compiled grammar (or the GrammarError). Raises only on a bug."""
-    if isinstance(req, (InferRequest, PrefillRequest)) and req.prompt_tokens is None:
+    if done is not None:
+        return done
+    if isinstance(req, (InferRequest, PrefillRequest)):
         try:
             text = rt.prompt_text(req)
             tokens = PromptTokens(rt.tokenize_prompt(text, False, req.seq_id, req.type),
                                   rt.tokenize_prompt(text, True, req.seq_id, req.type))
         except ProtocolError as e:
             tokens = PromptTokens(None, None, e)
-        return dataclasses.replace(req, prompt_tokens=tokens)
-    if isinstance(req, ScoreRequest) and req.text_tokens is None:
-        return dataclasses.replace(req, text_tokens=rt.score_tokens(req.text))
-    if isinstance(req, GrammarRequest) and req.compiled is None:
-        from ..grammars import GrammarError
-
+        return Prepared(prompt=tokens)
+    if isinstance(req, ScoreRequest):
+        return Prepared(text=rt.score_tokens(req.text))
+    if isinstance(req, GrammarRequest):
         try:
             compiled = rt.grammars.compile(req.grammar, lenient=req.lenient, number_digits=req.numberDigits)
         except GrammarError as e:
             compiled = e
-        return dataclasses.replace(req, compiled=compiled)
-    return req
+        return Prepared(grammar=compiled)
+    return NOTHING
 
 
-def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: SharedUse) -> Request:
-    """`attach` on a reader thread when a runtime is open (`runtime()`: the engine's, None
-    before init and after shutdown; `model_lock` keeps shutdown from closing the model
-    while a prompt or text is tokenized); never raises: on a bug the request goes on as
-    it came, and the engine thread's `attach` meets (and reports) it."""
+def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: SharedUse) -> Prepared | None:
+    """`work_for` on a reader thread when a runtime is open (`runtime()`: the engine's,
+    None before init and after shutdown; `model_lock` keeps shutdown from closing the
+    model while a prompt or text is tokenized); None: nothing was done (no runtime, or a
+    bug, which the engine thread's `work_for` then meets and reports). Never raises."""
     rt = runtime()
     if rt is None:
-        return req
+        return None
     try:
         if isinstance(req, GrammarRequest):  # compiles with the grammar engine, not the model
-            return attach(req, rt)
+            return work_for(req, rt)
         with model_lock:
             if runtime() is rt:
-                return attach(req, rt)
+                return work_for(req, rt)
     except Exception:  # noqa: BLE001 - the engine thread does it again and reports it
         pass
-    return req
+    return None

@@ -2,10 +2,13 @@
 
 A tick is planned once (plan.py: one token for each generating sequence, then prompt
 and scoring chunks, fewest tokens left first, up to nBatch tokens) and the batch is
-filled from the plan. The scheduler knows no request kind: each active sequence's job
-(jobs.py) says what it wants from the tick, and after the decode each sequence advances
-by the tokens its plan entry fed and its job takes its share (`fed`: sample, score,
-hold, end); the rows to sample go to generation.py together, behind the masks.
+filled from the plan. The scheduler knows no request kind and calls only the Job
+interface (jobs.py): each active sequence's job says what it wants from a tick and which
+grammar masks its sampled row (filled while the decode runs: mask_ahead.py); after the
+decode each sequence advances by the tokens its plan entry fed and its job takes its
+share (`fed`: score, hold, end, or ask for a row to sample); then every row asked for is
+sampled in one batched call (sampling.batch.sample_tick) and each token handed back to
+its job (`sampled`).
 
 Failures stay local: a decode that finds no KV room first defers prompt chunks, then
 ends the sequence that holds the most cells; a failed decode ends only the sequences
@@ -16,9 +19,10 @@ from __future__ import annotations
 
 import time
 
-from .mask_ahead import MaskJob
-from . import generation
+from ..sampling.batch import sample_tick
+from ..usersteps import StepFailed
 from .jobs import Tick
+from .mask_ahead import MaskJob
 from .plan import Feed, plan_tick
 from .runtime import Runtime
 from .sequences import Sequences
@@ -54,9 +58,15 @@ class Scheduler:
             self._consume(plan, job)
 
     def _start_masks(self, plan: list[Feed]) -> MaskJob:
-        """Start filling the masks of the rows that sample this tick (generation.py knows
-        which jobs have a grammar)."""
-        return generation.start_masks(self.rt, [f.key for f in plan if f.samples])
+        """Start filling the masks of the rows that sample this tick, for the jobs that
+        have a grammar."""
+        pairs = []
+        for f in plan:
+            if f.samples:
+                matcher = f.key.job.grammar()
+                if matcher is not None:
+                    pairs.append((f.key.slot, matcher))
+        return self.rt.masks.start(pairs)
 
     def _next_is_prompt_tick(self) -> bool:
         """Deterministic mode never mixes generated tokens and prompt chunks in one decode
@@ -118,5 +128,21 @@ class Scheduler:
             seq.n_past += f.count
             if seq.job.read(tick, seq):
                 seq.job.fed(tick, seq, f)
-        if tick.sampling:
-            generation.sample(self.rt, self.seqs, tick.sampling, tick.logits, masks)
+        if tick.draws:
+            self._sample(tick, masks)
+
+    def _sample(self, tick: Tick, masks: MaskJob) -> None:
+        """Sample every row the jobs asked for (`Tick.draw`) at once and hand each job its
+        token (`sampled`). sampling.batch.sample_tick takes the tick's rows together:
+        greedy and top-k chains without a grammar share passes over the block, every
+        other row runs its own chain, spread over the decode's threads (idle while the
+        host samples); the results are bit for bit the per-sequence ones
+        (tests/test_sampling_batch.py). A user-defined step that raises (StepFailed)
+        costs only its own sequence."""
+        draws = tick.draws
+        # the mask job was started for exactly the plan's sampling entries with a grammar
+        mask_rows = [masks.row(seq.slot) for seq, _, _ in draws]  # None: no grammar
+        results = sample_tick([sampler for _, _, sampler in draws], tick.logits, [row for _, row, _ in draws],
+                              mask_rows, isolate=(StepFailed,), threads=self.rt.ctx.n_threads)
+        for (seq, row, _), mask, res in zip(draws, mask_rows, results):
+            seq.job.sampled(tick, seq, row, mask, res)

@@ -34,7 +34,7 @@ class Session:
     max_seqs: int | None = None  # slots this client may hold at once (socket: --max-seqs-per-client)
     namespace: str | None = None  # its private state-file namespace (statedir.py); None = the root
     io_pending: int = 0  # its state-file jobs in flight (stateio.py)
-    deferred: list = field(default_factory=list)  # its requests held until those are done
+    deferred: list = field(default_factory=list)  # its (request, Prepared) held until those are done
 
 
 @dataclass(eq=False)

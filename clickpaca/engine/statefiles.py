@@ -12,6 +12,7 @@ import os
 from .. import statedir
 from ..protocol import LoadRequest, ProtocolError, SaveRequest, error_event, loaded_event, saved_event
 from . import kvstate
+from .prepare import Prepared
 from .runtime import Runtime
 from .sequences import Sequences, Session
 from .stateio import StateIO
@@ -22,7 +23,7 @@ class StateFileHandlers:
     seqs: Sequences
     io: StateIO
 
-    def save(self, session: Session, req: SaveRequest) -> None:
+    def save(self, session: Session, req: SaveRequest, work: Prepared) -> None:
         """The cells are copied out now (the sequence may change right after); hashing
         and writing run on the state-file worker, and `saved` follows when the file is
         in place (stateio.py)."""
@@ -61,7 +62,7 @@ class StateFileHandlers:
 
         self.io.submit(session, write, then, lambda msg: session.send(ProtocolError(msg, seq_id, "save").event()))
 
-    def load(self, session: Session, req: LoadRequest) -> None:
+    def load(self, session: Session, req: LoadRequest, work: Prepared) -> None:
         """The seq_id is taken now (state "loading": not scheduled, refused to others);
         the file is read and verified on the state-file worker, then restored into the
         cells here and answered with `loaded` (stateio.py)."""
