@@ -98,6 +98,21 @@ def available_builds() -> list[str]:
     return sorted(p.name for p in root.glob("*") if (p / "build-info.json").exists()) if root.exists() else []
 
 
+def vendored_source(build: str = "mainline") -> Path:
+    """The llama.cpp source tree a build was made from (its grammars/, tests/ and headers).
+    The build's own build-info.json says where (`source_dir`), so the answer is right
+    whatever $CLICKPACA_CACHE is now and was then: the one lookup for code and tests.
+    FileNotFoundError naming what to run when the build or its tree is missing."""
+    info = build_dir(build) / "build-info.json"
+    if not info.exists():
+        raise FileNotFoundError(f"build {build!r} not found ({info}): run `make {make_target(build)}`")
+    src = Path(json.loads(info.read_text())["source_dir"])
+    if not (src / "include" / "llama.h").exists():
+        raise FileNotFoundError(f"build {build!r} was made from {src}, which is gone: "
+                                f"run `make {make_target(build)}` to extract the pinned source again")
+    return src
+
+
 
 
 def load(name: str = "mainline") -> Native:

@@ -27,7 +27,7 @@ def sha256_file(path: Path) -> str:
 
 
 #: The builds the Makefile has a target of their own for (`make activations`, ...).
-MAKE_TARGETS = ("mainline", "turboquant", "activations")
+MAKE_TARGETS = ("mainline", "patched", "turboquant", "activations")
 
 
 def make_target(build: str) -> str:
@@ -35,21 +35,3 @@ def make_target(build: str) -> str:
     `setup` for any other."""
     return build if build in MAKE_TARGETS else "setup"
 
-
-def vendored_source(build: str = "mainline") -> Path:
-    """The llama.cpp source tree a build was made from (its grammars/, tests/ and headers).
-    The build's own build-info.json says where (`source_dir`), so the answer is right
-    whatever $CLICKPACA_CACHE is now and was then: the one lookup for code and tests.
-    FileNotFoundError naming what to run when the build or its tree is missing."""
-    import json
-
-    from .native import build_dir
-
-    info = build_dir(build) / "build-info.json"
-    if not info.exists():
-        raise FileNotFoundError(f"build {build!r} not found ({info}): run `make {make_target(build)}`")
-    src = Path(json.loads(info.read_text())["source_dir"])
-    if not (src / "include" / "llama.h").exists():
-        raise FileNotFoundError(f"build {build!r} was made from {src}, which is gone: "
-                                f"run `make {make_target(build)}` to extract the pinned source again")
-    return src

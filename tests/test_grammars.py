@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from clickpaca.paths import vendored_source
+from clickpaca.native import vendored_source
 from clickpaca.grammars import (
     JSON_OVERRIDES, GrammarEngine, GrammarError, allowed_ids, detect_format,
     fill_masks, is_allowed,

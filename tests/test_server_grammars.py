@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from clickpaca.paths import vendored_source
+from clickpaca.native import vendored_source
 
 pytestmark = pytest.mark.model
 

@@ -3,6 +3,7 @@ from contrastive prompts (cvec.py), apply one to a context (steer.py), and steer
 sequence with its own strength (vector.py: init's controlVector and infer's
 controlVectorStrength, whose wire form wire.py checks; the activations build).
 
-experiment.py is the worked experiment and cost.py the cost measurement of
-docs/ACTIVATIONS.md, which says what exists, what it costs and what is left.
+cost.py is the cost measurement of docs/ACTIVATIONS.md, which says what exists, what it
+costs and what is left; its worked experiment (through the server) is
+clickpaca.activations.experiment.
 """

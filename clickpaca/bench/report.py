@@ -1,36 +1,17 @@
-"""What every bench command writes: a JSON file, a markdown table, optional PNG plots."""
+"""What every measurement writes: its record in the results store, a JSON file, a markdown
+table, optional PNG plots (kv-retrieval's figure too, drawn again by `results plot`)."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..results.provenance import machine
+from ..results.record import attach
 from .stats import progress
-
-
-def machine() -> dict[str, Any]:
-    """Where and when the numbers were measured (load average: the machine may be shared)."""
-    cpu = None
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        mem_gib = None
-    return {"cores": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib, "accelerator": None,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg": list(os.getloadavg()),
-            "utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
 def write_json(out_dir: str | os.PathLike, name: str, data: dict[str, Any]) -> Path:
@@ -46,8 +27,6 @@ def write_json(out_dir: str | os.PathLike, name: str, data: dict[str, Any]) -> P
 def emit(out_dir: str, name: str, data: dict[str, Any], table: str, title: str) -> None:
     """Print the table (stdout), record the run in the results store, write the JSON (the
     latest run's export; per-token samples stay in the store)."""
-    from ..results import attach
-
     data = dict(data)
     data["table_markdown"] = table
     print(f"\n### {title}\n")
@@ -120,3 +99,35 @@ def _save(plt, fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, title
     plt.close(fig)
     progress(f"wrote {p}")
     return p
+
+
+#: The measures a kv-retrieval plot can show: row key -> (file name, axis label).
+RETRIEVAL_PLOTS = {"accuracy": ("kv-retrieval-accuracy", "exact-match accuracy"),
+                   "answer_logp": ("kv-retrieval-logp", "answer log-probability (nats)"),
+                   "dlogp": ("kv-retrieval-dlogp", "Δ answer log-prob vs f16 (nats, paired)")}
+
+
+def draw_retrieval(out: dict[str, Any], key: str, path: Any) -> None:
+    """A kv-retrieval run's figure (`kv-retrieval --plot`, `results plot RUN --measure KEY`):
+    one measure against haystack length, a line per setup run at every length, its
+    bootstrap interval across needles shaded.
+    dlogp is paired with f16 needle by needle, so its band is the one that separates the types."""
+    if key not in RETRIEVAL_PLOTS:
+        raise ValueError(f"--measure: a retrieval run plots {', '.join(RETRIEVAL_PLOTS)}, not {key!r}")
+    lengths = out["params"]["lengths"]
+    series: dict[str, tuple[list, list]] = {}
+    bands: dict[str, tuple[list, list]] = {}
+    for r in out["rows"]:
+        if r["length"] == "all" or not r.get(key):
+            continue
+        xs, ys = series.setdefault(r["cache"], ([], []))
+        lo, hi = bands.setdefault(r["cache"], ([], []))
+        xs.append(r["length"])
+        ys.append(r[key]["mean"])
+        lo.append(r[key]["ci"][0])
+        hi.append(r[key]["ci"][1])
+    label = RETRIEVAL_PLOTS[key][1]
+    plot_lines(path, {k: v for k, v in series.items() if len(v[0]) == len(lengths)},
+               "haystack length (tokens)", label,
+               f"Retrieval: {label} per cache type\n(shaded: 95% bootstrap interval across needles)",
+               logx=True, bands=bands)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..bench.report import _pyplot, _save, draw_retrieval
 from ..bench.table import fmt, markdown
 from . import paired
 from .compare import CompareError, compare, is_quality, parse_target
@@ -259,8 +260,6 @@ def plot_series(store: Store, ids: list[int], measure: str) -> dict[str, tuple[l
 
 
 def cmd_plot(store: Store, args: argparse.Namespace) -> int:
-    from ..bench.report import _pyplot, _save
-
     first = store.run(args.ids[0])
     if first["command"] == "kv-retrieval":
         return plot_retrieval(first, args)
@@ -287,14 +286,12 @@ def cmd_plot(store: Store, args: argparse.Namespace) -> int:
 
 def plot_retrieval(run: dict, args: argparse.Namespace) -> int:
     """A kv-retrieval run's figure, drawn again from the store (the docs' plots are these)."""
-    from ..retrieval.command import draw
-
     if len(args.ids) != 1:
         raise CompareError(f"a kv-retrieval run is plotted alone (against haystack length), got runs {args.ids}")
     if not (run.get("result") or {}).get("rows"):
         raise CompareError(f"run {args.ids[0]} holds no retrieval rows (status {run['status']})")
     try:
-        draw(run["result"], args.measure or "answer_logp", args.out)
+        draw_retrieval(run["result"], args.measure or "answer_logp", args.out)
     except ValueError as e:
         raise CompareError(str(e)) from None
     return 0

@@ -7,9 +7,11 @@ cache or the machine changed.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -70,9 +72,23 @@ def model_file_identity(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    from ..bench.report import machine as bench_machine
-
-    return bench_machine()
+    """Where and when the numbers were measured (load average: the machine may be shared)."""
+    cpu = None
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        mem_gib = None
+    return {"cores": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib, "accelerator": None,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg": list(os.getloadavg()),
+            "utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
 def capture(model_path: str | None, builds: list[str]) -> dict[str, Any]:

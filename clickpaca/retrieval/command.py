@@ -31,10 +31,11 @@ from .. import cachetypes, core
 from ..bench.cachetypes import pair_name, parse_pair
 from ..bench.common import model_path, out_dir, png
 from ..cachetypes import DEFAULT, EXACT, attention, build_for
-from ..bench.report import emit, machine, plot_lines
+from ..bench.report import RETRIEVAL_PLOTS, draw_retrieval, emit, machine
 from ..bench.stats import parse_list, progress
 from ..bench.table import fmt, markdown
 from ..bench.texts import read_text
+from ..results import recording
 from .haystack import assemble, depths, make_needles
 from .runner import Setup, run
 from .stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
@@ -347,45 +348,12 @@ def table(out: dict[str, Any]) -> str:
     return text
 
 
-#: The measures a retrieval plot can show: row key -> (file name, axis label).
-PLOTS = {"accuracy": ("kv-retrieval-accuracy", "exact-match accuracy"),
-         "answer_logp": ("kv-retrieval-logp", "answer log-probability (nats)"),
-         "dlogp": ("kv-retrieval-dlogp", "Δ answer log-prob vs f16 (nats, paired)")}
-
-
 def plot(out: dict[str, Any], args: Any) -> None:
-    for key, (name, _) in PLOTS.items():
-        draw(out, key, png(args, name))
-
-
-def draw(out: dict[str, Any], key: str, path: Any) -> None:
-    """One measure against haystack length, a line per setup run at every length, its
-    bootstrap interval across needles shaded (also `clickpaca results plot RUN --measure KEY`).
-    dlogp is paired with f16 needle by needle, so its band is the one that separates the types."""
-    if key not in PLOTS:
-        raise ValueError(f"--measure: a retrieval run plots {', '.join(PLOTS)}, not {key!r}")
-    lengths = out["params"]["lengths"]
-    series: dict[str, tuple[list, list]] = {}
-    bands: dict[str, tuple[list, list]] = {}
-    for r in out["rows"]:
-        if r["length"] == "all" or not r.get(key):
-            continue
-        xs, ys = series.setdefault(r["cache"], ([], []))
-        lo, hi = bands.setdefault(r["cache"], ([], []))
-        xs.append(r["length"])
-        ys.append(r[key]["mean"])
-        lo.append(r[key]["ci"][0])
-        hi.append(r[key]["ci"][1])
-    label = PLOTS[key][1]
-    plot_lines(path, {k: v for k, v in series.items() if len(v[0]) == len(lengths)},
-               "haystack length (tokens)", label,
-               f"Retrieval: {label} per cache type\n(shaded: 95% bootstrap interval across needles)",
-               logx=True, bands=bands)
+    for key, (name, _) in RETRIEVAL_PLOTS.items():
+        draw_retrieval(out, key, png(args, name))
 
 
 def run_kv_retrieval(args: argparse.Namespace) -> int:
-    from ..results import recording
-
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         with recording("kv-retrieval", args):

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import orjson
 
@@ -30,9 +30,7 @@ from ..client import default_python
 from .progress import Progress
 from .results import Generation, Results, Score
 from .schedule import EventClient, Slots, gone, run_jobs
-
-if TYPE_CHECKING:
-    from .sweep import SweepResult
+from .sweep import SweepResult, run_sweep
 
 #: An item of `generate`: a prompt, a conversation (list of messages), or a dict with
 #: `prompt` or `messages` and its own steering (overriding the call's; `label` names it).
@@ -154,8 +152,8 @@ class Workbench:
 
     # ------------------------------------------------------------ sweeps
 
-    @staticmethod
-    def sweep(configs: Any, prompts: Sequence[Item], init: dict[str, Any] | None = None,
+    @classmethod
+    def sweep(cls, configs: Any, prompts: Sequence[Item], init: dict[str, Any] | None = None,
               record: bool = True, progress: bool | None = None, steps: Sequence[str | os.PathLike] = (),
               **steering: Any) -> "SweepResult":
         """The same prompts under several server configs, one server each, paired per
@@ -163,9 +161,8 @@ class Workbench:
         configs: cache type strings ("q8_0", "q8_0/q4_0"), dicts of init fields, or a
         dict of label -> either; init: fields every server gets (nCtx, nSeqMax, ...);
         steps: user-defined steps every server loads (`serve --steps`)."""
-        from .sweep import run_sweep
-
-        return run_sweep(configs, prompts, init=init, record=record, progress=progress, steps=steps, **steering)
+        return run_sweep(cls.spawn, configs, prompts, init=init, record=record, progress=progress, steps=steps,
+                         **steering)
 
     # ------------------------------------------------------------ helpers
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -147,12 +147,11 @@ class SweepResult:
         return rows
 
 
-def run_sweep(configs: Any, prompts: Sequence[Any], init: Mapping[str, Any] | None = None,
-              record: bool = True, progress: bool | None = None, spawn_args: Sequence[str] = (),
-              steps: Sequence[Any] = (), **steering: Any) -> SweepResult:
-    """Run `prompts` with `steering` on one server per config (see the module docstring)."""
-    from .api import Workbench
-
+def run_sweep(spawn: Callable[..., Any], configs: Any, prompts: Sequence[Any],
+              init: Mapping[str, Any] | None = None, record: bool = True, progress: bool | None = None,
+              spawn_args: Sequence[str] = (), steps: Sequence[Any] = (), **steering: Any) -> SweepResult:
+    """Run `prompts` with `steering` on one server per config (see the module docstring).
+    spawn: `Workbench.spawn` (what `Workbench.sweep` passes), started once per config."""
     cfgs = normalise_configs(configs)
     steering = {"nProbs": SWEEP_NPROBS, **steering}
     base = dict(init or {})
@@ -162,7 +161,7 @@ def run_sweep(configs: Any, prompts: Sequence[Any], init: Mapping[str, Any] | No
         res = SweepResult(labels, cfgs, {}, {}, {})
         texts: list[str] | None = None
         for label in labels:
-            with Workbench.spawn(*spawn_args, steps=steps, **{**base, **cfgs[label]}) as wb:
+            with spawn(*spawn_args, steps=steps, **{**base, **cfgs[label]}) as wb:
                 res.ready[label] = wb.ready
                 res.generations[label] = wb.generate(prompts, progress=progress, **steering)
                 if texts is None:
