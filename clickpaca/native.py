@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import features
 from .cpu import check_build
 from .paths import make_target, sha256_file
 
@@ -136,8 +137,6 @@ def load_backends(nat: Native) -> None:
     otherwise search the Python executable's directory and the working directory, and
     find none. Which module each backend came from is read from ggml's load log; their
     functions (ggml_backend_cpu_*, ggml_backend_rpc_*) become reachable through nat.lib."""
-    from . import features
-
     if not features.available(nat, "backend-modules"):
         raise NativeError(f"build {nat.name!r} loads its CPU backend at run time, but its llama.cpp "
                           "has no ggml_backend_load_all_from_path: build it without PORTABLE=1")

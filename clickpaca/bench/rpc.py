@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 from ..rpc.wire import parse_endpoint
 from .stats import progress
+from .table import markdown
 
 LOOPBACK = "loopback"
 
@@ -115,8 +116,6 @@ def where(ready: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(names: list[str], rows: list[tuple[Any, dict[str, dict[str, Any]]]], label: str) -> str:
     """One row per load, one column pair per side: tok/s (median) and bytes per token."""
-    from .table import markdown
-
     head = [label] + [f"{n} tok/s" for n in names] + [f"{n} / local" for n in names[1:]] \
         + [f"{n} bytes/token" for n in names[1:]]
     body = []

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from ..client import Client, ServerError, default_python
-from .stats import progress
+from .stats import median, progress
 
 #: The default model's end-of-generation tokens (<eos>, <end_of_turn>, </s>).
 EOG_TOKENS = (1, 106, 212)
@@ -183,7 +183,6 @@ def group_stats(runs: list[SeqRun]) -> dict[str, Any]:
         stop[r.final.get("stop_reason")] = stop.get(r.final.get("stop_reason"), 0) + 1
     per_tok = [(r.t_last - r.t_first) / (r.tokens - 1) for r in ok
                if r.tokens > 1 and r.t_first is not None and r.t_last is not None]
-    from .stats import median
     return {
         "seqs": len(runs), "ok": len(ok), "errors": [e.get("message") for e in errors],
         "tokens": [r.tokens for r in runs], "stop_reasons": stop,
