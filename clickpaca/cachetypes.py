@@ -196,3 +196,19 @@ def docs_table() -> str:
         lines.append(f"| `{r.name}`{notes} | {r.bits:g} | {r.block} | {r.build} | "
                      f"{'yes' if r.quantized else 'no'} | {'yes' if r.v_needs_flash_attn else 'no'} | {det} |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- K/V pairs
+
+
+def parse_pair(spec: str) -> tuple[str, str]:
+    """'q8_0' -> ('q8_0', 'q8_0'); 'q8_0/turbo3' -> ('q8_0', 'turbo3')."""
+    spec = spec.strip()
+    if "/" in spec:
+        k, v = spec.split("/", 1)
+        return k.strip(), v.strip()
+    return spec, spec
+
+
+def pair_name(k: str, v: str) -> str:
+    return k if k == v else f"{k}/{v}"

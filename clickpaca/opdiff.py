@@ -33,7 +33,7 @@ import sys
 import numpy as np
 
 from . import core
-from .cachetypes import DEFAULT
+from .cachetypes import DEFAULT, build_for, parse_pair
 from .models import resolve_model
 from .opdump import OpRecorder, compare, summary
 
@@ -196,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         against(*args.against)
         return 0
-    from .bench.cachetypes import parse_pair
-    from .cachetypes import build_for
-
     args.type_k, args.type_v = parse_pair(args.cache)
     args.build = args.build or build_for(args.type_k, args.type_v)
     print(f"repack {args.repack} fa {args.fa} unified {args.unified} threads {args.threads} "

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from clickpaca.bench import stats, table, tools
-from clickpaca.bench.cachetypes import pair_bpv, pair_name, parse_pair
+from clickpaca.bench.cachetypes import pair_bpv
+from clickpaca.cachetypes import pair_name, parse_pair
 from clickpaca.cli import build_parser
 
 # ---------------------------------------------------------------- captured tool output

@@ -1,25 +1,14 @@
-"""K/V pair notation, bits per value as a build reports them, which builds are here.
+"""Bits per value as a build reports them, which builds are here: what `bench kv` and
+`ppl` measure beside the table.
 
-What each type is (bits, build, flash attention) is its row in clickpaca/cachetypes.py.
+What each type is (bits, build, flash attention) and the K/V pair notation are
+clickpaca/cachetypes.py's.
 """
 
 from __future__ import annotations
 
 from .. import cachetypes
 from ..native import available_builds
-
-
-def parse_pair(spec: str) -> tuple[str, str]:
-    """'q8_0' -> ('q8_0', 'q8_0'); 'q8_0/turbo3' -> ('q8_0', 'turbo3')."""
-    spec = spec.strip()
-    if "/" in spec:
-        k, v = spec.split("/", 1)
-        return k.strip(), v.strip()
-    return spec, spec
-
-
-def pair_name(k: str, v: str) -> str:
-    return k if k == v else f"{k}/{v}"
 
 
 def other_builds() -> list[str]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from .. import cachetypes
-from ..cachetypes import DEFAULT, attention, build_for
-from .cachetypes import bits_per_value, other_builds, pair_bpv, pair_name, parse_pair
+from ..cachetypes import DEFAULT, attention, build_for, pair_name, parse_pair
+from .cachetypes import bits_per_value, other_builds, pair_bpv
 from .common import model_path, out_dir, png, threads, with_defaults
 from .report import emit, machine, plot_points
 from .serve import Server

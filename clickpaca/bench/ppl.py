@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from .. import cachetypes
-from ..cachetypes import DEFAULT, EXACT, attention, build_for
+from ..cachetypes import DEFAULT, EXACT, attention, build_for, pair_name, parse_pair
 from ..scoring import check_score_last
-from .cachetypes import bits_per_value, pair_bpv, pair_name, parse_pair
+from .cachetypes import bits_per_value, pair_bpv
 from .kl import compare_variants
 from .common import model_path, out_dir, png
 from .report import emit, machine, plot_points

@@ -19,8 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from ..cachetypes import DEFAULT, MAINLINE, STUDY_CACHE, attention, build_for
-from .cachetypes import pair_name, parse_pair
+from ..cachetypes import DEFAULT, MAINLINE, STUDY_CACHE, attention, build_for, pair_name, parse_pair
 from .common import model_path, out_dir, with_defaults
 from .report import emit, machine
 from .serve import Server, run_group

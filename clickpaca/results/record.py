@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..cachetypes import build_for, parse_pair
 from . import provenance as prov
 from .samples import split_samples
 from .store import ResultsStoreError, Store
@@ -47,9 +48,6 @@ def _builds_of(args: Any) -> list[str]:
     builds = {getattr(args, "build", None) or "mainline"}
     cache = getattr(args, "cache", None)
     if cache and builds == {"mainline"}:  # mainline picks the build per type (turbo types: turboquant)
-        from ..bench.cachetypes import parse_pair
-        from ..cachetypes import build_for
-
         builds |= {build_for(*parse_pair(s)) for s in str(cache).split(",") if s.strip()}
     return sorted(builds)
 

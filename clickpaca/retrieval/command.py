@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 
 from .. import cachetypes, core
-from ..bench.cachetypes import pair_name, parse_pair
 from ..bench.common import model_path, out_dir, png
-from ..cachetypes import DEFAULT, EXACT, attention, build_for
+from ..cachetypes import DEFAULT, EXACT, attention, build_for, pair_name, parse_pair
 from ..bench.report import RETRIEVAL_PLOTS, draw_retrieval, emit, machine
 from ..bench.stats import parse_list, progress
 from ..bench.table import fmt, markdown
