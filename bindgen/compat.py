@@ -149,7 +149,7 @@ def smoke(nat: Any, manifest: dict[str, Any], model_path: Path,
     t0 = time.monotonic()
 
     if "log_set" in use and "ggml_log_callback" in manifest["callbacks"]:
-        from clickpaca.native import log_sink
+        from clickpaca.llama.native import log_sink
         log_sink(nat)  # llama.cpp's log to stderr, warnings and errors only
 
     fn["backend_init"]()
@@ -260,8 +260,8 @@ def _builds_root(root: Path):
 
 
 def load_build(build: Path) -> Any:
-    """clickpaca.native.load for a build given by path (refuses a stale stamp likewise)."""
-    from clickpaca import native
+    """clickpaca.llama.native.load for a build given by path (refuses a stale stamp likewise)."""
+    from clickpaca.llama import native
     build = Path(os.path.abspath(build))  # keep builds/<name>, do not follow the link
     with _builds_root(build.parent):
         return native.load(build.name)
@@ -300,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     common_path = args.common_with or against
     common = json.loads(Path(common_path).read_text()) if common_path else None
 
-    from clickpaca.core import ModelError
-    from clickpaca.models import resolve_model
-    from clickpaca.native import NativeError
+    from clickpaca.llama.core import ModelError
+    from clickpaca.llama.models import resolve_model
+    from clickpaca.llama.native import NativeError
 
     from .smoke_model import SmokeModelError, model_for
     try:

@@ -1,4 +1,4 @@
-"""The feature table of the upgrade report: clickpaca/features.py evaluated on manifests.
+"""The feature table of the upgrade report: clickpaca/llama/features.py evaluated on manifests.
 
 Per version, each feature works, falls back (nothing refused, something done instead) or
 is refused (the request option, or init itself), with the names it lacks. From the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
-from clickpaca import features
+from clickpaca.llama import features
 
 from .apidiff import version_label
 
@@ -36,7 +36,7 @@ def render_pair(table: dict, old: dict, new: dict) -> list[str]:
     pairs = [(x, y) for x, y in zip(table["from"], table["to"])
              if not (features.BY_NAME[x["feature"]].build and x["status"] == y["status"] != "works")]
     both = sum(x["status"] == y["status"] == "works" for x, y in pairs)
-    lines = [f"features (clickpaca/features.py): {both} of {len(pairs)} work on both"]
+    lines = [f"features (clickpaca/llama/features.py): {both} of {len(pairs)} work on both"]
     for x, y in pairs:
         if x["status"] == y["status"] == "works":
             continue

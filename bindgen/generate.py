@@ -27,7 +27,7 @@ from typing import Any
 
 import cffi
 
-from clickpaca.paths import cache_dir, sha256_file
+from clickpaca.base.paths import cache_dir, sha256_file
 
 from . import history, layout
 from .cparse import (BindgenError, Declarations, add_macro_constants, deprecations,

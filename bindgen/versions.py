@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="list ggml/gguf and offset-only changes too")
     ap.add_argument("--json", action="store_true", help="the report as JSON")
     ap.add_argument("--features", action="store_true",
-                    help="the feature table (clickpaca/features.py) of the versions, as Markdown")
+                    help="the feature table (clickpaca/llama/features.py) of the versions, as Markdown")
     args = ap.parse_args(argv)
     from .report import build_report, render_text
     if args.features:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from .cachetypes import DEFAULT, EXACT, STUDY_CACHE
+from .llama.cachetypes import DEFAULT, EXACT, STUDY_CACHE
 
 #: Commands whose native code may die from a signal, in this process (ppl, bench kv) or in
 #: a server they spawned: they run in a child process, so that a death is one line naming
@@ -17,8 +17,8 @@ GUARDED = {"demo", "bench", "ppl", "kv-retrieval", "cvec"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from .core import ModelError
-    from .models import resolve_model
+    from .llama.core import ModelError
+    from .llama.models import resolve_model
 
     try:
         print(resolve_model(args.model))
@@ -29,14 +29,14 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def cmd_tok(args: argparse.Namespace) -> int:
-    from .tok import run_tok
+    from .llama.tok import run_tok
 
     return run_tok(args)
 
 
 def load_steps(specs: list[str] | None) -> bool:
     """--steps: import each file or module that registers user-defined sampler steps."""
-    from .usersteps import StepLoadError, load
+    from .sampling.usersteps import StepLoadError, load
 
     for spec in specs or ():
         try:
@@ -52,14 +52,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not load_steps(args.steps):
         return 2
     if args.socket:
-        from .socket_server import serve_socket
+        from .serve.socket_server import serve_socket
 
         if args.allow_any_path:
             print("clickpaca serve: --allow-any-path is for stdio only (socket clients get names "
                   "in the state directory)", file=sys.stderr)
             return 2
         return serve_socket(args)
-    from .server import serve_stdio
+    from .serve.server import serve_stdio
 
     if args.max_seqs_per_client is not None:
         print("clickpaca serve: --max-seqs-per-client applies to --socket only", file=sys.stderr)
@@ -68,25 +68,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .workbench.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.cli import run_bench
+    from .measure.bench.cli import run_bench
 
     return run_bench(args)
 
 
 def cmd_kv_retrieval(args: argparse.Namespace) -> int:
-    from .retrieval.command import run_kv_retrieval
+    from .measure.retrieval.command import run_kv_retrieval
 
     return run_kv_retrieval(args)
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
-    from .bench.ppl import run_ppl
+    from .measure.bench.ppl import run_ppl
 
     return run_ppl(args)
 
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seqs-per-client", type=int, default=None,
                    help="socket mode: sequences one client may hold at once (default: nSeqMax)")
     p.add_argument("--steps", action="append", metavar="FILE_OR_MODULE",
-                   help="load user-defined sampler steps (clickpaca.usersteps.step) from a Python file "
+                   help="load user-defined sampler steps (clickpaca.sampling.usersteps.step) from a Python file "
                         "or module; requests name them in `samplers` (repeatable)")
     p.set_defaults(func=cmd_serve)
 
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_guarded(argv: list[str]) -> int:
     """Run `clickpaca ARGV` in a child and report its death by a signal in one line."""
-    from .cpu import describe_exit
+    from .llama.cpu import describe_exit
 
     proc = subprocess.Popen([sys.executable, "-m", "clickpaca", *argv],
                             env=dict(os.environ, CLICKPACA_GUARDED="1"))
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     if os.environ.get("CLICKPACA_GUARDED") != "1":
         return run_guarded(argv)
-    from .client import ServerError
+    from .wire.client import ServerError
 
     try:
         return int(args.func(args) or 0)

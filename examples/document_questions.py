@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from clickpaca import Workbench
-from clickpaca.demo import DOCUMENT
+from clickpaca.workbench.demo import DOCUMENT
 
 FACTS = ["What colour is the lifeboat?", "In which year was the harbour built?",
          "Who was the harbour master in 2024?", "Which river meets the bay at Caldmere?",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clickpaca.usersteps import ELEMENTWISE, choice_strings, param, real, step
+from clickpaca.sampling.usersteps import ELEMENTWISE, choice_strings, param, real, step
 
 
 def word_ids(words: tuple[str, ...], vocab) -> np.ndarray:

@@ -428,7 +428,7 @@ def target_isa(cflags: list[str], native: bool = True) -> list[str]:
     """The instruction-set macros the compiler defines for `-march=native` plus our flags:
     what a native build's code may use. Part of the key, so a cache shared between machines
     never hands a build to a CPU it was not made for; recorded in build-info.json, where
-    clickpaca/cpu.py checks it against the running CPU."""
+    clickpaca/llama/cpu.py checks it against the running CPU."""
     cc = os.environ.get("CC", "cc")
     cmd = [cc, *(["-march=native"] if native and is_x86() else []), *cflags, "-dM", "-E", "-x", "c", os.devnull]
     try:
@@ -607,10 +607,10 @@ def link_names(flavor: str, sdist_version: str | None, cpu: dict) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def cpu_module():
-    """clickpaca/cpu.py (standard library only), loaded by path: this script runs before
+    """clickpaca/llama/cpu.py (standard library only), loaded by path: this script runs before
     any venv exists, and the CPU's name and flags are read in one place."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("clickpaca_cpu", ROOT / "clickpaca" / "cpu.py")
+    spec = importlib.util.spec_from_file_location("clickpaca_cpu", ROOT / "clickpaca" / "llama" / "cpu.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

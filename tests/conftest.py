@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from clickpaca import cachetypes
-from clickpaca.client import Client
+from clickpaca.llama import cachetypes
+from clickpaca.wire.client import Client
 
 # Hypothesis profiles, chosen by the CI environment variable (set to anything but "", "0"
 # or "false": "ci"; else "local"), before any test module is imported, so a test's own
@@ -52,7 +52,7 @@ TEST_CACHE_V = os.environ.get("CLICKPACA_TEST_CACHE_V", cachetypes.DEFAULT)
 # Where two runs of the same greedy request may part when their batches differ in shape
 # or cell placement: only at a step where the token the other run chose is within this
 # many nats of the token the first run chose. Each cache type's row says its tolerance
-# (clickpaca/cachetypes.py: lossy types amplify the CPU kernels' placement-dependent rounding).
+# (clickpaca/llama/cachetypes.py: lossy types amplify the CPU kernels' placement-dependent rounding).
 _TEST_ROWS = (cachetypes.get(TEST_CACHE_K, "CLICKPACA_TEST_CACHE_K"),
               cachetypes.get(TEST_CACHE_V, "CLICKPACA_TEST_CACHE_V"))
 LOSSLESS = all(r.lossless for r in _TEST_ROWS)
@@ -74,14 +74,14 @@ def results_store(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_path():
-    from clickpaca.models import resolve_model
+    from clickpaca.llama.models import resolve_model
 
     return resolve_model()
 
 
 @pytest.fixture(scope="session")
 def model(model_path):
-    from clickpaca.core import Model
+    from clickpaca.llama.core import Model
 
     m = Model(model_path, build=TEST_BUILD)
     yield m

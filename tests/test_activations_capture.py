@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clickpaca import core
+from clickpaca.llama import core
 from clickpaca.activations import capture as C
-from clickpaca.opdump import OpRecorder
+from clickpaca.llama.opdump import OpRecorder
 
 GRAPH = ["norm-0", "attn_norm-0", "l_out-0", "attn_norm-1", "l_out-1", "result_norm", "node_9",
          "Kcur-0 (view)"]

@@ -1,11 +1,11 @@
-"""clickpaca.activations.experiment: the word-list score and the summary (pure functions;
+"""clickpaca.measure.steering: the word-list score and the summary (pure functions;
 the experiment itself runs through the server: docs/ACTIVATIONS.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from clickpaca.activations import experiment as ex
+from clickpaca.measure import steering as ex
 
 
 def test_score_counts_positive_minus_negative_words_per_hundred():

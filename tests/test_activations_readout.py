@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clickpaca import core
+from clickpaca.llama import core
 from clickpaca.activations import capture as C
-from clickpaca.client import ServerError
-from clickpaca.opdump import OpRecorder
+from clickpaca.wire.client import ServerError
+from clickpaca.llama.opdump import OpRecorder
 from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 
 pytestmark = pytest.mark.model

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from clickpaca.activations import cvec
-from clickpaca.client import Client, ServerError
+from clickpaca.wire.client import Client, ServerError
 from conftest import NEAR_TIE
 
 pytestmark = [pytest.mark.model, pytest.mark.activations]

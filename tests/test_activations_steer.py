@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from clickpaca import core, deterministic
+from clickpaca.llama import core, deterministic
 from clickpaca.activations import cvec, steer
 from clickpaca.activations.capture import Capture
 

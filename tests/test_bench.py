@@ -1,4 +1,4 @@
-"""clickpaca.bench: parsers of the native tools' output (captured samples), statistics
+"""clickpaca.measure.bench: parsers of the native tools' output (captured samples), statistics
 helpers, markdown tables, and two small real runs. No timing thresholds anywhere: the
 numbers depend on the machine and its load."""
 
@@ -11,9 +11,10 @@ import math
 import numpy as np
 import pytest
 
-from clickpaca.bench import stats, table, tools
-from clickpaca.bench.cachetypes import pair_bpv
-from clickpaca.cachetypes import pair_name, parse_pair
+from clickpaca.measure.bench import tools
+from clickpaca.results import stats, table
+from clickpaca.measure.bench.cachetypes import pair_bpv
+from clickpaca.llama.cachetypes import pair_name, parse_pair
 from clickpaca.cli import build_parser
 
 # ---------------------------------------------------------------- captured tool output
@@ -194,7 +195,7 @@ def test_fmt():
 
 
 def test_kl_helpers():
-    from clickpaca.bench.kl import kl_rows, log_softmax
+    from clickpaca.measure.kl import kl_rows, log_softmax
 
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(3, 50)).astype(np.float32)
@@ -217,7 +218,7 @@ def test_cli_parses_bench_and_ppl():
 def test_bench_batch_chain_fields():
     """--chain: a scenario's fields that differ from the defaults, the EOG bans merged into
     its own logit_bias (a ban wins over the scenario's bias of the same token)."""
-    from clickpaca.bench.batch import chain_params
+    from clickpaca.measure.bench.batch import chain_params
     from clickpaca.sampling import SamplerParams
     from clickpaca.sampling.bench import SCENARIOS
 
@@ -250,7 +251,7 @@ def _args(tmp_path, **kw):
 @pytest.mark.model
 @pytest.mark.slow
 def test_bench_sampler_real(tmp_path, monkeypatch):
-    from clickpaca.bench import sampler
+    from clickpaca.measure.bench import sampler
 
     monkeypatch.setattr(sampler, "SYNTH_REPEATS", 5)
     monkeypatch.setattr(sampler, "REAL_ROWS", 4)
@@ -280,7 +281,7 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
 def test_bench_sampler_ticks_real(tmp_path, monkeypatch):
     """--seqs: per tick, the decode beside the host's sampling (per sequence and batched,
     which the bench itself checks equal)."""
-    from clickpaca.bench import sampler, sampler_ticks
+    from clickpaca.measure.bench import sampler, sampler_ticks
 
     monkeypatch.setattr(sampler_ticks, "TICKS", 1)
     out = sampler.run(_args(tmp_path, what="sampler", seqs="1,3", repeats=1))
@@ -299,7 +300,7 @@ def test_bench_sampler_ticks_real(tmp_path, monkeypatch):
 @pytest.mark.model
 @pytest.mark.slow
 def test_bench_kv_f16_real(tmp_path):
-    from clickpaca.bench import kv
+    from clickpaca.measure.bench import kv
 
     out = kv.run(_args(tmp_path, what="kv", cache="f16", kv_ctx=1024))
     [row] = out["rows"]
@@ -313,7 +314,7 @@ def test_bench_kv_f16_real(tmp_path):
 
 
 def test_bench_all_runs_every_bench_and_keeps_explicit_options(monkeypatch, tmp_path):
-    from clickpaca.bench import cli as bench_cli
+    from clickpaca.measure.bench import cli as bench_cli
 
     seen = {}
 
@@ -333,7 +334,7 @@ def test_bench_all_runs_every_bench_and_keeps_explicit_options(monkeypatch, tmp_
 
 
 def test_group_stats_steady_state_window():
-    from clickpaca.bench.serve import SeqRun, group_stats
+    from clickpaca.measure.bench.serve import SeqRun, group_stats
 
     def run(sid, times):
         return SeqRun(sid, 0.0, tokens=len(times), t_first=times[0], t_last=times[-1], times=times,
@@ -351,7 +352,7 @@ def test_group_stats_steady_state_window():
 
 
 def test_group_stats_counts_errors():
-    from clickpaca.bench.serve import SeqRun, group_stats
+    from clickpaca.measure.bench.serve import SeqRun, group_stats
 
     bad = SeqRun(0, 0.0, final={"type": "error", "message": "KV cache full"})
     st = group_stats([bad])
@@ -359,7 +360,7 @@ def test_group_stats_counts_errors():
 
 
 def test_group_stats_counts_whole_ticks():
-    from clickpaca.bench.serve import SeqRun, group_stats
+    from clickpaca.measure.bench.serve import SeqRun, group_stats
 
     def run(sid, times):
         return SeqRun(sid, 0.0, tokens=len(times), t_first=times[0], t_last=times[-1], times=times,
@@ -375,8 +376,8 @@ def test_group_stats_counts_whole_ticks():
 
 
 def test_ppl_noise_plan_of_f16_is_unchanged_and_of_another_type_drops_fa_off():
-    from clickpaca.bench.kl import NOISE
-    from clickpaca.bench.ppl import plan_variants
+    from clickpaca.measure.kl import NOISE
+    from clickpaca.measure.bench.ppl import plan_variants
 
     v, refs, at = plan_variants([("f16", "f16"), ("turbo3", "turbo3")], "f32", True)
     assert [x.name for x in v[at[0]:at[0] + 1]] == ["f16"] and at[0] == 0
@@ -393,7 +394,7 @@ def test_ppl_noise_plan_of_f16_is_unchanged_and_of_another_type_drops_fa_off():
 
 @pytest.mark.model
 def test_ppl_no_server_takes_ppl_from_the_in_process_windows_only(tmp_path):
-    from clickpaca.bench.ppl import measure, table
+    from clickpaca.measure.bench.ppl import measure, table
 
     a = build_parser().parse_args(["ppl", "--cache", "f16,q8_0", "--ctx", "64", "--chunks", "1", "--no-server",
                                    "--out", str(tmp_path)])
@@ -406,7 +407,7 @@ def test_ppl_no_server_takes_ppl_from_the_in_process_windows_only(tmp_path):
 
 
 def test_ppl_table_names_its_second_kl_reference():
-    from clickpaca.bench.ppl import table
+    from clickpaca.measure.bench.ppl import table
 
     rows = [{"cache": "f16", "build": "mainline", "kl_ref": "f16", "kl_mean": 0.0},
             {"cache": "turbo3", "build": "turboquant", "kl_ref": "f16", "kl_mean": 0.5,

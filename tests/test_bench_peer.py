@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from clickpaca.bench import peer
-from clickpaca.bench.llama_server import REQUEST_FIELDS, LlamaServer, free_port, server_command
-from clickpaca.bench.peer_check import validity
-from clickpaca.bench.peer_loads import SCHEMAS, loads
-from clickpaca.bench.peer_sides import Req, llama_body
+from clickpaca.measure.bench import peer
+from clickpaca.measure.bench.llama_server import REQUEST_FIELDS, LlamaServer, free_port, server_command
+from clickpaca.measure.bench.peer_check import validity
+from clickpaca.measure.bench.peer_loads import SCHEMAS, loads
+from clickpaca.measure.bench.peer_sides import Req, llama_body
 from clickpaca.cli import build_parser
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bindgen import layout
-from clickpaca import native
+from clickpaca.llama import native
 
 pytestmark = pytest.mark.model
 

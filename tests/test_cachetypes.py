@@ -1,4 +1,4 @@
-"""The KV cache-type table (clickpaca/cachetypes.py): every row consistent, the lookups,
+"""The KV cache-type table (clickpaca/llama/cachetypes.py): every row consistent, the lookups,
 the errors, the rules read from it, the docs table, and the rows against each build's own
 ggml type table."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from clickpaca import cachetypes, deterministic
-from clickpaca.cachetypes import DEFAULT, EXACT, MAINLINE, ROWS, UnknownCacheType
+from clickpaca.llama import cachetypes, deterministic
+from clickpaca.llama.cachetypes import DEFAULT, EXACT, MAINLINE, ROWS, UnknownCacheType
 
 
 def test_every_row_is_consistent():
@@ -51,7 +51,7 @@ def test_every_row_is_consistent():
 
 
 def test_the_numpy_reference_has_the_turbo_rows():
-    from clickpaca import turboquant
+    from clickpaca.llama import turboquant
 
     rows = [r for r in ROWS if r.build == "turboquant"]
     assert sorted(turboquant.TYPES) == sorted(r.name for r in rows)
@@ -127,8 +127,8 @@ def test_deterministic_mode_reads_the_rows():
 
 
 def test_the_noise_planners_leave_out_flash_attention_off_for_a_quantized_v():
-    from clickpaca.bench.ppl import plan_variants
-    from clickpaca.retrieval.command import NOISE, floor_base, noise_setups
+    from clickpaca.measure.bench.ppl import plan_variants
+    from clickpaca.measure.retrieval.command import NOISE, floor_base, noise_setups
 
     for v in cachetypes.names():
         of = floor_base([("f16", v)], ("f16", v))
@@ -152,8 +152,8 @@ def test_docs_table_is_generated_from_the_rows():
 
 _READ_BUILD = """
 import json, sys
-from clickpaca.native import load
-from clickpaca.core import cache_types
+from clickpaca.llama.native import load
+from clickpaca.llama.core import cache_types
 n = load(sys.argv[1])
 lib, ffi = n.lib, n.ffi
 named = {ffi.string(lib.ggml_type_name(t)).decode(): t for t in range(int(lib.GGML_TYPE_COUNT))

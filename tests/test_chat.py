@@ -1,4 +1,4 @@
-"""clickpaca.chat and `messages` in infer/prefill: validation (pure), formatting through
+"""clickpaca.wire.chat and `messages` in infer/prefill: validation (pure), formatting through
 llama.cpp's own templates (real library), and the server end to end (real process, real
 models: the default Gemma 3 base model with `chatTemplate`, and SmolLM2-135M-Instruct
 with the template in its own GGUF metadata)."""
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clickpaca import chat
-from clickpaca.client import Client, ServerError
+from clickpaca.wire import chat
+from clickpaca.wire.client import Client, ServerError
 from conftest import spawn_server
 
 GEMMA_BY_HAND = ("<start_of_turn>user\nYou are terse.\n\nName a colour.<end_of_turn>\n"
@@ -152,7 +152,7 @@ def test_prefill_messages_then_continue_with_more_messages(gemma):
 def test_a_models_own_template_from_its_gguf_metadata():
     """SmolLM2-135M-Instruct carries a ChatML template: no chatTemplate needed, and the
     prompt equals the ChatML turns written by hand."""
-    from clickpaca.models import smollm2_path
+    from clickpaca.llama.models import smollm2_path
 
     path = smollm2_path()
     c = spawn_server(modelPath=str(path), nSeqMax=2, nCtx=2048)

@@ -1,4 +1,4 @@
-"""clickpaca.client: a server that dies is one ServerError naming how it died, for every
+"""clickpaca.wire.client: a server that dies is one ServerError naming how it died, for every
 reader, never a hang or a traceback; `clickpaca demo` / `ppl` report a death in one line.
 
 The deaths are real: a real server process, killed with the signal a bad build dies of
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from clickpaca.client import Client, ServerError
-from clickpaca.cpu import cpu_name
+from clickpaca.wire.client import Client, ServerError
+from clickpaca.llama.cpu import cpu_name
 
 from conftest import spawn_server
 
@@ -144,17 +144,17 @@ def test_an_in_process_native_death_is_one_line_too():
 def test_the_client_imports_neither_numpy_nor_the_protocol_nor_the_sampler():
     """Issue #25: client.py imported the protocol (numpy, the sampler) to learn the end
     events; it reads them from endings.py, which the protocol checks at import."""
-    code = ("import sys, clickpaca.client; "
-            "print(sorted(m for m in ('numpy', 'clickpaca.protocol', 'clickpaca.sampling') if m in sys.modules))")
+    code = ("import sys, clickpaca.wire.client; "
+            "print(sorted(m for m in ('numpy', 'clickpaca.wire.protocol', 'clickpaca.sampling') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-500:])
-    from clickpaca.client import END_TYPES
-    from clickpaca.protocol import END_EVENTS
+    from clickpaca.wire.client import END_TYPES
+    from clickpaca.wire.protocol import END_EVENTS
     assert END_TYPES == END_EVENTS
 
 
 def test_the_engine_package_imports_nothing_itself():
     """Engine left the package __init__: the pure engine modules load without the model."""
-    code = "import sys, clickpaca.engine.plan; print('clickpaca.core' in sys.modules, 'cffi' in sys.modules)"
+    code = "import sys, clickpaca.engine.plan; print('clickpaca.llama.core' in sys.modules, 'cffi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False False", (out.stdout, out.stderr[-500:])

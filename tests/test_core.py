@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from clickpaca.core import Batch, Context, ModelError, check_gguf, cache_types
-from clickpaca.models import DEFAULT_MODEL_FILE, resolve_model
-from clickpaca.native import build_dir
+from clickpaca.llama.core import Batch, Context, ModelError, check_gguf, cache_types
+from clickpaca.llama.models import DEFAULT_MODEL_FILE, resolve_model
+from clickpaca.llama.native import build_dir
 from conftest import TEST_BUILD
 
 pytestmark = pytest.mark.model

@@ -11,7 +11,7 @@ import sys
 import jsonschema
 import pytest
 
-from clickpaca.demo import PERSON, QUESTIONS, STEERED
+from clickpaca.workbench.demo import PERSON, QUESTIONS, STEERED
 
 
 @pytest.fixture(scope="module")

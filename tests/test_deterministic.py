@@ -19,7 +19,7 @@ import tempfile
 
 import pytest
 
-from clickpaca.client import Client, ServerError
+from clickpaca.wire.client import Client, ServerError
 from conftest import TEST_BUILD
 
 pytestmark = pytest.mark.model

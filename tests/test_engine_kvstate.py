@@ -325,7 +325,7 @@ def test_save_creates_missing_directories(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_ctx(model):
-    from clickpaca.core import Context
+    from clickpaca.llama.core import Context
 
     ctx = Context(model, n_ctx=1024, n_batch=64, n_seq_max=2, n_threads=2)
     yield ctx
@@ -333,7 +333,7 @@ def real_ctx(model):
 
 
 def _decode(ctx, model, tokens, pos0: int, seq: int) -> np.ndarray:
-    from clickpaca.core import Batch
+    from clickpaca.llama.core import Batch
 
     b = Batch(model.nat, 64)
     out = None

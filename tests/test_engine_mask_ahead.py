@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clickpaca.grammars import GrammarEngine, allowed_ids, fill_masks
+from clickpaca.grammar.grammars import GrammarEngine, allowed_ids, fill_masks
 from clickpaca.engine.mask_ahead import MaskAhead
 
 GRAMMARS = [

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clickpaca.engine.plan import Feed, Want, plan_tick
-from clickpaca.scoring import chunk_rows
+from clickpaca.wire.scoring import chunk_rows
 
 
 def gen(key, n_past):

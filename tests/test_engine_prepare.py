@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clickpaca.chat import format_messages
+from clickpaca.wire.chat import format_messages
 from clickpaca.engine.engine import Engine, Session
 from clickpaca.engine.prepare import Prepared
 
-from clickpaca.protocol import validate
+from clickpaca.wire.protocol import validate
 from conftest import TEST_BUILD
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 400
@@ -116,7 +116,7 @@ def test_score_texts_are_tokenized_as_llama_cpp_does(engine):
 
 @pytest.mark.model
 def test_grammars_are_compiled_by_the_reader_and_their_errors_answered_by_the_engine(engine):
-    from clickpaca.grammars import CompiledGrammar, GrammarError
+    from clickpaca.grammar.grammars import CompiledGrammar, GrammarError
 
     good = validate({"type": "grammar", "id": "g", "grammar": 'root ::= "a"'})
     bad = validate({"type": "grammar", "id": "b", "grammar": "root ::= ("})

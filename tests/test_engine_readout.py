@@ -9,7 +9,7 @@ import pytest
 from clickpaca.activations import capture as C
 from clickpaca.engine.plan import Feed, Want
 from clickpaca.engine.readout import MAX_INLINE_BYTES, JobCapture
-from clickpaca.statedir import StateDir
+from clickpaca.engine.statedir import StateDir
 
 
 def feed(pos, count, generating=False, ends=True, samples=False):

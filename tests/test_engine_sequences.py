@@ -11,7 +11,7 @@ import pytest
 
 from clickpaca.engine.jobs import InferJob, PrefillJob, ScoreJob
 from clickpaca.engine.sequences import Sequences, Session
-from clickpaca.protocol import ProtocolError
+from clickpaca.wire.protocol import ProtocolError
 
 
 class FakeContext:

@@ -1,4 +1,4 @@
-"""The feature table (clickpaca/features.py): on manifests, and on the real mainline build.
+"""The feature table (clickpaca/llama/features.py): on manifests, and on the real mainline build.
 
 What an older build refuses is checked on real older builds by tests/compat (make
 test-compat) and from the pinned headers by tests/test_header_versions.py; here: the
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clickpaca import features
+from clickpaca.llama import features
 
 
 def manifest(drop: set[str] = frozenset()) -> dict:
@@ -113,7 +113,7 @@ def test_a_request_field_feature_refuses_its_field_never_init():
 def test_mainline_has_every_feature():
     """On the real mainline bindings (fields through cffi, functions through native.Lib):
     every feature but those of a patched flavor (Feature.build), which it lacks."""
-    from clickpaca.native import load
+    from clickpaca.llama.native import load
     nat = load("mainline")
     for f in features.FEATURES:
         assert features.lacking(f, features.for_native(nat)) == ([] if f.build is None else list(f.needs)), f.name
@@ -131,7 +131,7 @@ def test_mainline_has_every_feature():
     ({"swaFull": False}, "swa-small")])
 def test_real_init_requests_ask_for_what_their_options_need(line, feature):
     """`asked` reads the fields of the InitRequest the protocol edge makes."""
-    from clickpaca.protocol import validate
+    from clickpaca.wire.protocol import validate
     req = validate({"type": "init", **line})
     asked = {f.name for f in features.FEATURES if f.refuses and f.asked is not None and f.asked(req)}
     # deterministic mode sets kvUnified false at the edge, so it needs kv streams too

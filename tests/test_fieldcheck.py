@@ -1,4 +1,4 @@
-"""clickpaca.fieldcheck: one library of field checks and one message style, used by the
+"""clickpaca.base.fieldcheck: one library of field checks and one message style, used by the
 protocol's request fields and the sampler steps' parameters alike."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clickpaca import fieldcheck as fc
-from clickpaca.fieldcheck import FieldError
-from clickpaca.protocol import ProtocolError, validate
+from clickpaca.base import fieldcheck as fc
+from clickpaca.base.fieldcheck import FieldError
+from clickpaca.wire.protocol import ProtocolError, validate
 from clickpaca.sampling import SamplerParamError, SamplerParams
 
 

@@ -1,4 +1,4 @@
-"""clickpaca.gbnf: GBNF -> Lark text (no model: what the converter writes and refuses).
+"""clickpaca.grammar.gbnf: GBNF -> Lark text (no model: what the converter writes and refuses).
 How the converted grammars behave on the real vocabulary is tested in test_grammars.py
 and against llama.cpp's own tests in test_grammars_vendored.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from clickpaca.gbnf import MAX_REPETITION, GbnfError, gbnf_to_lark
+from clickpaca.grammar.gbnf import MAX_REPETITION, GbnfError, gbnf_to_lark
 
 
 def body(gbnf: str, **kw) -> str:

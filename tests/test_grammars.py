@@ -1,4 +1,4 @@
-"""clickpaca.grammars against the real default model's vocabulary (no forward pass needed:
+"""clickpaca.grammar.grammars against the real default model's vocabulary (no forward pass needed:
 sequences are driven by picking random tokens the mask allows)."""
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ import jsonschema
 import numpy as np
 import pytest
 
-from clickpaca.native import vendored_source
-from clickpaca.grammars import (
-    JSON_OVERRIDES, GrammarEngine, GrammarError, allowed_ids, detect_format,
-    fill_masks, is_allowed,
+from clickpaca.llama.native import vendored_source
+from clickpaca.grammar.grammars import (
+    JSON_OVERRIDES,
+    GrammarEngine,
+    GrammarError,
+    allowed_ids,
+    detect_format,
+    fill_masks,
+    is_allowed,
 )
 
 pytestmark = pytest.mark.model

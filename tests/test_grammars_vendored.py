@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clickpaca.grammars import GrammarEngine, GrammarError
-from clickpaca.native import vendored_source
+from clickpaca.grammar.grammars import GrammarEngine, GrammarError
+from clickpaca.llama.native import vendored_source
 from vendored_cases import (
     ParserCase, StringCase, alphabet, count_calls, derive, elements_to_gbnf, iter_strings,
     parser_cases, string_cases, string_constants, suite_dir,

@@ -16,7 +16,7 @@ import pytest
 
 from bindgen import feature_table, report, versions
 from bindgen.usage import scan
-from clickpaca import features
+from clickpaca.llama import features
 
 ROOT = Path(__file__).resolve().parent.parent
 

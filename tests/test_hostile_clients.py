@@ -22,12 +22,12 @@ import time
 import pytest
 
 from clickpaca.engine.handlers import MAX_GRAMMARS_PER_SESSION
-from clickpaca.protocol import (MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_BYTES, MAX_STOPS,
-                                MAX_TEMPLATE_BYTES)
+from clickpaca.wire.protocol import (MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_BYTES,
+                                     MAX_STOPS, MAX_TEMPLATE_BYTES)
 from clickpaca.sampling.table import N_PROBS_MAX
 
 from clickpaca.engine import kvstate
-from clickpaca.client import Client, ServerError
+from clickpaca.wire.client import Client, ServerError
 from conftest import spawn_server
 from test_socket import start_server, stop_server
 

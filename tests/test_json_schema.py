@@ -1,11 +1,11 @@
-"""clickpaca.json_schema: the schema rewrite that bounds numbers, and lenient's report
+"""clickpaca.grammar.json_schema: the schema rewrite that bounds numbers, and lenient's report
 (pure functions; the bounded language on the real vocabulary is tested in test_grammars.py)."""
 
 from __future__ import annotations
 
 import copy
 
-from clickpaca.json_schema import FRACTION_STEP, NUMBER_DIGITS, bound_numbers, ignored_keywords
+from clickpaca.grammar.json_schema import FRACTION_STEP, NUMBER_DIGITS, bound_numbers, ignored_keywords
 
 LIMIT = 10 ** NUMBER_DIGITS - 1
 

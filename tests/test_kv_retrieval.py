@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from clickpaca.retrieval.command import BASE, F32_REF, NOISE, _not_run, floor_name, plan, summarize
-from clickpaca.retrieval.haystack import assemble, depths, make_needles
-from clickpaca.retrieval.stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
+from clickpaca.measure.retrieval.command import BASE, F32_REF, NOISE, _not_run, floor_name, plan, summarize
+from clickpaca.measure.retrieval.haystack import assemble, depths, make_needles
+from clickpaca.measure.retrieval.stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
 
 
 def test_needles_are_reproducible_distinct_and_answerable():

@@ -242,7 +242,7 @@ def test_a_build_whose_smoke_test_dies_is_refused_in_one_line(tmp_path):
     """The real build step on a tree whose llama-bench raises SIGILL: one error line naming
     the signal, the CPU and the likely cause; nothing left that a later run takes as
     finished, and no link to it."""
-    from clickpaca.cpu import cpu_name
+    from clickpaca.llama.cpu import cpu_name
 
     proc, cache, builds = run_fake_build(tmp_path, crash=True)
     assert proc.returncode == 1, proc.stderr
@@ -270,7 +270,7 @@ def test_a_build_whose_smoke_test_passes_records_its_cpu(tmp_path):
 
 def missing_macro() -> str:
     """An instruction-set macro whose instructions this CPU lacks."""
-    from clickpaca.cpu import CPUINFO_FLAG, cpu_flags
+    from clickpaca.llama.cpu import CPUINFO_FLAG, cpu_flags
 
     flags = cpu_flags() or set()
     missing = [m for m, f in CPUINFO_FLAG.items() if f not in flags]
@@ -307,12 +307,12 @@ def test_loading_a_build_made_for_another_cpu_is_refused(tmp_path):
     info["cpu"] = dict(info.get("cpu") or {}, isa=sorted([*info.get("cpu", {}).get("isa", []), macro]),
                        built_on="Some Other CPU")
     (fake / "build-info.json").write_text(json.dumps(info))
-    script = ("from clickpaca.native import load, NativeError\n"
+    script = ("from clickpaca.llama.native import load, NativeError\n"
               "try:\n    load('mainline')\nexcept NativeError as e:\n    print(e)\n"
               "else:\n    print('LOADED')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=dict(os.environ, CLICKPACA_BUILDS=str(tmp_path / "builds")), timeout=60)
-    from clickpaca.cpu import CPUINFO_FLAG
+    from clickpaca.llama.cpu import CPUINFO_FLAG
 
     out = proc.stdout.strip()
     assert "LOADED" not in out and len(out.splitlines()) == 1, out

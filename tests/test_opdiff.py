@@ -1,4 +1,4 @@
-"""clickpaca.opdiff across processes (--dump, --against), on the real model: two dumps of
+"""clickpaca.llama.opdiff across processes (--dump, --against), on the real model: two dumps of
 the same prompt and settings have no differing node; a dump with the weights not
 repacked (another matmul kernel, the same graph) differs, and the matmul is named as
 the first source. Three short decodes of 24 tokens."""
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.model
 
 
 def opdiff(*args: str) -> str:
-    p = subprocess.run([sys.executable, "-m", "clickpaca.opdiff", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "clickpaca.llama.opdiff", *args], capture_output=True, text=True,
                        env=dict(os.environ, OMP_WAIT_POLICY="passive"), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout

@@ -1,12 +1,12 @@
-"""clickpaca.opdump: the recorder on the real model, and the comparison's pure parts."""
+"""clickpaca.llama.opdump: the recorder on the real model, and the comparison's pure parts."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from clickpaca import core
-from clickpaca.opdump import Evaluation, Node, OpRecorder, compare
+from clickpaca.llama import core
+from clickpaca.llama.opdump import Evaluation, Node, OpRecorder, compare
 
 
 def node(name, data, ne, srcs=()):

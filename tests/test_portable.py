@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from bindgen.versions import native_build
-from clickpaca.client import Client
-from clickpaca.cpu import cpu_flags, variant_flags
-from clickpaca.native import Native
+from clickpaca.wire.client import Client
+from clickpaca.llama.cpu import cpu_flags, variant_flags
+from clickpaca.llama.native import Native
 from conftest import NEAR_TIE
 
 nb = native_build()
@@ -89,7 +89,7 @@ def test_clickpaca_loads_the_best_variant_this_cpu_runs_and_its_functions(portab
     """In clickpaca's own process: ggml loads the variant from lib/ (ggml_backend_load_all_from_path),
     it is one this CPU runs and none kept runs here with more features; ggml-cpu's and
     ggml-rpc's own functions (in the modules, not in anything libllama links) are reachable."""
-    script = ("import json; from clickpaca.native import load\n"
+    script = ("import json; from clickpaca.llama.native import load\n"
               "nat = load('portable'); lib = nat.lib\n"
               "print(json.dumps({'variant': nat.cpu_variant, 'backends': sorted(nat.backends),\n"
               "  'cpu_buft': lib.ggml_backend_cpu_buffer_type() != nat.ffi.NULL,\n"

@@ -1,4 +1,4 @@
-"""clickpaca.pretokenize against llama_tokenize itself, on the real default model's vocabulary.
+"""clickpaca.wire.pretokenize against llama_tokenize itself, on the real default model's vocabulary.
 
 Texts mix the special tokens of Gemma 3 (control tokens, all starting with `<`, and the
 user-defined whitespace runs and tags), near misses of them, lone `<`, whitespace and
@@ -16,9 +16,10 @@ import random
 import numpy as np
 import pytest
 
-from clickpaca import core, pretokenize
-from clickpaca.models import resolve_model
-from clickpaca.native import load
+from clickpaca.llama import core
+from clickpaca.wire import pretokenize
+from clickpaca.llama.models import resolve_model
+from clickpaca.llama.native import load
 from conftest import TEST_BUILD, fresh_seed
 
 pytestmark = pytest.mark.model

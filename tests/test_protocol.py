@@ -1,4 +1,4 @@
-"""clickpaca.protocol without a model: request validation, line parsing, error events.
+"""clickpaca.wire.protocol without a model: request validation, line parsing, error events.
 
 Table-driven: every field of every request type, with values of the wrong type and out
 of range, must be refused with a message that starts with the field's name. Hypothesis:
@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clickpaca.sampling.params import protocol_names
-from clickpaca.protocol import (MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, encode, sampler_fields,
-                                error_event, parse_line, validate)
+from clickpaca.wire.protocol import (MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, encode, sampler_fields,
+                                     error_event, parse_line, validate)
 from clickpaca.sampling import SamplerParams
-from clickpaca.server import read_lines
+from clickpaca.serve.server import read_lines
 
 # A minimal valid body for each request type (required fields only).
 MINIMAL = {

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from clickpaca.client import Client
+from clickpaca.wire.client import Client
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
 TIMEOUT = 300  # model load + a few tokens on a loaded machine

@@ -1,6 +1,6 @@
 """The protocol's event constructors and request table, without a model.
 
-Every event the engine sends is built by one constructor in clickpaca.protocol (the
+Every event the engine sends is built by one constructor in clickpaca.wire.protocol (the
 engine's modules hold no event literal); the client's end types are the protocol's; and
 every request type but init and quit (the transport's rules, server.Rules) reaches a
 handler through engine.handlers.HANDLERS.
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import orjson
 
-from clickpaca import client, protocol
+from clickpaca.wire import client, protocol
 from clickpaca.engine.handlers import HANDLERS, Handlers
-from clickpaca.protocol import (END_EVENTS, EVENTS, REQUESTS, done_event, encode, error_event,
-                                scored_event, token_event)
+from clickpaca.wire.protocol import (END_EVENTS, EVENTS, REQUESTS, done_event, encode, error_event,
+                                     scored_event, token_event)
 
 ENGINE = Path(protocol.__file__).parent / "engine"
 
@@ -79,7 +79,7 @@ def test_the_engine_builds_no_event_literal():
 
 
 def test_every_request_but_init_and_quit_has_a_handler():
-    from clickpaca.server import Rules
+    from clickpaca.serve.server import Rules
 
     assert set(HANDLERS) == set(REQUESTS) - {"init", "quit"}
     assert callable(Rules.init) and callable(Rules.quit)  # the transport's rules for those two

@@ -32,9 +32,9 @@ from collections import Counter
 
 import pytest
 
-from clickpaca.client import Client
-from clickpaca.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
-from clickpaca.server import read_lines
+from clickpaca.wire.client import Client
+from clickpaca.wire.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
+from clickpaca.serve.server import read_lines
 from conftest import fresh_seed, spawn_server
 
 pytestmark = pytest.mark.model

@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from clickpaca.engine.handlers import HANDLERS
-from clickpaca.protocol import (REQUEST_TYPES, REQUESTS, CancelRequest, ForkRequest, sampler_fields,
-                                FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
-                                PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
-                                ScoreRequest, StatsRequest, _request, _with_params, parse_line, wire)
+from clickpaca.wire.protocol import (REQUEST_TYPES, REQUESTS, CancelRequest, ForkRequest, sampler_fields,
+                                     FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
+                                     PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
+                                     ScoreRequest, StatsRequest, _request, _with_params, parse_line, wire)
 from clickpaca.sampling import SamplerParams
 
 CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "infer": InferRequest, "score": ScoreRequest,
@@ -130,7 +130,7 @@ def test_the_protocol_imports_nothing_from_the_engine():
     tokens, compiled grammars) is the engine's type (engine/prepare.Prepared), so the
     edge names nothing of the engine: no import of it anywhere in protocol.py, at the
     top or inside a function."""
-    import clickpaca.protocol as protocol
+    import clickpaca.wire.protocol as protocol
 
     tree = ast.parse(Path(protocol.__file__).read_text())
     imported = []

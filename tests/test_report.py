@@ -169,7 +169,7 @@ def test_split_params_keeps_function_pointers_whole():
 
 
 def test_a_name_of_a_checked_feature_is_handled_where_the_feature_is_absent():
-    """clickpaca/features.py: `ggml_backend_rpc_add_server` belongs to feature "rpc"; where
+    """clickpaca/llama/features.py: `ggml_backend_rpc_add_server` belongs to feature "rpc"; where
     our code checks that feature, its absence in b6170 is handled (rpcServers refused)."""
     new = manifest(11312, {"ggml_backend_rpc_add_server": "void *ggml_backend_rpc_add_server(const char *)"})
     old = manifest(6170, {}, flavor="compat")

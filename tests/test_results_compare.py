@@ -215,7 +215,7 @@ def test_compare_without_targets_takes_the_newest_run(db, capsys):
 
 
 def test_a_retrieval_run_is_drawn_again_from_the_store(db, tmp_path, capsys):
-    from clickpaca.retrieval.command import plan, summarize
+    from clickpaca.measure.retrieval.command import plan, summarize
 
     setups = plan([("f16", "f16"), ("q4_0", "q4_0")], "f16", False)
     recs = [{"setup": name, "length": L, "needle": i, "exact": lp > -4.5, "answer_logp": lp, "kl_f16": 0.05}

@@ -305,7 +305,7 @@ def test_emit_outside_a_recording_records_a_run_of_its_own(tmp_path, monkeypatch
     JSON export names the run and leaves the per-token samples in the store."""
     import json
 
-    from clickpaca.bench.report import emit
+    from clickpaca.results.report import emit
 
     db = tmp_path / "r.sqlite3"
     monkeypatch.setenv("CLICKPACA_RESULTS", str(db))
@@ -326,8 +326,8 @@ def test_emit_outside_a_recording_records_a_run_of_its_own(tmp_path, monkeypatch
 def test_bench_all_records_each_bench_in_one_group(tmp_path, monkeypatch):
     """`bench all` dispatches every bench inside its own recording, all in one group (the
     benches here are stand-ins that only emit: the real set takes minutes)."""
-    from clickpaca.bench import cli as bench_cli
-    from clickpaca.bench.report import emit
+    from clickpaca.measure.bench import cli as bench_cli
+    from clickpaca.results.report import emit
 
     class Emits:
         def __init__(self, name):

@@ -35,8 +35,8 @@ import time
 import orjson
 import pytest
 
-from clickpaca.client import Client, ServerError
-from clickpaca.native import build_dir
+from clickpaca.wire.client import Client, ServerError
+from clickpaca.llama.native import build_dir
 from clickpaca.rpc import wire
 from clickpaca.rpc.worker import free_port, start_local
 from conftest import NEAR_TIE, TEST_CACHE_K, TEST_CACHE_V, spawn_server
@@ -297,7 +297,7 @@ def test_an_unknown_host_is_an_init_error():
     ([], "non-empty list"),
 ])
 def test_malformed_endpoints_are_refused_by_the_protocol(bad, why):
-    from clickpaca.protocol import ProtocolError, validate
+    from clickpaca.wire.protocol import ProtocolError, validate
 
     with pytest.raises(ProtocolError) as e:
         validate({"type": "init", "rpcServers": bad})

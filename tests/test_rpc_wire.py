@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from clickpaca.bench import rpc as bench_rpc
+from clickpaca.measure.bench import rpc as bench_rpc
 from clickpaca.rpc import wire
 from clickpaca.rpc.devices import assigned_layers, buffer_sizes
 
@@ -30,7 +30,7 @@ def test_bad_endpoints_are_refused(text):
 
 def test_a_bad_endpoint_reads_as_any_bad_field():
     """The value as JSON (fieldcheck.show), as every field's error writes it."""
-    from clickpaca.protocol import ProtocolError, validate
+    from clickpaca.wire.protocol import ProtocolError, validate
 
     with pytest.raises(ProtocolError) as e:
         validate({"type": "init", "rpcServers": ["h:0"]})

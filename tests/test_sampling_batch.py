@@ -18,7 +18,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from clickpaca import native
+from clickpaca.llama import native
 from clickpaca.sampling import SamplerParams, SequenceSampler, apply_chain
 from clickpaca.sampling.batch import batch_plan, sample_tick
 from clickpaca.sampling.candidates import raw_logprobs
@@ -264,7 +264,7 @@ def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
     (``shared_state``: DRY; every user-defined step, which usersteps marks so: it was
     written for the engine thread) is sampled on the calling thread; other chains may
     leave it. The row decides, not the step's name or origin."""
-    from clickpaca import usersteps
+    from clickpaca.sampling import usersteps
     from clickpaca.sampling import registry as R
     from clickpaca.sampling.batch import thread_safe
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clickpaca import native
+from clickpaca.llama import native
 from clickpaca.sampling import SamplerParamError, SamplerParams
 from clickpaca.sampling import dry as D
 from clickpaca.sampling import steps as S

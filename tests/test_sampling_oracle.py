@@ -26,7 +26,7 @@ import pytest
 from hypothesis import assume, currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 
-from clickpaca import native
+from clickpaca.llama import native
 from clickpaca.sampling import steps as S
 from clickpaca.sampling import dry as D
 from clickpaca.sampling.oracle import CSampler

@@ -81,7 +81,7 @@ def test_names_and_parameters_must_be_new():
 def test_the_protocol_reads_the_live_registry():
     """One registry, no copies: a step registered after the protocol was imported is an
     infer field at once (no call to refresh anything), and gone once unregistered."""
-    from clickpaca.protocol import REQUESTS, ProtocolError, sampler_fields, validate
+    from clickpaca.wire.protocol import REQUESTS, ProtocolError, sampler_fields, validate
 
     line = {"type": "infer", "seq_id": 0, "prompt": "x", "oddShift": 1.5, "oddOn": 1}
     with pytest.raises(ProtocolError, match="^oddShift: unknown field for infer"):

@@ -1,4 +1,4 @@
-"""clickpaca.scoring without a model: llama-perplexity's windows and NLL per row."""
+"""clickpaca.wire.scoring without a model: llama-perplexity's windows and NLL per row."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clickpaca.scoring import score_rows, windows_for
+from clickpaca.wire.scoring import score_rows, windows_for
 
 BOS = 2
 
@@ -99,7 +99,7 @@ def test_matches_llama_perplexity(tokens, window, bos):
 def test_every_allowed_window_scores_something(n, window):
     # the protocol refuses window < 3: with 2, a long text would have no scored token
     # (first row 1 of a 2-token window predicts nothing)
-    from clickpaca.protocol import REQUESTS
+    from clickpaca.wire.protocol import REQUESTS
     check = REQUESTS["score"]["window"][0]
     with pytest.raises(ValueError):
         check("window", 2)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from clickpaca.client import Client, ServerError
-from clickpaca.native import build_dir
+from clickpaca.wire.client import Client, ServerError
+from clickpaca.llama.native import build_dir
 from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 
 pytestmark = pytest.mark.model
@@ -48,7 +48,7 @@ def test_ready_reports_the_context(server):
 
 
 def test_ready_reports_the_cpu_and_the_build_s_instruction_sets(server):
-    from clickpaca.cpu import cpu_flags, cpu_name
+    from clickpaca.llama.cpu import cpu_flags, cpu_name
 
     c = server.ready["cpu"]
     assert c["name"] == cpu_name() and c["portable"] is False

@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from clickpaca.native import vendored_source
+from clickpaca.llama.native import vendored_source
 
 pytestmark = pytest.mark.model
 

@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from clickpaca.client import Client
+from clickpaca.wire.client import Client
 from conftest import TEST_BUILD
 
 pytestmark = pytest.mark.model

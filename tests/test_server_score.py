@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from clickpaca import corpus
-from clickpaca.native import build_dir
+from clickpaca.measure import corpus
+from clickpaca.llama.native import build_dir
 from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
 
 pytestmark = pytest.mark.model
@@ -66,7 +66,7 @@ def test_score_short_text_and_per_token(server):
 
 
 def test_score_last_scores_the_tail_of_each_window(server):
-    from clickpaca.client import ServerError
+    from clickpaca.wire.client import ServerError
 
     text = corpus.text("hamlet_gut.txt")[2000:6000]  # about 1,000 tokens: 3 windows of 256
     half = server.score(14, text, window=256, perToken=True)

@@ -26,7 +26,7 @@ import threading
 import pytest
 
 from clickpaca.engine import kvstate
-from clickpaca.client import Client, ServerError
+from clickpaca.wire.client import Client, ServerError
 from conftest import LOSSLESS, NEAR_TIE, TEST_CACHE_K, TEST_CACHE_V, spawn_server
 
 pytestmark = pytest.mark.model

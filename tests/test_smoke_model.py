@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from bindgen import smoke_model as sm
-from clickpaca import models
+from clickpaca.llama import models
 
 
 def gguf(path, kvs: list[tuple[str, int, bytes]]) -> None:

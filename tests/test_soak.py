@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from clickpaca.client import Client
-from clickpaca.statedir import TEMP_PREFIX
+from clickpaca.wire.client import Client
+from clickpaca.engine.statedir import TEMP_PREFIX
 from conftest import spawn_server
 
 pytestmark = pytest.mark.model
@@ -149,7 +149,7 @@ def test_concurrent_make_setup_on_one_cache_is_safe():
     outs = [p.communicate(timeout=1800)[0].decode(errors="replace") for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    check = subprocess.run([sys.executable, "-c", "from clickpaca.native import load; "
+    check = subprocess.run([sys.executable, "-c", "from clickpaca.llama.native import load; "
                             "print(load('mainline').info['build_number'])"],
                            capture_output=True, text=True, cwd=REPO)
     assert check.returncode == 0 and check.stdout.strip(), check.stderr

@@ -13,7 +13,7 @@ import time
 import orjson
 import pytest
 
-from clickpaca.client import Client
+from clickpaca.wire.client import Client
 from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
 
 pytestmark = pytest.mark.model
@@ -206,7 +206,7 @@ WITH = {"controlVectorLayers": "controlVector", "controlVectorStrength": "contro
 
 
 def test_client_init_is_checked_against_every_field(sock_server):
-    from clickpaca.protocol import REQUESTS
+    from clickpaca.wire.protocol import REQUESTS
 
     assert set(DIFFERENT) == set(REQUESTS["init"]), "a new init field needs a row here"
     with Client.connect(sock_server) as c:

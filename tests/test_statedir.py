@@ -1,4 +1,4 @@
-"""clickpaca.statedir and the grammar limits, without a model (the server-level checks are
+"""clickpaca.engine.statedir and the grammar limits, without a model (the server-level checks are
 in tests/test_hostile_clients.py)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from clickpaca import statedir
-from clickpaca.grammars import (MAX_GRAMMAR_NESTING, MAX_GRAMMAR_RULES, GrammarError, _bracket_depth,
-                                check_limits)
-from clickpaca.protocol import MAX_JSON_DEPTH, ProtocolError, json_depth, parse_line
-from clickpaca.statedir import TEMP_PREFIX, StateDir, StatePathError
+from clickpaca.engine import statedir
+from clickpaca.grammar.grammars import (MAX_GRAMMAR_NESTING, MAX_GRAMMAR_RULES, GrammarError, _bracket_depth,
+                                        check_limits)
+from clickpaca.wire.protocol import MAX_JSON_DEPTH, ProtocolError, json_depth, parse_line
+from clickpaca.engine.statedir import TEMP_PREFIX, StateDir, StatePathError
 
 
 def refuse(dir_fd, name):

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import pytest
 
-from clickpaca import cachetypes, native
+from clickpaca.llama import cachetypes, native
 
 pytestmark = [pytest.mark.turboquant, pytest.mark.model, pytest.mark.slow]
 
@@ -35,8 +35,8 @@ UBATCH = cachetypes.get(TYPES[0]).det_ubatch
 
 def _measure(types: list[str]) -> dict[str, dict[str, float]]:
     """Child process: max |d| of the last token's logits per (type, ubatch, variant)."""
-    from clickpaca import core, deterministic
-    from clickpaca.models import resolve_model
+    from clickpaca.llama import core, deterministic
+    from clickpaca.llama.models import resolve_model
 
     deterministic.apply_process_settings()
     m = core.Model(resolve_model(None), build="turboquant", repack=False)
@@ -85,7 +85,7 @@ def measured() -> dict[str, dict[str, float]]:
 
 
 def test_the_tiled_flash_attention_path_depends_on_the_batch_shape(measured):
-    from clickpaca.deterministic import FA_TILE_ROWS
+    from clickpaca.llama.deterministic import FA_TILE_ROWS
 
     assert N >= FA_TILE_ROWS
     for ct in TYPES:
@@ -93,7 +93,7 @@ def test_the_tiled_flash_attention_path_depends_on_the_batch_shape(measured):
 
 
 def test_micro_batches_below_the_tile_give_the_same_bits(measured):
-    from clickpaca.deterministic import FA_TILE_ROWS, ubatch
+    from clickpaca.llama.deterministic import FA_TILE_ROWS, ubatch
 
     assert {cachetypes.get(t).det_ubatch for t in TYPES} == {UBATCH} and UBATCH < FA_TILE_ROWS
     assert ubatch(("f16", "turbo3"), 512) == UBATCH and ubatch(("f16", "f16"), 512) is None
@@ -110,8 +110,8 @@ def test_the_server_in_deterministic_mode_with_turbo3_keeps_its_bits_across_chun
     with det_ubatch set to 512, checked when it was written.)"""
     import tempfile
 
-    from clickpaca.client import Client
-    from clickpaca.deterministic import FA_TILE_ROWS
+    from clickpaca.wire.client import Client
+    from clickpaca.llama.deterministic import FA_TILE_ROWS
 
     text = "The river runs through the valley, and the children count the boats until night falls. "
     prompts = {s: f"{s}. " + text * 6 for s in range(4)}

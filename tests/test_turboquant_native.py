@@ -1,6 +1,6 @@
-"""The turbo2/3/4 C path of builds/turboquant against the numpy reference (clickpaca/turboquant.py).
+"""The turbo2/3/4 C path of builds/turboquant against the numpy reference (clickpaca/llama/turboquant.py).
 
-Goes through the generated bindings (clickpaca.native.load("turboquant")): quantization
+Goes through the generated bindings (clickpaca.llama.native.load("turboquant")): quantization
 through ggml_quantize_chunk and the type traits must give the reference's bytes exactly,
 to_float the reference's floats exactly, and the CPU vec_dot the reference dot product
 within float rounding. Skipped only when builds/turboquant does not exist.
@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clickpaca import native
-from clickpaca import turboquant as tq
+from clickpaca.llama import native
+from clickpaca.llama import turboquant as tq
 
 pytestmark = pytest.mark.turboquant
 

@@ -1,4 +1,4 @@
-"""The numpy reference of the turbo2/3/4 KV-cache types (clickpaca/turboquant.py). Pure numpy."""
+"""The numpy reference of the turbo2/3/4 KV-cache types (clickpaca/llama/turboquant.py). Pure numpy."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clickpaca import turboquant as tq
+from clickpaca.llama import turboquant as tq
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = sorted(tq.TYPES)
@@ -326,7 +326,7 @@ def test_c_tables_match_native_tree():
     carried = (ROOT / "native" / "turboquant" / tq.C_TABLES_FILE).read_text()
     assert carried == tq.emit_c_tables(), (
         "native/turboquant/ggml-turbo-tables.h is stale: regenerate it with "
-        "`python -m clickpaca.turboquant --c-tables > native/turboquant/ggml-turbo-tables.h`")
+        "`python -m clickpaca.llama.turboquant --c-tables > native/turboquant/ggml-turbo-tables.h`")
 
 
 def test_c_table_literals_round_trip():

@@ -1,4 +1,4 @@
-"""User-defined steps (clickpaca.usersteps) through the real server: `serve --steps`,
+"""User-defined steps (clickpaca.sampling.usersteps) through the real server: `serve --steps`,
 their parameters checked like the built-in ones, a raising step ending only its own
 sequence, and their time in `done`."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clickpaca.usersteps import StepFailed, _guard, _snake, step_ms
+from clickpaca.sampling.usersteps import StepFailed, _guard, _snake, step_ms
 
 from conftest import spawn_server
 

@@ -2,7 +2,7 @@
 
 tests/test_grammars_vendored.py runs the cases of test-grammar-integration.cpp,
 test-grammar-llguidance.cpp and test-grammar-parser.cpp (in the pinned source tree,
-`clickpaca.native.vendored_source()`) through our GrammarEngine; their text is read here,
+`clickpaca.llama.native.vendored_source()`) through our GrammarEngine; their text is read here,
 never copied. A small C++ lexer (string literals, raw strings, char literals, comments)
 and a reader for the few expression forms the files use: concatenations of string
 literals and `token(N)` calls, brace lists, integers and identifiers. Anything else

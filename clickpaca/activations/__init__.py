@@ -5,5 +5,5 @@ controlVectorStrength, whose wire form wire.py checks; the activations build).
 
 cost.py is the cost measurement of docs/ACTIVATIONS.md, which says what exists, what it
 costs and what is left; its worked experiment (through the server) is
-clickpaca.activations.experiment.
+clickpaca.measure.steering.
 """

@@ -28,7 +28,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from ..native import Native
+from ..llama.native import Native
 
 
 class CaptureError(ValueError):
@@ -251,7 +251,7 @@ def graph(model: Any, flash_attn: str = "auto") -> Graph:
     cache = model.__dict__.setdefault("_graph_nodes", {})
     if flash_attn in cache:
         return cache[flash_attn]
-    from .. import core
+    from ..llama import core
 
     cap = Capture(model.nat)
     cap.seen = []

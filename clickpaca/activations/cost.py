@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .. import core
+from ..llama import core
 from . import steer
 from .capture import Capture
 
@@ -62,7 +62,7 @@ STEER_SETUPS = ("no vector", "vector on 1 sequence", "vector on every sequence",
 def run_steer(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layers: tuple[int, int] = (4, 9),
               threads: int = 2, strength: float = 2.0) -> dict[str, list[float]]:
     """Tokens/s per STEER_SETUPS setup and round (the activations build)."""
-    from .. import features
+    from ..llama import features
 
     model = core.Model(model_path, build="activations")
     if not features.available(model.nat, "cvec-seq"):
@@ -115,7 +115,7 @@ def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps:
 
 
 def main() -> None:
-    from ..models import resolve_model
+    from ..llama.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=8)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import core
+from ..llama import core
 from .capture import Capture
 
 ARCH = "controlvector"
@@ -149,7 +149,7 @@ def parse_layers(spec: str | None, n_layer: int) -> list[int]:
 
 def run_cvec(args: Any) -> int:
     """The command: pairs file -> capture -> directions -> GGUF."""
-    from ..models import resolve_model
+    from ..llama.models import resolve_model
 
     try:
         pairs = read_pairs(args.pairs)

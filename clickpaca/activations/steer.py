@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import features
+from ..llama import features
 
 
 class SteerError(ValueError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import features
+from ..llama import features
 from . import steer
 from .wire import directions as directions_of
 

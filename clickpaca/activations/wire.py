@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..fieldcheck import show
+from ..base.fieldcheck import show
 
 MAX_LAYERS = 1024  # directions in one controlVector
 MAX_EMBD = 1 << 16  # numbers in one direction

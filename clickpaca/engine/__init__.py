@@ -35,7 +35,9 @@ pure modules load without the model's bindings):
                    thread; completions come back through the server's inbox
     kvstate.py     the state file format: a sequence's cells and tokens, verified
     accounting.py  the `stats` books and the per-session grammar bounds
+    statedir.py    where `save` and `load` may touch the file system: names inside one
+                   state directory, never a path
 
 Requests arrive as typed requests (protocol.InferRequest, ...) validated by
-clickpaca.protocol, the edge, where every check that needs only the request is made.
+clickpaca.wire.protocol, the edge, where every check that needs only the request is made.
 """

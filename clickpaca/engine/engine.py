@@ -15,8 +15,8 @@ import weakref
 from functools import partial
 from typing import Callable
 
-from .. import statedir
-from ..protocol import InitRequest, ProtocolError, Request, error_event
+from . import statedir
+from ..wire.protocol import InitRequest, ProtocolError, Request, error_event
 from . import accounting
 from .handlers import HANDLERS, Handlers
 from .prepare import Prepared, SharedUse, prepare, work_for

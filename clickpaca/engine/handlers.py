@@ -17,15 +17,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import features
-from ..fieldcheck import show
+from ..llama import features
+from ..base.fieldcheck import show
 from ..activations import steer, vector
-from ..grammars import GrammarError
-from ..protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
-                        PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event, freed_event,
-                        grammar_ready_event, stats_event)
+from ..grammar.grammars import GrammarError
+from ..wire.protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
+                             PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event,
+                             freed_event, grammar_ready_event, stats_event)
 from ..sampling import SamplerParamError, SequenceSampler
-from ..scoring import windows_for
+from ..wire.scoring import windows_for
 from .jobs import InferJob, PrefillJob, ScoreJob
 from .prepare import Prepared
 from . import readout

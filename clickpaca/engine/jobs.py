@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..protocol import done_event, prefilled_event, scored_event, token_event
-from ..scoring import score_rows
-from ..usersteps import StepFailed, step_ms
+from ..wire.protocol import done_event, prefilled_event, scored_event, token_event
+from ..wire.scoring import score_rows
+from ..sampling.usersteps import StepFailed, step_ms
 from .plan import Feed, Want
 from .text import StopMatcher, Utf8Assembler
 
 if TYPE_CHECKING:
-    from ..grammars import Matcher
+    from ..grammar.grammars import Matcher
     from .readout import JobCapture
     from ..sampling import SampleResult, SequenceSampler
     from .runtime import Runtime

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import statedir
+from . import statedir
 
 MAGIC = b"CLKPKV1\n"
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from ..grammars import Matcher, fill_masks
+from ..grammar.grammars import Matcher, fill_masks
 
 #: Set CLICKPACA_MASK_AHEAD=0 to compute masks after the decode instead (for comparison).
 ENABLED = os.environ.get("CLICKPACA_MASK_AHEAD", "1") != "0"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..scoring import chunk_rows
+from ..wire.scoring import chunk_rows
 
 
 @dataclass(slots=True)

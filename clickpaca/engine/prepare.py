@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..grammars import CompiledGrammar, GrammarError
-from ..protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
+from ..grammar.grammars import CompiledGrammar, GrammarError
+from ..wire.protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
 
 if TYPE_CHECKING:
     from .runtime import Runtime

@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import features, statedir
+from ..llama import features
+from . import statedir
 from ..activations import capture as C
-from ..protocol import ProtocolError
+from ..wire.protocol import ProtocolError
 from .plan import Feed, Want
 
 if TYPE_CHECKING:
-    from .. import core
+    from ..llama import core
 
 #: a capture event payload above this many bytes per node goes to an .npy file instead
 MAX_INLINE_BYTES = 1 << 20

@@ -9,15 +9,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import cachetypes, chat, core, cpu, deterministic, features, pretokenize, rpc, statedir
+from .. import rpc
+from ..llama import cachetypes, core, cpu, deterministic, features
+from ..wire import chat, pretokenize
+from . import statedir
 from ..activations import steer
 from ..activations.vector import ContextVector
-from ..grammars import GrammarEngine
+from ..grammar.grammars import GrammarEngine
 from .mask_ahead import MaskAhead
 from .readout import Readout
-from ..models import resolve_model
-from ..native import NativeError, load
-from ..protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
+from ..llama.models import resolve_model
+from ..llama.native import NativeError, load
+from ..wire.protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
 from ..rpc.devices import buffer_sizes
 from ..sampling.vocab import Vocab
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from ..sampling.batch import sample_tick
-from ..usersteps import StepFailed
+from ..sampling.usersteps import StepFailed
 from .jobs import Tick
 from .mask_ahead import MaskJob
 from .plan import Feed, plan_tick

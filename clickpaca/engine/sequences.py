@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import core
-from ..protocol import ProtocolError, error_event
+from ..llama import core
+from ..wire.protocol import ProtocolError, error_event
 from .jobs import Job
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from .. import statedir
-from ..protocol import LoadRequest, ProtocolError, SaveRequest, error_event, loaded_event, saved_event
+from . import statedir
+from ..wire.protocol import LoadRequest, ProtocolError, SaveRequest, error_event, loaded_event, saved_event
 from . import kvstate
 from .prepare import Prepared
 from .runtime import Runtime

@@ -8,6 +8,9 @@ One module per job:
   record      recording(command, args) around a command; attach() from report.emit
   paired      pure statistics: paired ΔPPL with a block bootstrap, ratio of medians, verdicts
   compare     which series pair, whether they may, and the comparison report
+  report      what every measurement writes: its record here, a JSON file, PNG figures
+  table       markdown tables
+  stats       medians, ratios, spreads, alternation of compared runs, the progress line
   cli         `clickpaca results list|show|compare|export|plot`
 """
 

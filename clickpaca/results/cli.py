@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..bench.report import _pyplot, _save, draw_retrieval
-from ..bench.table import fmt, markdown
+from .report import _pyplot, _save, draw_retrieval
+from .table import fmt, markdown
 from . import paired
 from .compare import CompareError, compare, is_quality, parse_target
 from .store import ResultsStoreError, Store

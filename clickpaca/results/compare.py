@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cachetypes import EXACT
+from ..llama.cachetypes import EXACT
 from . import paired
 from .store import ResultsStoreError, Store
 

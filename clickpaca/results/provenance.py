@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ..native import REPO, build_dir
+from ..llama.native import REPO, build_dir
 
 
 def clickpaca_version() -> str | None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..cachetypes import build_for, parse_pair
+from ..llama.cachetypes import build_for, parse_pair
 from . import provenance as prov
 from .samples import split_samples
 from .store import ResultsStoreError, Store
@@ -37,7 +37,7 @@ def _params(args: Any) -> dict[str, Any]:
 
 def _model_path(args: Any) -> str | None:
     try:
-        from ..models import resolve_model
+        from ..llama.models import resolve_model
 
         return str(resolve_model(getattr(args, "model", None)))
     except Exception:  # noqa: BLE001 - a command without a model still gets a record

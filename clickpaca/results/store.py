@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..paths import cache_dir
+from ..base.paths import cache_dir
 
 #: Forward migrations: MIGRATIONS[i] takes the schema from version i to version i + 1.
 MIGRATIONS: tuple[str, ...] = (

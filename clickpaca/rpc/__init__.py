@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from .. import features
+from ..llama import features
 from .devices import RpcDevices, RpcUnavailable, device_rows
 from .loss import WorkerLoss
 from .wire import Endpoint, WorkerCheckError, check_worker, parse_endpoint

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import features
+from ..llama import features
 from .wire import Endpoint
 
 TCP_STATES = {1: "established", 7: "closed", 8: "close-wait"}  # linux/tcp_states.h

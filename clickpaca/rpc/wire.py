@@ -19,7 +19,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from ..fieldcheck import show
+from ..base.fieldcheck import show
 
 RPC_CMD_GET_ALLOC_SIZE = 13  # enum rpc_cmd (ALLOC_BUFFER = 0, ...)
 RPC_CMD_HELLO = 14  # fixed in every protocol version ("RPC_CMD_HELLO must be always 14")

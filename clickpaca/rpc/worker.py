@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import deterministic
-from ..native import build_dir
-from ..paths import make_target
+from ..llama import deterministic
+from ..llama.native import build_dir
+from ..base.paths import make_target
 from .wire import Endpoint, WorkerCheckError, connect, hello
 
 

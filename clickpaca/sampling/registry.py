@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..fieldcheck import FieldError, boolean, choice_strings, integer, is_int, is_real, real, show, to_float
+from ..base.fieldcheck import (FieldError, boolean, choice_strings, integer, is_int, is_real, real, show,
+                               to_float)
 
 if TYPE_CHECKING:
     from .params import SamplerParams

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import orjson
 
-from ..client import default_python
+from ..wire.client import default_python
 from .progress import Progress
 from .results import Generation, Results, Score
 from .schedule import EventClient, Slots, gone, run_jobs

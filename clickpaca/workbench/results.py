@@ -22,7 +22,7 @@ class Generation:
       its n best alternatives ({token, piece, logprob}); None without nProbs.
     steered_logprobs/steered_top: the same in the distribution actually sampled from.
     stop_reason: as in the `done` event; None when the request ended in an error.
-    steps_ms: CPU time of the user-defined steps (clickpaca.usersteps) by name, from `done`.
+    steps_ms: CPU time of the user-defined steps (clickpaca.sampling.usersteps) by name, from `done`.
     ttft_ms: time from sending the request to the arrival of its first token, measured
       on the client (None without a token); wall_ms: to the arrival of its end.
     error: the server's message when the request ended in an `error` event.

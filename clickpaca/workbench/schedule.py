@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import orjson
 
-from ..client import END_TYPES, Client, ServerError
+from ..wire.client import END_TYPES, Client, ServerError
 
 #: How often a waiting call checks whether the server went away.
 POLL_S = 0.5

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..cachetypes import DEFAULT
+from ..llama.cachetypes import DEFAULT
 from .results import Generation, Results, Score
 
 #: nProbs a sweep asks for when the caller did not (the margin needs alternatives).

@@ -4,7 +4,7 @@
     python3 native/turboquant/apply.py <llama.cpp-source-dir>
 
 Adds the KV-cache types GGML_TYPE_TURBO2/3/4 ("turbo2", "turbo3", "turbo4"): TurboQuant-mse,
-Lloyd-Max codebooks on Hadamard-rotated blocks of 128 values (see clickpaca/turboquant.py,
+Lloyd-Max codebooks on Hadamard-rotated blocks of 128 values (see clickpaca/llama/turboquant.py,
 the numpy reference, and docs/KV-RESEARCH.md, where they are measured).
 
 What it does:

@@ -3,7 +3,7 @@
     COMPAT_BUILD=builds/compat-0.3.16 python -m pytest tests/compat -q   (make test-compat)
 
 What to expect comes from the build's manifest, never from a list kept here: the feature
-table (clickpaca/features.py) says which features it lacks, and the change report
+table (clickpaca/llama/features.py) says which features it lacks, and the change report
 (bindgen.report.ours against the mainline manifest) what our code uses that this version
 lacks with nothing handling it. Where the build lacks a feature init needs, or the report
 has an unhandled entry, init must be refused with a message naming one of those llama.cpp
@@ -24,8 +24,8 @@ import pytest
 from bindgen.report import ours
 from bindgen.smoke_model import model_for
 from bindgen.usage import scan
-from clickpaca import features
-from clickpaca.client import Client, ServerError
+from clickpaca.llama import features
+from clickpaca.wire.client import Client, ServerError
 from compat_common import MAINLINE_MANIFEST
 
 pytestmark = pytest.mark.model
@@ -90,7 +90,7 @@ def assert_named_refusal(error, names: set[str], field: str | None = None) -> No
 
 @pytest.fixture(scope="module")
 def model_path(generated):
-    from clickpaca.models import resolve_model
+    from clickpaca.llama.models import resolve_model
     build, _ = generated
     return model_for(build, resolve_model())[0]
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from clickpaca.usersteps import ELEMENTWISE, GENERAL, integer, param, real, step
+from clickpaca.sampling.usersteps import ELEMENTWISE, GENERAL, integer, param, real, step
 
 
 def _boost_ids(p, ctx):

@@ -1,0 +1,5 @@
+"""The ground floor: modules that import nothing of clickpaca, so every layer may use
+them. paths.py is where clickpaca keeps what it downloads and builds ($CLICKPACA_CACHE)
+and how it fingerprints files; fieldcheck.py checks a request's fields and words their
+errors, one style for the protocol (wire/protocol.py) and the sampler step registry
+(sampling/registry.py)."""

@@ -1,0 +1,22 @@
+"""Benchmarks of the clickpaca server against llama.cpp's own tools (same build, model, threads).
+
+One module per job:
+  tools    run and parse llama-bench / llama-batched-bench / llama-perplexity
+  serve    a timed client for the real server, prompts of exact length, EOG bans
+  common   arguments shared by the commands (threads, model, output folder)
+  cachetypes  cache types a build offers, K/V pair notation, bits per value
+  decode, batch, grammar, sampler, kv, state   the `clickpaca bench WHAT` commands
+  sampler_steps, sampler_ticks   parts of `bench sampler`: each step beside llama.cpp's,
+           the host's sampling time per tick
+  sampler_against  an earlier commit's sampler chain against this tree's (python -m)
+  builds   two builds of one source against each other (llama-bench, alternating)
+  rpc      `bench decode|batch --rpc`: local, one worker and two, in one run
+  peer     `bench peer`: against llama-server on the same loads (peer_loads: the loads,
+           peer_sides: one timed run on each side, peer_check: every output checked,
+           llama_server: starting and driving llama-server)
+  ppl      `clickpaca ppl`: perplexity through the server, KL / top-1 in-process
+  cli      dispatch and `bench all`
+
+Shared with retrieval/: measure/common.py, kl.py, texts.py; what a run writes and its
+statistics: results/report.py, table.py, stats.py; cache types: llama/cachetypes.py.
+"""

@@ -1,0 +1,232 @@
+"""`clickpaca bench batch`: N sequences at once, server vs llama-batched-bench (with
+--rpc: local against one and two RPC workers, measure/bench/rpc.py).
+
+For each N in --seqs, N infers of the same prompt length P (--prompt-tokens) and the
+same generation length G (--tokens, end-of-generation banned so every sequence makes
+exactly G) are sent back to back to one server, alternating with
+`llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV).
+
+Every sequence samples greedily (temperature 0) unless --chain names a `bench sampler`
+scenario without a grammar (sampling/bench.py SCENARIOS: default, n_probs_5,
+temperature_only, top_p_only, bias_penalties): its fields that differ from the defaults
+go into every infer, so the host's sampling cost of that chain is inside the server's
+figure (llama-batched-bench does not sample).
+
+Server throughput = generated tokens after each sequence's first / (last token event -
+first token event): the generation phase only, as S_TG is (nBatch >= N*P, so every
+prompt is decoded in one tick and all sequences generate together). Per-sequence
+latency = median time between a sequence's token events.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..common import model_path, out_dir, png, threads, with_defaults
+from ...results.report import emit, machine, plot_lines
+from .serve import Server, exact_prompt, group_stats, run_group
+from ...results.stats import alternate, median, parse_list, progress, ratio, summary
+from ...results.table import markdown
+from .tools import batched_bench
+
+GOALS = {8: 0.9, 64: 0.8}
+
+
+def chain_params(name: str | None, ban: dict) -> dict[str, Any]:
+    """The infer fields of the chain every sequence runs, the end-of-generation bans of
+    ``ban`` (``Server.ban_eog``) added to its own logit_bias."""
+    from ...sampling import SamplerParams
+    from ...sampling.bench import SCENARIOS
+
+    if name in (None, "greedy"):
+        return {"temperature": 0, **ban}
+    choices = sorted(k for k, (_, density) in SCENARIOS.items() if density is None)
+    if name not in choices:
+        raise ValueError(f"--chain: unknown chain {name!r}; known: greedy, {', '.join(c for c in choices if c != 'greedy')}")
+    params = SCENARIOS[name][0]
+    req, base = params.to_request(), SamplerParams().to_request()
+    out = {k: v for k, v in req.items() if v != base[k] and k != "logit_bias"}
+    bias = {b["token"]: b["bias"] for b in req["logit_bias"]}
+    bias.update({b["token"]: b["bias"] for b in ban.get("logit_bias", ())})
+    return {**out, "logit_bias": [{"token": t, "bias": b} for t, b in sorted(bias.items())]}
+
+
+def server_init(model: str, build: str, t: int, max_seqs: int, p: int, g: int, **extra: Any) -> dict:
+    return {"modelPath": model, "build": build, "nThreads": t, "nSeqMax": max(1, max_seqs),
+            "nCtx": max(512, max_seqs * (p + g) + 64), "nBatch": max(512, max_seqs * p), **extra}
+
+
+def run_server_group(server: Server, n: int, p: int, g: int, params: dict) -> dict[str, Any]:
+    runs = run_group(server, [exact_prompt(p)] * n,
+                     {"maxTokens": g, "reusePrefix": False, **params})
+    st = group_stats(runs)
+    if st["errors"]:
+        server.problems.append(f"{n} sequences: errors {st['errors'][:3]}")
+        progress(f"SERVER PROBLEM: {server.problems[-1]}")
+    return st
+
+
+def measure(args: Any) -> dict[str, Any]:
+    seqs = parse_list(args.seqs)
+    p, g, t, model = args.prompt_tokens, args.tokens, threads(args), model_path(args)
+    m0 = machine()
+    progress(f"batch: starting the server (nSeqMax {max(seqs)})")
+    server = Server(server_init(model, args.build, t, max(seqs), p, g))
+    det = Server(server_init(model, args.build, t, max(seqs), p, g, deterministic=True)) \
+        if getattr(args, "deterministic", False) else None
+    chain = getattr(args, "chain", None) or "greedy"
+    params = chain_params(chain, server.ban_eog())
+    rows = []
+    try:
+        for n in seqs:
+            sides = {
+                "server": lambda r, n=n: run_server_group(server, n, p, g, params),
+                "llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build),
+            }
+            if det is not None:
+                sides["deterministic"] = lambda r, n=n: run_server_group(det, n, p, g, params)
+            res = alternate(sides, args.repeats, f"batch N={n}")
+            srv, nat = res["server"], res["llama-batched-bench"]
+            s_wall = [x["wall_tps"] for x in srv]
+            s_span = [x["span_tps"] for x in srv]
+            skew = [x["admission_skew_ms"] for x in srv]
+            s_eval = [x["eval_tps_sum"] for x in srv]
+            s_lat = [x["latency_per_token_ms"] for x in srv]
+            n_tg = [x["speed_tg"] for x in nat]
+            n_lat = [x["t_tg"] / x["tg"] * 1000 for x in nat]
+            row = {"seqs": n, "server_wall_tps": summary(s_wall), "server_eval_tps_sum": summary(s_eval),
+                   "server_span_tps": summary(s_span), "server_admission_skew_ms": summary(skew),
+                   "server_latency_ms": summary(s_lat), "native_s_tg": summary(n_tg),
+                   "native_latency_ms": summary(n_lat),
+                   "ratio": ratio(median(s_wall), median(n_tg)), "goal": GOALS.get(n),
+                   "server_tokens": [x["tokens"] for x in srv],
+                   "server_prompt_tokens": srv[-1]["prompt_tokens"],
+                   "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
+            if det is not None:
+                d_wall = [x["wall_tps"] for x in res["deterministic"]]
+                row.update({"det_wall_tps": summary(d_wall), "det_ratio_to_default": ratio(median(d_wall), median(s_wall)),
+                            "det_paired_ratios": [round(a / b, 4) for a, b in zip(d_wall, s_wall) if a and b],
+                            "det_tokens": [x["tokens"] for x in res["deterministic"]]})
+            rows.append(row)
+            progress(f"batch N={n}: server {median(s_wall)} tok/s, native {median(n_tg)} tok/s")
+    finally:
+        server.close()
+        if det is not None:
+            det.close()
+    notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
+             "span tok/s also counts ticks where some prompts were still being processed",
+             "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
+             f"(medians of {args.repeats} alternating rounds); goals >= 0.9 at 8, >= 0.8 at 64",
+             "eval_tps_sum (sum of done.eval_tps) reads about G/(G-1) high: see bench decode"]
+    for row in rows:
+        bad = [k for toks in row["server_tokens"] for k in toks if k != g]
+        if bad:
+            notes.append(f"N={row['seqs']}: some sequences made {sorted(set(bad))} tokens, not {g}")
+        if row["server_prompt_tokens"] != [p]:
+            notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
+    return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
+                       "repeats": args.repeats, "build": args.build, "model": model,
+                       "deterministic": det is not None, "chain": chain, "infer_fields": params},
+            "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
+            "server_problems": server.problems}
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = []
+    for r in out["rows"]:
+        rows.append((r["seqs"], r["server_wall_tps"]["median"], r["server_span_tps"]["median"],
+                     r["server_eval_tps_sum"]["median"], r["native_s_tg"]["median"], r["ratio"], r["goal"],
+                     r["server_latency_ms"]["median"], r["native_latency_ms"]["median"]))
+    text = markdown(["seqs", "server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
+                     "ratio", "goal", "server ms/token/seq", "native ms/token/seq"], rows)
+    det = [(r["seqs"], r["det_wall_tps"]["median"], r["server_wall_tps"]["median"], r["det_ratio_to_default"],
+            ", ".join(f"{x:.3f}" for x in r["det_paired_ratios"])) for r in out["rows"] if "det_wall_tps" in r]
+    if det:
+        text += "\n\n" + markdown(["seqs", "deterministic tok/s", "default tok/s", "ratio of medians",
+                                    "per-round ratios"], det)
+    return text
+
+
+def plot(out: dict[str, Any], path) -> None:
+    xs = [r["seqs"] for r in out["rows"]]
+    plot_lines(path, {"server (clickpaca)": (xs, [r["server_wall_tps"]["median"] for r in out["rows"]]),
+                      "llama-batched-bench S_TG": (xs, [r["native_s_tg"]["median"] for r in out["rows"]])},
+               "sequences decoded together", "generated tokens/s (all sequences)",
+               f"Batched generation, P={out['params']['prompt_tokens']} G={out['params']['tokens']}, "
+               f"{out['params']['threads']} threads", logx=True)
+
+
+def measure_rpc(args: Any) -> dict[str, Any]:
+    """--rpc: every N of --seqs on the local model, one worker, two workers (measure/bench/rpc.py),
+    alternating rounds, a fresh server per side and round."""
+    from . import rpc
+
+    seqs = parse_list(args.seqs)
+    p, g, t, model = args.prompt_tokens, args.tokens, threads(args), model_path(args)
+    m0 = machine()
+    base = server_init(model, args.build, t, max(seqs), p, g)
+    with rpc.workers(args.rpc, args.build, t) as endpoints:
+        servers = rpc.side_servers(base, endpoints, args.rpc_layers, args.rpc_output_local)
+
+        def side(init: dict[str, Any]):
+            def run_once(r: int) -> dict[int, dict[str, Any]]:
+                out = {}
+                with Server(init) as server:
+                    eps = init.get("rpcServers", [])
+                    for n in seqs:
+                        before = rpc.traffic(eps)
+                        st = run_server_group(server, n, p, g, {"temperature": 0, **server.ban_eog()})
+                        moved = rpc.delta(before, rpc.traffic(eps)) if eps else None
+                        out[n] = {"tps": st["wall_tps"], "tokens": st["tokens"], "bytes": moved,
+                                  "bytes_per_token": rpc.per_token(moved, n * g),
+                                  "devices": rpc.where(server.ready), "problems": list(server.problems)}
+                return out
+            return run_once
+
+        res = alternate({name: side(init) for name, init in servers}, args.repeats, "batch --rpc")
+    rows = []
+    for n in seqs:
+        per_side = {name: {"tps": summary([x[n]["tps"] for x in runs]),
+                           "tokens": [x[n]["tokens"] for x in runs],
+                           "bytes_per_token": runs[-1][n]["bytes_per_token"],
+                           "bytes_samples": [x[n]["bytes"] for x in runs],
+                           "devices": runs[-1][n]["devices"]}
+                    for name, runs in res.items()}
+        rows.append({"seqs": n, "sides": per_side})
+        progress("batch --rpc N=" + str(n) + ": " + ", ".join(
+            f"{name} {s['tps']['median']} tok/s" for name, s in per_side.items()))
+    notes = ["tok/s = token events per second while all N sequences generate (as bench batch), "
+             f"medians of {args.repeats} alternating rounds",
+             f"RPC sides: nGpuLayers {args.rpc_layers}, layers split evenly over the workers, "
+             f"outputLocal {str(bool(args.rpc_output_local)).lower()}",
+             "bytes/token = bytes sent + received on the connections to the workers while the N "
+             f"sequences ran (kernel counters via ss; their {p}-token prompts included) / the N x {g} "
+             "generated tokens"]
+    return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t, "repeats": args.repeats,
+                       "build": args.build, "model": model, "rpc": args.rpc, "rpc_layers": args.rpc_layers,
+                       "rpc_output_local": bool(args.rpc_output_local),
+                       "endpoints": endpoints},
+            "machine_start": m0, "rows": rows, "notes": notes}
+
+
+def table_rpc(out: dict[str, Any]) -> str:
+    from . import rpc
+
+    names = list(out["rows"][0]["sides"]) if out["rows"] else []
+    return rpc.table(names, [(r["seqs"], r["sides"]) for r in out["rows"]], "seqs")
+
+
+def run(args: Any) -> dict[str, Any]:
+    args = with_defaults(args, seqs="1,2,4,8,16,32,64")
+    if getattr(args, "rpc", None):
+        out = measure_rpc(args)
+        emit(out_dir(args), "batch-rpc", out, table_rpc(out),
+             "Batched generation: local against RPC workers (tokens/s)")
+        return out
+    out = measure(args)
+    chain = out["params"]["chain"]
+    emit(out_dir(args), "batch", out, table(out),
+         "Batched generation (tokens/s)" + ("" if chain == "greedy" else f", chain {chain}"))
+    if args.plot:
+        plot(out, png(args, "batch"))
+    return out
