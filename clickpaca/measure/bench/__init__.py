@@ -3,12 +3,12 @@
 One module per job:
   tools    run and parse llama-bench / llama-batched-bench / llama-perplexity
   serve    a timed client for the real server, prompts of exact length, EOG bans
-  common   arguments shared by the commands (threads, model, output folder)
-  cachetypes  cache types a build offers, K/V pair notation, bits per value
+  cachetypes  bits per value as a build reports them, which builds are here
   decode, batch, grammar, sampler, kv, state   the `clickpaca bench WHAT` commands
   sampler_steps, sampler_ticks   parts of `bench sampler`: each step beside llama.cpp's,
            the host's sampling time per tick
   sampler_against  an earlier commit's sampler chain against this tree's (python -m)
+  decode_against   an earlier commit's whole server against this tree's: decode tok/s at 1, 8, 64 sequences (python -m)
   builds   two builds of one source against each other (llama-bench, alternating)
   rpc      `bench decode|batch --rpc`: local, one worker and two, in one run
   peer     `bench peer`: against llama-server on the same loads (peer_loads: the loads,
@@ -17,6 +17,6 @@ One module per job:
   ppl      `clickpaca ppl`: perplexity through the server, KL / top-1 in-process
   cli      dispatch and `bench all`
 
-Shared with retrieval/: measure/common.py, kl.py, texts.py; what a run writes and its
+Shared with retrieval/: measure/common.py (arguments: threads, model, output folder), kl.py, texts.py; what a run writes and its
 statistics: results/report.py, table.py, stats.py; cache types: llama/cachetypes.py.
 """
