@@ -345,7 +345,7 @@ class GrammarEngine:
             raise GrammarError(f"invalid {name}: the grammar allows no token at the start", fmt)
         warnings = list(matcher.get_grammar_warnings())
         return CompiledGrammar(self, fmt, text, grammar, matcher, warnings, ignored,
-                               SchemaCheck(schema) if fmt == "json_schema" else None)
+                               SchemaCheck(schema).prepare() if fmt == "json_schema" else None)
 
     def _tokenize_special(self, text: str) -> list[int]:
         """Token ids of text with special tokens parsed (GBNF `<text>` token references)."""

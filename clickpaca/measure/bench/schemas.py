@@ -136,7 +136,7 @@ def run_clickpaca(server: Server, reqs: list[tuple], tokens: int) -> dict[str, A
     t0 = time.perf_counter()
     for sid, (gid, prompt, seed, _) in enumerate(reqs):
         c.infer(sid, prompt, grammar_id=gid, maxTokens=tokens, temperature=TEMPERATURE,
-                seed=seed, reusePrefix=False)
+                seed=seed, reusePrefix=False, validate=True)  # every finished output checked, timed
     outs, t_end = [], t0
     for sid, (_, _, _, check) in enumerate(reqs):
         toks, final = c.collect(sid, 3600)
@@ -149,7 +149,8 @@ def run_clickpaca(server: Server, reqs: list[tuple], tokens: int) -> dict[str, A
         valid = _check(check, text) if finished else None
         outs.append({"stop": "finished" if finished else "cut" if final["stop_reason"] == "max_tokens"
                      else final["stop_reason"], "tokens": final["tokens_predicted"], "valid": valid,
-                     "server_says": final.get("schemaValid", "absent"), "text": text[:200]})
+                     "server_says": final.get("schemaValid", "absent"), "schema_ms": final.get("schema_ms"),
+                     "text": text[:200]})
     return {"wall_s": t_end - t0, "outputs": outs}
 
 
@@ -197,6 +198,7 @@ def side_stats(rounds: list[dict]) -> dict[str, Any]:
             "errors": sum(o["stop"] == "error" for o in outs),
             "disagreements": sum(1 for o in outs if "server_says" in o and o["stop"] == "finished"
                                  and o["server_says"] != "absent" and o["server_says"] != o["valid"]),
+            "schema_ms": _dist([o["schema_ms"] for o in outs if o.get("schema_ms") is not None]),
             "examples_invalid": [o["text"] for o in outs if o.get("valid") is False][:2],
             "examples_error": [o.get("error") for o in outs if o["stop"] == "error"][:2]}
 
@@ -276,6 +278,10 @@ def measure(args: Any) -> dict[str, Any]:
              "per token is inside its tok/s only"]
     dis = sum(r["sides"]["clickpaca"]["disagreements"] for r in gen)
     notes.append(f"clickpaca's own done.schemaValid disagreed with the bench's validator on {dis} outputs")
+    for r in gen:
+        ms = r["sides"]["clickpaca"]["schema_ms"]
+        notes.append(f"N={r['seqs']}: checking an output (done.schema_ms, validate on) took "
+                     f"{fmt(ms['median'])} ms median, {fmt(ms['p99'])} ms p99 ({ms['n']} outputs)")
     refused: dict[str, int] = {}
     for r in rows:
         if not r["default"]["ok"]:
