@@ -161,3 +161,58 @@ def test_every_output_is_checked_and_agrees_with_jsonschema(schemas):
         assert finished >= 1  # at least one output is complete within 48 tokens
     finally:
         server.close()
+
+
+def _pairs(messages: list[str]) -> collections.Counter:
+    """llguidance's lenient warnings as keyword counts, min/maxProperties as one name."""
+    out: collections.Counter = collections.Counter()
+    for m in messages:
+        times = re.search(r" \((\d+) times\)$", m)
+        n = int(times.group(1)) if times else 1
+        if m.startswith("Unimplemented keys: "):
+            for k in json.loads(m[len("Unimplemented keys: "):].split(" (")[0]):
+                out[k] += n
+        elif m.startswith("Unknown format: "):
+            out["format"] += n
+        elif m.startswith("min/maxProperties"):
+            out["min/maxProperties"] += n
+    return out
+
+
+@pytest.mark.slow
+def test_lenient_account_agrees_with_llguidance_across_the_corpora():
+    """Over a spread of both corpora (every schema of check-jsonschema, 120 of SchemaStore's,
+    within the protocol's 128 KiB): wherever llguidance's own lenient mode compiles a
+    schema, ours names the same keywords, each at least once per place llguidance warns
+    about (llguidance warns once per compilation of a node and compiles some nodes more
+    than once); and we never compile what it refuses. Ours may refuse where it compiles
+    only when the keyword sits in a document our walk cannot see (the JSON Schema
+    meta-schemas llguidance bundles, reached by remote $ref)."""
+    seen = collections.Counter()
+    for corpus, limit in (("check-jsonschema", None), ("schemastore", 120)):
+        for s in pick(load(corpus), limit):
+            if len(json.dumps(s.schema)) > 128 << 10:
+                continue
+            grammar = LLMatcher.grammar_from_json_schema(
+                s.schema, defaults=JSON_DEFAULTS, overrides={**JSON_OVERRIDES, "lenient": True})
+            their_error, msgs = LLMatcher.validate_grammar_with_warnings(grammar)
+            given, ignored = schema_for_llguidance(s.schema, True)
+            ours = refusal(given)
+            if their_error:
+                assert ours is not None, s.name  # never compiles what llguidance refuses
+                seen["both refuse"] += 1
+                continue
+            if ours is not None:
+                assert "Unimplemented keys" in ours and "$schema" in json.dumps(s.schema), (s.name, ours)
+                seen["ours refuses"] += 1
+                continue
+            counts = collections.Counter(i.keyword for i in ignored if i.keyword not in
+                                         ("oneOf", "minProperties", "maxProperties"))
+            places = {i.path for i in ignored if i.keyword in ("minProperties", "maxProperties")}
+            if places:
+                counts["min/maxProperties"] = len(places)
+            theirs = _pairs(msgs)
+            assert set(counts) == set(theirs), (s.name, counts, theirs)
+            assert all(counts[k] <= theirs[k] for k in counts), (s.name, counts, theirs)
+            seen["same" if counts == theirs else "same keywords"] += 1
+    assert seen["same"] >= 100 and seen["ours refuses"] <= 2, seen
