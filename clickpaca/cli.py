@@ -136,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tok)
 
     p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools")
-    p.add_argument("what", choices=["decode", "batch", "grammar", "sampler", "kv", "state", "peer", "all"])
+    p.add_argument("what", choices=["decode", "batch", "grammar", "sampler", "kv", "state", "peer", "schemas", "all"])
+    p.add_argument("corpus", nargs="?", default=None,
+                   help="schemas: a directory of JSON schema files, or a package that ships some "
+                        "(check-jsonschema, schemastore)")
+    p.add_argument("--limit", type=int, default=None, help="schemas: at most this many, evenly spread (default all)")
+    p.add_argument("--max-bytes", type=int, default=None, help="schemas: leave out larger schema files")
     p.add_argument("--seqs", default=None,
                    help="comma list of sequence counts (default: batch 1,2,4,8,16,32,64; grammar 1,8,64)")
     p.add_argument("--tokens", type=int, default=None,
@@ -157,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-greedy8", type=int, help="peer: tokens of the 8-request greedy load (default 64)")
     p.add_argument("--tokens-schema", type=int, help="peer: token limit of the schema loads (default 128)")
     p.add_argument("--mixed", type=int, help="peer: requests of the mixed-schema load (default 64)")
-    p.add_argument("--ctx-per-seq", type=int, help="peer: KV cells per request (default 512)")
+    p.add_argument("--ctx-per-seq", type=int, help="peer, schemas: KV cells per request (default 512; schemas 256)")
     p.add_argument("--rpc", default=None,
                    help="decode / batch: also on RPC workers, side by side with local: "
                         "'loopback' (starts two on 127.0.0.1) or host:port,host:port")

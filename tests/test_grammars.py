@@ -681,7 +681,39 @@ def test_lenient_ignores_and_reports_unimplemented_keywords(engine, model):
     with pytest.raises(GrammarError, match="Unimplemented keys"):
         engine.compile(text)
     g = engine.compile(text, lenient=True)
-    assert g.ignored == ["if", "then", "uniqueItems"]
+    assert [(i.path, i.keyword) for i in g.ignored] == [("#", "uniqueItems"), ("#/items", "if"),
+                                                        ("#/items", "then")]
+    assert not g.enforced and g.checks_outputs
+    assert g.coverage_fields()["ignored"][0] == {"path": "#", "keyword": "uniqueItems",
+                                                 "reason": "not implemented by llguidance"}
     assert accepts(model, g, "[7, 7]")  # uniqueItems and if/then are not enforced
-    assert engine.compile('%json_schema {"type": "integer"}', lenient=True).ignored == []
-    assert engine.compile('%json_schema {"type": "integer"}').ignored == []
+    for lenient in (False, True):
+        whole = engine.compile('%json_schema {"type": "integer"}', lenient=lenient)
+        assert whole.ignored == [] and whole.enforced and not whole.checks_outputs
+    assert engine.compile('%json_schema {"type": "integer"}', validate=True).checks_outputs
+    assert engine.compile('root ::= "a"').coverage_fields() == {}
+
+
+def test_unknown_formats_are_annotations_unless_strict(engine, model):
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "url", "maxLength": 8}},
+              "required": ["u"], "additionalProperties": False}
+    text = "%json_schema " + json.dumps(schema)
+    g = engine.compile(text)
+    assert [(i.path, i.keyword) for i in g.ignored] == [("#/properties/u", "format")]
+    assert not g.enforced and g.checks_outputs
+    assert accepts(model, g, '{"u": "no url"}') and not accepts(model, g, '{"u": "too long a text"}')
+    with pytest.raises(GrammarError, match="^invalid JSON schema: Unknown format: url$"):
+        engine.compile(text, strict=True)
+
+
+def test_one_of_compiles_as_any_of_and_says_so_unless_strict(engine, model):
+    overlapping = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                             {"type": "integer", "minimum": 5, "maximum": 20}]}
+    disjoint = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]}
+    g = engine.compile("%json_schema " + json.dumps(overlapping))
+    assert [(i.path, i.keyword) for i in g.ignored] == [("#", "oneOf")]
+    assert accepts(model, g, "7")  # in both branches: oneOf says invalid, anyOf accepts it
+    with pytest.raises(GrammarError, match="oneOf constraints are not supported"):
+        engine.compile("%json_schema " + json.dumps(overlapping), strict=True)
+    for strict in (False, True):  # proven disjoint: enforced exactly, even when strict
+        assert engine.compile("%json_schema " + json.dumps(disjoint), strict=strict).enforced

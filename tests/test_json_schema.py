@@ -1,11 +1,11 @@
-"""clickpaca.grammar.json_schema: the schema rewrite that bounds numbers, and lenient's report
+"""clickpaca.grammar.json_schema: the schema rewrite that bounds numbers
 (pure functions; the bounded language on the real vocabulary is tested in test_grammars.py)."""
 
 from __future__ import annotations
 
 import copy
 
-from clickpaca.grammar.json_schema import FRACTION_STEP, NUMBER_DIGITS, bound_numbers, ignored_keywords
+from clickpaca.grammar.json_schema import FRACTION_STEP, NUMBER_DIGITS, bound_numbers
 
 LIMIT = 10 ** NUMBER_DIGITS - 1
 
@@ -70,10 +70,3 @@ def test_every_subschema_position_is_reached_and_the_input_is_untouched():
 def test_untyped_and_other_types_are_not_changed():
     for s in ({}, {"minimum": 3}, {"type": "string"}, {"enum": [1, 2]}, {"const": 12345678901234567890}):
         assert bound_numbers(s) == s
-
-
-def test_ignored_keywords_from_llguidance_warnings():
-    warnings = ['Unimplemented keys: ["if", "then"]', 'Unimplemented keys: ["uniqueItems"]',
-                "something else", 'Unimplemented keys: ["if"]']
-    assert ignored_keywords(warnings) == ["if", "then", "uniqueItems"]
-    assert ignored_keywords([]) == []

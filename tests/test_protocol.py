@@ -50,10 +50,10 @@ DEFAULTS = {
              "deterministic": False, "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0,
              "outputLocal": False, "capture": False,
              "controlVector": None, "controlVectorLayers": None, "controlVectorStrength": 1.0},
-    "grammar": {"lenient": False, "numberDigits": 16},
+    "grammar": {"lenient": False, "numberDigits": 16, "strict": False, "validate": False},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS, **CAPTURE_DEFAULTS,
-              "controlVectorStrength": None},
+              "controlVectorStrength": None, "validate": False},
     "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS},
     "cancel": {}, "free": {}, "prefill": {**CHAT_DEFAULTS, **CAPTURE_DEFAULTS}, "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
@@ -271,6 +271,9 @@ BAD = [
     ("grammar", "lenient", 1, "true or false"), ("grammar", "lenient", True, "JSON schemas"),
     ("grammar", "numberDigits", 0, ">= 1"), ("grammar", "numberDigits", 19, "<= 18"),
     ("grammar", "numberDigits", 16, "JSON schemas"),  # the minimal grammar is GBNF
+    ("grammar", "strict", True, "JSON schemas"), ("grammar", "validate", True, "JSON schemas"),
+    ("grammar", "strict", "yes", "true or false"), ("infer", "validate", 1, "true or false"),
+    ("infer", "validate", True, "give grammar_id"),
     ("infer", "messages", [{"role": "user", "content": "x" * ((1 << 20) + 1)}], "limit"),
     # activation capture (docs/ACTIVATIONS.md); the names are checked against the model's graph later
     ("init", "capture", 1, "true or false"),

@@ -84,9 +84,12 @@ def check_json(text: str, schema: dict, **layout) -> object:
     return value
 
 
+WHOLE = {"enforced": True, "ignored": []}  # grammar_ready's account of a schema enforced whole
+
+
 def register(server, gid: str, text: str) -> str:
     ev = server.grammar(gid, text)
-    assert ev == {"type": "grammar_ready", "id": gid}
+    assert ev == {"type": "grammar_ready", "id": gid, **(WHOLE if text.lstrip().startswith("%json_schema") else {})}
     return gid
 
 
@@ -759,9 +762,9 @@ def test_json_numbers_are_bounded_unless_lifted(server):
     default, 3 with numberDigits 3, and until maxTokens with numberDigits null."""
     text = schema_text(INT_SCHEMA)
     register(server, "n-default", text)
-    assert server.grammar("n-3", text, numberDigits=3) == {"type": "grammar_ready", "id": "n-3"}
+    assert server.grammar("n-3", text, numberDigits=3) == {"type": "grammar_ready", "id": "n-3", **WHOLE}
     assert server.grammar("n-free", text, numberDigits=None) == {"type": "grammar_ready",
-                                                                  "id": "n-free"}
+                                                                  "id": "n-free", **WHOLE}
     force = [{"token": DIGIT["7"], "bias": FORCE}]
     outs = run_jobs(server, [dict(prompt=chat("A number as JSON."), grammar_id=g, maxTokens=40,
                                   temperature=0, logit_bias=force)
@@ -798,7 +801,8 @@ def test_lenient_schema_registers_and_reports_what_it_ignored(server):
     ev = server.next_misc()
     assert ev["type"] == "error" and 'Unimplemented keys: ["uniqueItems"]' in ev["message"], ev
     ev = server.grammar("lenient", text, lenient=True)
-    assert ev == {"type": "grammar_ready", "id": "lenient", "ignored": ["uniqueItems"]}
+    assert ev == {"type": "grammar_ready", "id": "lenient", "enforced": False, "ignored": [
+        {"path": "#", "keyword": "uniqueItems", "reason": "not implemented by llguidance"}]}
     clean = {k: v for k, v in UNIQUE.items() if k != "uniqueItems"}
     outs = run_jobs(server, [dict(prompt=chat("Three digits as a JSON array."),
                                   grammar_id="lenient", maxTokens=30, temperature=TEMP, seed=seed)
@@ -806,6 +810,11 @@ def test_lenient_schema_registers_and_reports_what_it_ignored(server):
     for seed, (out, _, final) in zip(SEEDS, outs):
         assert_done(final, "grammar", (seed, out))
         check_json(out, clean)
+        # the whole schema is checked: duplicates break uniqueItems, and say so
+        valid = jsonschema.Draft202012Validator(UNIQUE).is_valid(json.loads(out))
+        assert final["schemaValid"] is valid, (out, final)
+        if not valid:
+            assert final["schemaViolation"]["keyword"] == "uniqueItems" and final["schemaViolation"]["path"] == "$"
     # a schema with nothing to ignore reports an empty list
     assert server.grammar("lenient-int", schema_text({"type": "integer"}), lenient=True) == {
-        "type": "grammar_ready", "id": "lenient-int", "ignored": []}
+        "type": "grammar_ready", "id": "lenient-int", **WHOLE}

@@ -24,7 +24,8 @@ def test_three_steered_sequences_share_one_server():
         c.infer(0, PROMPT, maxTokens=8, temperature=0)
         alone, _ = c.collect(0)
         banned = alone[0]["token"]  # greedy's first choice, banned for sequence 2
-        assert c.grammar("city", "%json_schema " + json.dumps(SCHEMA)) == {"type": "grammar_ready", "id": "city"}
+        assert c.grammar("city", "%json_schema " + json.dumps(SCHEMA)) == {"type": "grammar_ready", "id": "city",
+                                                                       "enforced": True, "ignored": []}
         c.infer(0, PROMPT, maxTokens=8, temperature=0)
         c.infer(1, PROMPT + " (as JSON): ", maxTokens=24, temperature=0, grammar_id="city")
         c.infer(2, PROMPT, maxTokens=8, temperature=0, logit_bias=[{"token": banned, "bias": -1e9}])

@@ -62,7 +62,7 @@ class Handlers(StateFileHandlers):
                                 f"limit is {MAX_GRAMMAR_TEXT_PER_SESSION} (re-use or replace an id)")
         session.grammar_bytes = held
         session.grammars[req.id] = compiled
-        session.send(grammar_ready_event(req.id, compiled.ignored if req.lenient else None))
+        session.send(grammar_ready_event(req.id, **compiled.coverage_fields()))
 
     # ------------------------------------------------------------ sequences that run
 
@@ -81,6 +81,9 @@ class Handlers(StateFileHandlers):
             if compiled is None:
                 raise ProtocolError(f"grammar_id: unknown grammar {show(req.grammar_id)} "
                                     "(send a grammar request first)", seq_id, "infer")
+            if req.validate and compiled.check is None:
+                raise ProtocolError(f"validate: grammar {show(req.grammar_id)} is not a JSON schema",
+                                    seq_id, "infer")
         try:
             cvec = vector.for_request(rt.cvec, rt.model.nat, req.controlVectorStrength)
         except (features.FeatureMissing, steer.SteerError) as e:
@@ -105,7 +108,9 @@ class Handlers(StateFileHandlers):
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,
-                                 steer=cvec, strength=req.controlVectorStrength))
+                                 steer=cvec, strength=req.controlVectorStrength,
+                                 check=compiled.check if compiled is not None and (
+                                     req.validate or compiled.checks_outputs) else None))
 
     def score(self, session: Session, req: ScoreRequest, work: Prepared) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs

@@ -23,6 +23,7 @@ handler.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -146,6 +147,10 @@ class InferJob(Job):
     # (activations/vector.py), for every token it decodes; None: init's, as every sequence
     steer: Any = None
     strength: float | None = None
+    # the JSON schema the finished output is checked against (grammar/schema_check.py), and
+    # the output's text, kept only then
+    check: Any = None
+    text: list = field(default_factory=list)
 
     def begin(self, seq: "Sequence") -> None:
         if self.steer is not None:
@@ -208,6 +213,8 @@ class InferJob(Job):
             tick.seqs.fail(seq, f"grammar rejected token {token} (matcher: {self.matcher.error()})")
             return
         piece = self.utf8.feed(rt.model.token_to_piece(token, special=True))
+        if self.check is not None:
+            self.text.append(piece)
         logprobs = None
         if self.sampler.params.n_probs:
             logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
@@ -260,7 +267,18 @@ class InferJob(Job):
             prompt_tps=round(self.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
             # the first token comes from the prompt's logits: n tokens take n - 1 decodes
             eval_tps=round((self.n_predicted - 1) / eval_s, 2) if eval_s > 0 and self.n_predicted > 1 else None,
-            **self._tail(), **self._steps_ms(), **self.captured(seq))
+            **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason))
+
+    def _schema(self, reason: str) -> dict:
+        """`schemaValid` of a checked output: the validator's verdict on a finished one
+        (stop_reason grammar), null on one cut short; `schema_ms`: what checking cost."""
+        if self.check is None:
+            return {}
+        if reason != "grammar":
+            return {"schemaValid": None}
+        t0 = time.perf_counter()
+        out = self.check.check("".join(self.text))
+        return {**out, "schema_ms": round((time.perf_counter() - t0) * 1000, 3)}
 
     def _tail(self) -> dict:
         """`tail`: the bytes of a character the last tokens began but never completed (the

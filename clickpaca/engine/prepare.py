@@ -116,7 +116,8 @@ def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepa
         return Prepared(text=rt.score_tokens(req.text))
     if isinstance(req, GrammarRequest):
         try:
-            compiled = rt.grammars.compile(req.grammar, lenient=req.lenient, number_digits=req.numberDigits)
+            compiled = rt.grammars.compile(req.grammar, lenient=req.lenient, number_digits=req.numberDigits,
+                                           strict=req.strict, validate=req.validate)
         except GrammarError as e:
             compiled = e
         return Prepared(grammar=compiled)

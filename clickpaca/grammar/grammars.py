@@ -35,11 +35,15 @@ would re-enable it even with ``whitespace_flexible`` false; null removes it) and
 schema may choose other fixed separators through ``"x-guidance": {"item_separator": ",",
 "key_separator": ":"}``). The output is then exactly ``json.dumps(value)`` layout: one
 space after ``,`` and ``:``, no other whitespace, no indentation, which is what small
-models most often produce. ``lenient`` is the `grammar` request's option, applied as an
-override: by default keywords llguidance knows but does not implement (``uniqueItems``,
-``if``/``then``/``else``, ``dependentSchemas``...) are errors, not silently dropped
-(unknown keywords are ignored, as JSON Schema says); with it they are ignored and listed
-in `CompiledGrammar.ignored`. Typed numbers are bounded to NUMBER_DIGITS integral digits
+models most often produce. What llguidance does not enforce is found by
+`schema_for_llguidance` (schema_coverage.py) and listed in `CompiledGrammar.ignored`:
+unknown formats (annotations) and oneOfs compiled as anyOf by default; with the request's
+``lenient`` also the keywords llguidance does not implement (``uniqueItems``,
+``if``/``then``/``else``...), which otherwise refuse the schema; ``strict`` refuses all of
+them. llguidance's own ``lenient`` is never used: the keywords to ignore are removed
+before it compiles, so nothing is dropped without being listed. A schema not enforced
+whole (or registered with ``validate``) has every finished output checked
+(schema_check.py). Typed numbers are bounded to NUMBER_DIGITS integral digits
 unless ``number_digits`` is None (clickpaca/grammar/json_schema.py).
 Objects without ``"additionalProperties": false`` accept any extra keys, per JSON Schema.
 Inside ``%llguidance`` grammars, ``%json {...}`` sub-schemas use llguidance's defaults
@@ -88,7 +92,10 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from .gbnf import gbnf_to_lark
 from ..sampling import bitmask
-from .json_schema import NUMBER_DIGITS, bound_numbers, ignored_keywords
+from .json_schema import NUMBER_DIGITS, bound_numbers
+from .schema_check import SchemaCheck
+from .schema_coverage import (Ignored, approximated_one_ofs, coverage, strip,
+                              unsupported_property_counts)
 
 __all__ = [
     "GrammarError", "GrammarEngine", "CompiledGrammar", "Matcher", "fill_masks",
@@ -274,22 +281,28 @@ class GrammarEngine:
     # ------------------------------------------------------------ compile
 
     def compile(self, text: str, *, lenient: bool = False,
-                number_digits: int | None = NUMBER_DIGITS) -> "CompiledGrammar":
+                number_digits: int | None = NUMBER_DIGITS, strict: bool = False,
+                validate: bool = False) -> "CompiledGrammar":
         """Compile grammar text (format detected, see module doc); GrammarError if invalid.
 
-        The options act on JSON schemas only (clickpaca/grammar/json_schema.py): `lenient` ignores
-        keywords llguidance does not implement (listed in the result's `ignored`);
-        `number_digits` bounds typed numbers' integral digits (None: unbounded).
+        The options act on JSON schemas only (docs/GRAMMARS.md): by default unknown
+        formats are annotations and a oneOf not proven disjoint compiles as anyOf (both
+        listed in the result's `ignored`, schema_coverage.py); `lenient` also ignores the
+        keywords llguidance does not implement; `strict` refuses all of these;
+        `number_digits` bounds typed numbers' integral digits (None: unbounded);
+        `validate` checks every finished output against the schema even when it is
+        enforced whole (`checks_outputs`).
         """
         if not isinstance(text, str):
             raise GrammarError(f"grammar must be a string, got {type(text).__name__}")
-        key = (text, bool(lenient), number_digits)
+        key = (text, bool(lenient), number_digits, bool(strict), bool(validate))
         with self._cache_lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        compiled = self._compile(text, bool(lenient), number_digits)
+        compiled = self._compile(text, bool(lenient), number_digits, bool(strict))
+        compiled.checks_outputs = compiled.format == "json_schema" and (bool(validate) or not compiled.enforced)
         with self._cache_lock:
             old = self._cache.pop(key, None)
             if old is not None:
@@ -306,16 +319,17 @@ class GrammarEngine:
             return {"entries": len(self._cache), "maxEntries": self.cache_size,
                     "bytes": self._cache_held, "maxBytes": self.cache_bytes}
 
-    def _compile(self, text: str, lenient: bool, number_digits: int | None) -> "CompiledGrammar":
+    def _compile(self, text: str, lenient: bool, number_digits: int | None,
+                 strict: bool) -> "CompiledGrammar":
         fmt = detect_format(text)
         if not text.strip():
             raise GrammarError("empty grammar", fmt)
         check_limits(text, fmt)
-        return _on_big_stack(self._compile_checked, text, fmt, lenient, number_digits)
+        return _on_big_stack(self._compile_checked, text, fmt, lenient, number_digits, strict)
 
     def _compile_checked(self, text: str, fmt: str, lenient: bool,
-                         number_digits: int | None) -> "CompiledGrammar":
-        grammar = self._to_llguidance(text, fmt, lenient, number_digits)
+                         number_digits: int | None, strict: bool) -> "CompiledGrammar":
+        grammar, schema, ignored = self._to_llguidance(text, fmt, lenient, number_digits, strict)
         name = _FORMAT_NAMES[fmt]
         tok = self.tokenizer
         # Never raises for grammar errors: the matcher enters an error state instead.
@@ -330,16 +344,18 @@ class GrammarEngine:
         if not scratch.any():
             raise GrammarError(f"invalid {name}: the grammar allows no token at the start", fmt)
         warnings = list(matcher.get_grammar_warnings())
-        return CompiledGrammar(self, fmt, text, grammar, matcher, warnings,
-                               ignored_keywords(warnings) if lenient else [])
+        return CompiledGrammar(self, fmt, text, grammar, matcher, warnings, ignored,
+                               SchemaCheck(schema).prepare() if fmt == "json_schema" else None)
 
     def _tokenize_special(self, text: str) -> list[int]:
         """Token ids of text with special tokens parsed (GBNF `<text>` token references)."""
         return [int(t) for t in self.model.tokenize(text, add_special=False, parse_special=True)]
 
-    def _to_llguidance(self, text: str, fmt: str, lenient: bool, number_digits: int | None) -> str:
+    def _to_llguidance(self, text: str, fmt: str, lenient: bool, number_digits: int | None,
+                       strict: bool = False) -> tuple[str, Any, list[Ignored]]:
+        """(llguidance's grammar, the parsed schema or None, what it leaves unenforced)."""
         if fmt == "lark":
-            return LLMatcher.grammar_from_lark(_lark_header_options(text))
+            return LLMatcher.grammar_from_lark(_lark_header_options(text)), None, []
         if fmt == "json_schema":
             body = text.lstrip()[len(JSON_SCHEMA_HEADER):]
             try:
@@ -351,11 +367,10 @@ class GrammarEngine:
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object (or true), got "
                                    f"{type(schema).__name__}", fmt)
-            if number_digits is not None:
-                schema = bound_numbers(schema, number_digits)
             try:
+                given, ignored = schema_for_llguidance(schema, lenient, strict, number_digits)
                 return LLMatcher.grammar_from_json_schema(
-                    schema, defaults=JSON_DEFAULTS, overrides={**JSON_OVERRIDES, "lenient": lenient})
+                    given, defaults=JSON_DEFAULTS, overrides=_schema_overrides(strict)), schema, ignored
             except (ValueError, TypeError) as e:
                 raise GrammarError(f"invalid JSON schema: {e}", fmt) from None
         try:
@@ -366,7 +381,7 @@ class GrammarEngine:
                 hint = (f" (a grammar in llguidance's Lark dialect must start with "
                         f"'{LARK_HEADER} {{}}')")
             raise GrammarError(f"invalid GBNF grammar: {e}{hint}", fmt) from None
-        return LLMatcher.grammar_from_lark(lark)
+        return LLMatcher.grammar_from_lark(lark), None, []
 
     # ------------------------------------------------------------ masks
 
@@ -416,6 +431,48 @@ class GrammarEngine:
         if done.size:
             for w, bits in zip(self._eog_words, self._eog_bits):
                 u[done, w] |= bits
+
+
+def _schema_overrides(strict: bool) -> dict:
+    """llguidance's options for a schema: never its own lenient (the keywords to ignore are
+    removed beforehand, so a keyword the walk missed is refused, not dropped silently);
+    oneOf approximated unless strict."""
+    return {**JSON_OVERRIDES, "lenient": False, "coerce_one_of": not strict}
+
+
+def schema_for_llguidance(schema: dict, lenient: bool = False, strict: bool = False,
+                          number_digits: int | None = NUMBER_DIGITS) -> tuple[dict, list[Ignored]]:
+    """The schema llguidance is to compile, and what it will not enforce (sorted by path):
+
+    - unknown formats (annotations, JSON Schema says) are removed, unless `strict`;
+    - with `lenient`, the keywords llguidance does not implement are removed, and so are
+      the minProperties/maxProperties it cannot compile where they stand;
+    - typed numbers are bounded (json_schema.py);
+    - unless `strict`, the oneOfs llguidance will compile as anyOf are listed.
+    A `strict` schema is handed over whole: llguidance refuses what it cannot enforce."""
+    if strict:
+        return (bound_numbers(schema, number_digits) if number_digits is not None else schema), []
+    cov = coverage(schema)
+    drop = cov.formats + (cov.unimplemented if lenient else [])
+    given = strip(schema, drop) if drop else schema
+    if number_digits is not None:
+        given = bound_numbers(given, number_digits)
+    if lenient and cov.property_counts:
+        counts = unsupported_property_counts(given, cov.property_counts, lambda s: _refusal(s, True))
+        if counts:
+            drop += counts
+            given = strip(given, counts)
+    if cov.one_ofs:
+        drop += approximated_one_ofs(given, cov.one_ofs, _refusal)
+    return given, sorted(drop, key=lambda i: (i.path, i.keyword))
+
+
+def _refusal(schema: dict, coerce_one_of: bool = False) -> str | None:
+    """llguidance's error for the schema (oneOf approximated or not), or None."""
+    grammar = LLMatcher.grammar_from_json_schema(
+        schema, defaults=JSON_DEFAULTS, overrides={**_schema_overrides(not coerce_one_of)})
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error and messages else None
 
 
 _LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z_0-9]*(\.-?[0-9]+)?[ \t]*:", re.M)
@@ -558,17 +615,33 @@ def _text_bytes(c: "CompiledGrammar") -> int:
 class CompiledGrammar:
     """A validated grammar: a template matcher in its start state, never advanced itself."""
 
-    __slots__ = ("engine", "format", "source", "grammar", "_template", "warnings", "ignored")
+    __slots__ = ("engine", "format", "source", "grammar", "_template", "warnings", "ignored",
+                 "check", "checks_outputs")
 
     def __init__(self, engine: GrammarEngine, fmt: str, source: str, grammar: str,
-                 template: LLMatcher, warnings: list[str], ignored: list[str] | None = None) -> None:
+                 template: LLMatcher, warnings: list[str], ignored: list[Ignored] | None = None,
+                 check: SchemaCheck | None = None) -> None:
         self.engine = engine
         self.format = fmt          # "gbnf" | "lark" | "json_schema"
         self.source = source       # the text given to compile()
         self.grammar = grammar     # llguidance's serialized grammar
         self._template = template
         self.warnings = warnings   # llguidance's grammar warnings (not errors)
-        self.ignored = ignored or []  # schema keywords a lenient compile ignored
+        self.ignored = ignored or []  # what the grammar does not enforce (schema_coverage.py)
+        self.check = check         # a JSON schema's validator of outputs (schema_check.py)
+        self.checks_outputs = False  # every finished output is checked (set by compile)
+
+    @property
+    def enforced(self) -> bool:
+        """Every keyword of the grammar is enforced (always, for GBNF and Lark)."""
+        return not self.ignored
+
+    def coverage_fields(self) -> dict:
+        """`grammar_ready`'s account of a JSON schema: enforced, and what is not (empty
+        for GBNF and Lark, which are enforced as written)."""
+        if self.format != "json_schema":
+            return {}
+        return {"enforced": self.enforced, "ignored": [i.as_dict() for i in self.ignored]}
 
     def new_matcher(self) -> "Matcher":
         """An independent matcher at the grammar's start (a ~1 us deep copy)."""

@@ -1,4 +1,4 @@
-"""A JSON schema made ready for llguidance: numbers bounded, lenient keywords reported.
+"""A JSON schema made ready for llguidance: numbers bounded.
 
 **Bounded numbers.** A bare ``{"type": "number"}`` or ``"integer"`` lets a sampler write
 digits until maxTokens (Gemma has a token per digit): llama.cpp's schema converter bounds
@@ -19,19 +19,15 @@ Numbers inside untyped values (``{}``, ``true``, objects without ``additionalPro
 are llguidance's unbounded JSON numbers: no schema keyword reaches them.
 `numberDigits: null` on the `grammar` request lifts the bound (docs/GRAMMARS.md).
 
-**Lenient.** llguidance refuses keywords it knows but does not implement
-(``uniqueItems``, ``if``/``then``/``else``, ...); its ``lenient`` option ignores them and
-warns ``Unimplemented keys: [...]``. `ignored_keywords` turns those warnings into the
-list the `grammar_ready` event reports.
+What the schema asks that llguidance does not enforce is schema_coverage.py's.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any, Iterable
 
-__all__ = ["NUMBER_DIGITS", "FRACTION_STEP", "bound_numbers", "ignored_keywords"]
+__all__ = ["NUMBER_DIGITS", "FRACTION_STEP", "bound_numbers"]
 
 #: Default bound on a JSON number's integral digits (llama.cpp's schema converter: 16).
 NUMBER_DIGITS = 16
@@ -101,18 +97,3 @@ def bound_numbers(schema: dict, digits: int = NUMBER_DIGITS) -> dict:
                 node["multipleOf"] = FRACTION_STEP
         stack.extend(_subschemas(node))
     return out
-
-
-_UNIMPLEMENTED = "Unimplemented keys: "
-
-
-def ignored_keywords(warnings: Iterable[str]) -> list[str]:
-    """The keywords llguidance's lenient mode ignored, from its grammar warnings (sorted)."""
-    found: set[str] = set()
-    for w in warnings:
-        if w.startswith(_UNIMPLEMENTED):
-            try:
-                found.update(str(k) for k in json.loads(w[len(_UNIMPLEMENTED):]))
-            except ValueError:
-                found.add(w[len(_UNIMPLEMENTED):])
-    return sorted(found)

@@ -207,7 +207,7 @@ class Client:
         return self.ready
 
     def grammar(self, gid: str, text: str, timeout: float = 120, **options: Any) -> dict:
-        """Register a grammar; options are the request's (lenient, numberDigits)."""
+        """Register a grammar; options are the request's (lenient, numberDigits, strict, validate)."""
         self.send({"type": "grammar", "id": gid, "grammar": text, **options})
         return self._wait_misc({"grammar_ready"}, timeout)
 

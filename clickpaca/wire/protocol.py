@@ -441,18 +441,23 @@ class GrammarRequest(Request):
 
     id: str = wire(_grammar_id)
     grammar: str = wire(_str(True, MAX_GRAMMAR_BYTES))
-    # JSON schemas only (json_schema.py, docs/GRAMMARS.md): ignore the keywords llguidance
-    # does not implement, and bound typed numbers' integral digits (null: unbounded)
+    # JSON schemas only (docs/GRAMMARS.md): ignore the keywords llguidance does not
+    # implement, bound typed numbers' integral digits (null: unbounded), refuse anything
+    # not enforced (unknown formats, oneOf as anyOf), check every finished output
     lenient: bool = wire(_bool, False)
     numberDigits: int | None = wire(_opt(_int(1, MAX_NUMBER_DIGITS)), NUMBER_DIGITS)
+    strict: bool = wire(_bool, False)
+    validate: bool = wire(_bool, False)
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
         # the same test as grammars.detect_format, which this module does not import
         if not values["grammar"].lstrip().startswith("%json_schema"):
-            for name in ("lenient", "numberDigits"):
+            for name in ("lenient", "numberDigits", "strict", "validate"):
                 if name in obj and obj[name] is not False:  # lenient: false changes nothing
                     raise ValueError(f"{name}: applies to JSON schemas (%json_schema) only")
+        if values["strict"] and values["lenient"]:
+            raise ValueError("strict: refuses what lenient ignores; give one of them")
 
 
 @_request("infer")
@@ -473,6 +478,7 @@ class InferRequest(Request):
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
+    validate: bool = wire(_bool, False)  # check the finished output against the JSON schema grammar
     params: SamplerParams = _folded(sampler_fields, SamplerParams)
 
     @classmethod
@@ -484,6 +490,8 @@ class InferRequest(Request):
         values["params"] = _sampler_params(obj)
         _prompt_or_messages(values, "infer")
         _capture_fits(obj, values, "infer")
+        if values["validate"] and values["grammar_id"] is None:
+            raise ValueError("validate: checks the output against a JSON schema grammar; give grammar_id")
 
 
 @_request("score")
@@ -681,9 +689,13 @@ def ready_event(**fields: Any) -> dict:
 
 
 @_event("grammar_ready")
-def grammar_ready_event(grammar_id: str, ignored: list[str] | None = None) -> dict:
-    """A grammar registered; with `lenient`, ``ignored`` lists the schema keywords dropped."""
+def grammar_ready_event(grammar_id: str, enforced: bool | None = None,
+                        ignored: list[dict] | None = None) -> dict:
+    """A grammar registered; for a JSON schema, whether it is ``enforced`` whole and what
+    is not (``ignored``: path, keyword, reason each; docs/GRAMMARS.md)."""
     ev: dict[str, Any] = {"type": "grammar_ready", "id": grammar_id}
+    if enforced is not None:
+        ev["enforced"] = enforced
     if ignored is not None:
         ev["ignored"] = list(ignored)
     return ev

@@ -11,6 +11,7 @@ from ...results import recording
 from ...results.stats import progress
 
 WHATS = ("decode", "batch", "grammar", "sampler", "kv", "state", "peer")
+#: benches outside `bench all`: they need an argument (schemas: a corpus)
 
 #: `bench all`: the standard set (make bench); the peer bench against llama-server is part of
 #: every run (issue 18: the headline claim re-measured whenever the scheduler changes).
@@ -26,10 +27,10 @@ ALL_PLAN = {
 
 
 def _module(what: str):
-    from . import batch, decode, grammar, kv, peer, sampler, state
+    from . import batch, decode, grammar, kv, peer, sampler, schemas, state
 
     return {"decode": decode, "batch": batch, "grammar": grammar, "sampler": sampler, "kv": kv,
-            "state": state, "peer": peer}[what]
+            "state": state, "peer": peer, "schemas": schemas}[what]
 
 
 def run_bench(args: argparse.Namespace) -> int:
