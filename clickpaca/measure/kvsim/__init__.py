@@ -1,0 +1,6 @@
+"""Simulated KV cache types inside the model (docs/KV-RESEARCH.md, "Why the types lose").
+
+quant.py: numpy quantize-dequantize round trips (ggml's q8_0/q4_0, TurboQuant-mse, the
+outlier split, centering); hook.py: the eval callback that writes them into a decode's K and
+V before the cache stores them; study.py: the measurement (`python -m clickpaca.measure.kvsim`).
+"""
