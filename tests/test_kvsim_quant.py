@@ -130,3 +130,16 @@ def test_split_gives_the_outlier_channels_more_bits():
     split = quant.apply(quant.parse("split8:3"), x, True, calib)
     assert err(split) < err(quant.apply(quant.parse("lm3+norot"), x, True, calib))
     assert quant.bits_per_value(quant.parse("split8:3"), 64) == (8 * 4 + 56 * 3 + 32) / 64
+
+
+def test_mse_measures_the_error_and_the_means_share():
+    from clickpaca.measure.kvsim import mse
+
+    rng = np.random.default_rng(4)
+    mean = np.full((1, 64), 2.0, np.float32)
+    x = (rng.standard_normal((400, 1, 64)) + mean).astype(np.float32)
+    calib = quant.Calib(mean=mean, rms=np.ones((1, 64), np.float32))
+    assert mse.mean_energy(x, calib) == pytest.approx(4 / 5, rel=0.03)  # 4 of 1 + 4 per channel
+    assert mse.relative_error("f16", x, True, calib) == 0
+    assert mse.relative_error("q8_0", x, True, calib) < mse.relative_error("q4_0", x, True, calib)
+    assert mse.relative_error("lm4+c", x, True, calib) < mse.relative_error("lm4", x, True, calib) / 3
