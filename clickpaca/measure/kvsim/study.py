@@ -69,9 +69,10 @@ class _Factory:
         return h
 
 
-def calibrate(model: str, tokens: np.ndarray, threads: int | None) -> tuple[dict, Any]:
+def calibrate(model: str, tokens: np.ndarray, threads: int | None,
+              build: str = "mainline") -> tuple[dict, Any]:
     """Mean and RMS of K and V per layer and head over one window (Recorder)."""
-    m = core.Model(model)
+    m = core.Model(model, build=build)
     try:
         rec = hk.Recorder(m.nat)
         n = len(tokens)
@@ -92,8 +93,8 @@ def calibrate(model: str, tokens: np.ndarray, threads: int | None) -> tuple[dict
         m.close()
 
 
-def n_layers(model: str) -> int:
-    m = core.Model(model)
+def n_layers(model: str, build: str) -> int:
+    m = core.Model(model, build=build)
     try:
         return int(m.n_layer)
     finally:
@@ -102,11 +103,12 @@ def n_layers(model: str) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_path(args)
-    n_layer = n_layers(model)
-    text, text_path = read_text(args.text)
     reals = [r for r in (args.real or "").split(",") if r]
-    sims = [parse_sim(s, n_layer) for s in (args.sim or "").split(";") if s]
+    # one build per process: the one the real types need (turboquant offers the mainline types too)
     build = build_for(*reals) if reals else "mainline"
+    n_layer = n_layers(model, build)
+    text, text_path = read_text(args.text)
+    sims = [parse_sim(s, n_layer) for s in (args.sim or "").split(";") if s]
     mdl = core.Model(model, build=build)
     try:
         cut, chunks, _ = cut_text(mdl, text, args.ctx, args.chunks)
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     calib: dict = {}
     if need_calib:
         lo = len(tokens) + args.ctx  # a window after the scored text, never scored
-        calib, _ = calibrate(model, np.asarray(full[lo:lo + args.ctx]), args.threads)
+        calib, _ = calibrate(model, np.asarray(full[lo:lo + args.ctx]), args.threads, build)
     variants = [F32_REF, NOISE_BASE]
     variants += [Variant(f"{r} (real)", r, r) for r in reals]
     factories = []
