@@ -111,14 +111,14 @@ def fig_sim(sims: dict[str, dict], out: Path) -> None:
         err = [[by[n]["kl_f16"] - by[n]["kl_f16_ci"][0] if n in by else 0 for n in names],
                [by[n]["kl_f16_ci"][1] - by[n]["kl_f16"] if n in by else 0 for n in names]]
         ax.barh(ys, vals, height=h, xerr=err, label=model, color=f"C{i}")
-        q4 = by.get("q4_0/q4_0 (sim)")
+        q4 = by.get("q4_0 (real)")
         if q4:
             ax.axvline(q4["kl_f16"] / 2, color=f"C{i}", ls="--", lw=1)
     ax.set_yticks([j + h / 2 for j in range(len(names))])
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("KL vs f16 (nats per token, mean, 95% CI); dashed: half of simulated q4_0's")
+    ax.set_xlabel("KL vs f16 (nats per token, mean, 95% CI); dashed: half of real q4_0's")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemma", default="docs/data/kv-gemma3-270m.json")
     ap.add_argument("--smollm2-ppl", required=True)
     ap.add_argument("--smollm2-retrieval", required=True)
-    ap.add_argument("--sim", nargs="*", default=[], metavar="MODEL=JSON")
+    ap.add_argument("--sim", nargs="*", default=[], metavar="MODEL=JSON[,JSON]")
     ap.add_argument("--out", default="docs")
     a = ap.parse_args(argv)
     gemma = json.loads(Path(a.gemma).read_text())
@@ -138,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     fig_ppl(gemma, json.loads(Path(a.smollm2_ppl).read_text()), out / "kv-two-models-kl.png")
     fig_retrieval(gemma, json.loads(Path(a.smollm2_retrieval).read_text()), out / "kv-two-models-retrieval.png")
     if a.sim:
-        fig_sim({s.split("=", 1)[0]: json.loads(Path(s.split("=", 1)[1]).read_text()) for s in a.sim},
-                out / "kv-sim.png")
+        sims = {}
+        for s in a.sim:  # MODEL=A.json[,B.json]: rows of later files added where new
+            model, files = s.split("=", 1)
+            rows: list = []
+            for f in files.split(","):
+                rows += [r for r in json.loads(Path(f).read_text())["rows"] if r["name"] not in {x["name"] for x in rows}]
+            sims[model] = {"rows": rows}
+        fig_sim(sims, out / "kv-sim.png")
     return 0
 
 

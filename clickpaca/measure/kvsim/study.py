@@ -130,7 +130,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         factories.append(f)
         name = f"{k}/{v} (sim)" + (f" @{','.join(map(str, sorted(layers)))}" if layers else "")
         variants.append(Variant(name, hook=f))
-    recs = compare_variants(model, variants, [0, 1], np.asarray(tokens), args.ctx, build=build,
+    refs = [0, 1]
+    if args.floor_of:
+        # the simulated type's own floor: its default changed in one thing that should not
+        # matter (as `ppl --noise-of`), each against the unchanged simulation
+        k, v, layers = parse_sim(args.floor_of, n_layer)
+        base = next((i for i, x in enumerate(variants) if x.hook is not None and x.hook.args[:3] == (k, v, layers)),
+                    None)
+        if base is None:
+            raise ValueError(f"--floor-of {args.floor_of!r}: not one of --sim")
+        refs.append(base)
+        for label, change in (("prompt chunks of 16 (not 64)", {"chunk": 16}),
+                              ("cells after 100 of another sequence", {"offset": 100})):
+            f = _Factory(k, v, layers, calib)
+            factories.append(f)
+            variants.append(Variant(f"{variants[base].name}, {label}", hook=f, **change))
+    recs = compare_variants(model, variants, refs, np.asarray(tokens), args.ctx, build=build,
                             threads=args.threads)
     head = 0
     for f in factories:
@@ -151,7 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif v is not F32_REF and v is not NOISE_BASE:
             from ...llama.cachetypes import get
             row["bits"] = get(v.type_k).bits
-        for ref, key in ((NOISE_BASE.name, "f16"), (F32_REF.name, "f32")):
+        own = [(variants[i].name, "own") for i in refs[2:]]
+        for ref, key in [(NOISE_BASE.name, "f16"), (F32_REF.name, "f32")] + own:
             vs = rec["vs"].get(ref)
             if vs:
                 ci = mean_ci(vs["token_kl"])
@@ -167,7 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(out: dict[str, Any]) -> str:
     f16 = next(r for r in out["rows"] if r["name"] == NOISE_BASE.name)
-    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "KL p99", "top-1 vs f16", "KL vs f32"]
+    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "KL p99", "top-1 vs f16", "KL vs f32",
+            "KL vs the simulated default"]
     rows = []
     for r in out["rows"]:
         kl = f"{r['kl_f16']:.4f} [{r['kl_f16_ci'][0]:.4f}, {r['kl_f16_ci'][1]:.4f}]" if "kl_f16" in r else "-"
@@ -175,7 +192,8 @@ def table(out: dict[str, Any]) -> str:
                      f"{100 * (r['ppl'] / f16['ppl'] - 1):+.1f}%",
                      kl, f"{r['kl_f16_p99']:.3f}" if "kl_f16_p99" in r else "-",
                      f"{r['top1_f16']:.3f}" if "top1_f16" in r else "-",
-                     f"{r['kl_f32']:.4f}" if "kl_f32" in r else "-"])
+                     f"{r['kl_f32']:.4f}" if "kl_f32" in r else "-",
+                     f"{r['kl_own']:.4f}" if "kl_own" in r else "-"])
     return markdown(head, rows, align="ll" + "r" * (len(head) - 2))
 
 
@@ -189,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--real", default="", help="comma list of real cache types beside (q4_0,turbo4)")
     ap.add_argument("--sim", default="", help="';'-separated K/V[@layers] of quant.py specs")
+    ap.add_argument("--floor-of", default=None,
+                    help="one of --sim: also its default with prompt chunks of 16 and with cells after 100 "
+                         "of another sequence, read against it (the simulated type's own noise floor)")
     ap.add_argument("--out", default="bench-results/kvsim", help="folder; writes NAME.json")
     ap.add_argument("--name", default="kvsim")
     args = ap.parse_args(argv)
