@@ -174,6 +174,8 @@ kv-sim-study: setup patched
 		--out $(KV_SIM_OUT) --name gemma
 	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 2 --real q4_0 --sim "$(KV_SIM_GEMMA2)" \
 		--floor-of q4_0/q4_0 --out $(KV_SIM_OUT) --name gemma-2
+	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 4 --real q4_0,turbo4 \
+		--sim "q4_0/q4_0;lm5+c/lm3;split192:4+c/lm4g256" --out $(KV_SIM_OUT) --name gemma-4w
 	$(PY) -m clickpaca.measure.kvsim --model smollm2 --chunks 4 --real q4_0 --sim "$(KV_SIM_SMOL1)" \
 		--out $(KV_SIM_OUT) --name smollm2
 	$(PY) -m clickpaca.measure.kvsim --model smollm2 --chunks 2 --real q4_0 --sim "$(KV_SIM_SMOL2)" \
