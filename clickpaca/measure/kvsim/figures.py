@@ -129,14 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m clickpaca.measure.kvsim.figures", description=__doc__)
     ap.add_argument("--gemma", default="docs/data/kv-gemma3-270m.json")
     ap.add_argument("--smollm2-ppl", required=True)
-    ap.add_argument("--smollm2-retrieval", required=True)
+    ap.add_argument("--smollm2-retrieval", required=True, help="kv-retrieval JSON(s), comma-separated")
     ap.add_argument("--sim", nargs="*", default=[], metavar="MODEL=JSON[,JSON]")
     ap.add_argument("--out", default="docs")
     a = ap.parse_args(argv)
     gemma = json.loads(Path(a.gemma).read_text())
     out = Path(a.out)
     fig_ppl(gemma, json.loads(Path(a.smollm2_ppl).read_text()), out / "kv-two-models-kl.png")
-    fig_retrieval(gemma, json.loads(Path(a.smollm2_retrieval).read_text()), out / "kv-two-models-retrieval.png")
+    ret: dict = {"rows": [], "noise": []}
+    for f in a.smollm2_retrieval.split(","):  # several runs (other lengths) in one figure
+        d = json.loads(Path(f).read_text())
+        ret["rows"] += d["rows"]
+        ret["noise"] += d.get("noise", [])
+    fig_retrieval(gemma, ret, out / "kv-two-models-retrieval.png")
     if a.sim:
         sims = {}
         for s in a.sim:  # MODEL=A.json[,B.json]: rows of later files added where new
