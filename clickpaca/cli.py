@@ -18,10 +18,14 @@ GUARDED = {"demo", "bench", "ppl", "kv-retrieval", "cvec"}
 
 def cmd_model(args: argparse.Namespace) -> int:
     from .llama.core import ModelError
-    from .llama.models import resolve_model
+    from .llama.models import NAMED_MODELS, resolve_model
 
+    if args.name is not None and args.name not in NAMED_MODELS:
+        print(f"clickpaca model: --name {args.name!r} is not a registry model; names: "
+              f"{', '.join(sorted(NAMED_MODELS))}", file=sys.stderr)
+        return 2
     try:
-        print(resolve_model(args.model))
+        print(resolve_model(args.name or args.model))
     except ModelError as e:
         print(f"clickpaca model: {e}", file=sys.stderr)
         return 1
@@ -124,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="print the resolved model path")
     p.add_argument("model", nargs="?", help="explicit model path")
+    p.add_argument("--name",
+                   help="a registry model by name (assembled once into the cache); --model NAME "
+                        "of the other commands accepts the same names")
     p.set_defaults(func=cmd_model)
 
     p = sub.add_parser("tok", help="token ids of strings, pieces of ids, or a vocabulary search")

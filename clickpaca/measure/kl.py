@@ -42,6 +42,9 @@ class Variant:
     chunk: int = STEP  # tokens of the window per decode (prompt chunking)
     company: int = 0  # other windows decoded in the same batches (batch shape)
     offset: int = 0  # cells another sequence holds before the window's (cell placement)
+    #: called with the model's Native, returns an object whose `callback` goes to the
+    #: Context as its eval callback (measure/kvsim: K/V rewritten by a simulated type)
+    hook: Any = None
 
     @property
     def pair(self) -> str:
@@ -76,9 +79,11 @@ class _Runner:
         self.v = v
         n_batch = max(v.chunk * (1 + v.company), v.offset, 8)
         n_ctx = -(-(window * (1 + v.company) + v.offset) // 256) * 256
+        self.hook = v.hook(model.nat) if v.hook is not None else None
         self.ctx = core.Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                 n_seq_max=v.company + 2, type_k=v.type_k, type_v=v.type_v,
-                                n_threads=threads, flash_attn=v.flash_attn)
+                                n_threads=threads, flash_attn=v.flash_attn,
+                                eval_callback=self.hook.callback if self.hook is not None else None)
         self.batch = core.Batch(model.nat, n_batch)
 
     def rows(self, wins: list, wi: int) -> Iterator[tuple[int, np.ndarray]]:

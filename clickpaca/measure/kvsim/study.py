@@ -1,0 +1,224 @@
+"""`python -m clickpaca.measure.kvsim`: simulated KV types in the model, against f16 and f32.
+
+The windows are `clickpaca ppl`'s (the same text cut, window size and count, second half of
+each scored), so its noise floor for the same model and settings applies to every row here.
+Rows: the f32 reference (f32 K/V, flash attention off), the f16 default, real cache types
+(`--real`, to check that a simulated type gives what the real one gives), and simulated
+pairs (`--sim`, each `K/V` of quant.py specs, optionally `@layers`: only those layers,
+e.g. `q4_0/q4_0@5,11,17` or `lm4/f16@0-5`). Specs that centre or split are calibrated on
+one window of the same text after the scored ones (never on a scored token).
+
+KL is KL(P_f16 || P_row) per scored position with a 95% block-bootstrap interval
+(results/paired.py), beside KL against f32 and top-1 agreement with f16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...llama import core
+from ...llama.cachetypes import build_for
+from ...results.paired import mean_ci
+from ...results.table import markdown
+from ..bench.ppl import cut_text
+from ..common import model_path
+from ..kl import F32_REF, NOISE_BASE, Variant, compare_variants
+from ..texts import read_text
+from . import hook as hk
+from . import quant
+
+
+def parse_layers(text: str, n_layer: int) -> frozenset[int]:
+    """`5,11,17` or `0-5,12` -> layer set; ValueError naming what is out of range."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if not 0 <= a <= b < n_layer:
+            raise ValueError(f"layers {text!r}: {part!r} outside 0..{n_layer - 1}")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def parse_sim(text: str, n_layer: int) -> tuple[str, str, frozenset[int] | None]:
+    pair, _, layers = text.partition("@")
+    k, sep, v = pair.partition("/")
+    if not sep:
+        raise ValueError(f"--sim {text!r}: write K/V, e.g. lm4/lm3")
+    quant.parse(k), quant.parse(v)  # errors early, naming the spec
+    return k, v, parse_layers(layers, n_layer) if layers else None
+
+
+class _Factory:
+    """Variant.hook: makes the FakeQuant of a row and keeps it to check after the run."""
+
+    def __init__(self, k: str, v: str, layers: frozenset[int] | None, calib: dict) -> None:
+        self.args = (k, v, layers, calib)
+        self.made: list[hk.FakeQuant] = []
+
+    def __call__(self, nat: Any) -> hk.FakeQuant:
+        k, v, layers, calib = self.args
+        h = hk.FakeQuant(nat, k, v, layers, calib)
+        self.made.append(h)
+        return h
+
+
+def calibrate(model: str, tokens: np.ndarray, threads: int | None,
+              build: str = "mainline") -> tuple[dict, Any]:
+    """Mean and RMS of K and V per layer and head over one window (Recorder)."""
+    m = core.Model(model, build=build)
+    try:
+        rec = hk.Recorder(m.nat)
+        n = len(tokens)
+        ctx = core.Context(m, n_ctx=-(-n // 256) * 256, n_batch=64, n_ubatch=64, n_seq_max=2,
+                           type_k="f16", type_v="f16", n_threads=threads, flash_attn="on",
+                           eval_callback=rec.callback)
+        b = core.Batch(m.nat, 64)
+        for s in range(0, n, 64):
+            b.clear()
+            b.add(tokens[s:s + 64], s, 0, output_last=False)
+            if ctx.decode(b) != 0:
+                raise RuntimeError("calibration decode failed")
+        ctx.close()
+        if rec.errors:
+            raise RuntimeError(f"calibration: {rec.errors[0]}")
+        return rec.calib(), rec
+    finally:
+        m.close()
+
+
+def n_layers(model: str, build: str) -> int:
+    m = core.Model(model, build=build)
+    try:
+        return int(m.n_layer)
+    finally:
+        m.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = model_path(args)
+    reals = [r for r in (args.real or "").split(",") if r]
+    # one build per process: the one the real types need (turboquant offers the mainline types too)
+    build = build_for(*reals) if reals else "mainline"
+    n_layer = n_layers(model, build)
+    text, text_path = read_text(args.text)
+    sims = [parse_sim(s, n_layer) for s in (args.sim or "").split(";") if s]
+    mdl = core.Model(model, build=build)
+    try:
+        cut, chunks, _ = cut_text(mdl, text, args.ctx, args.chunks)
+        tokens = mdl.tokenize(cut, add_special=True, parse_special=False)
+        full = mdl.tokenize(text, add_special=True, parse_special=False)
+    finally:
+        mdl.close()
+    need_calib = any(quant.parse(s).center or quant.parse(s).kind == "split"
+                     for k, v, _ in sims for s in (k, v))
+    calib: dict = {}
+    if need_calib:
+        lo = len(tokens) + args.ctx  # a window after the scored text, never scored
+        calib, _ = calibrate(model, np.asarray(full[lo:lo + args.ctx]), args.threads, build)
+    variants = [F32_REF, NOISE_BASE]
+    variants += [Variant(f"{r} (real)", r, r) for r in reals]
+    factories = []
+    for k, v, layers in sims:
+        f = _Factory(k, v, layers, calib)
+        factories.append(f)
+        name = f"{k}/{v} (sim)" + (f" @{','.join(map(str, sorted(layers)))}" if layers else "")
+        variants.append(Variant(name, hook=f))
+    refs = [0, 1]
+    if args.floor_of:
+        # the simulated type's own floor: its default changed in one thing that should not
+        # matter (as `ppl --noise-of`), each against the unchanged simulation
+        k, v, layers = parse_sim(args.floor_of, n_layer)
+        base = next((i for i, x in enumerate(variants) if x.hook is not None and x.hook.args[:3] == (k, v, layers)),
+                    None)
+        if base is None:
+            raise ValueError(f"--floor-of {args.floor_of!r}: not one of --sim")
+        refs.append(base)
+        for label, change in (("prompt chunks of 16 (not 64)", {"chunk": 16}),
+                              ("cells after 100 of another sequence", {"offset": 100})):
+            f = _Factory(k, v, layers, calib)
+            factories.append(f)
+            variants.append(Variant(f"{variants[base].name}, {label}", hook=f, **change))
+    recs = compare_variants(model, variants, refs, np.asarray(tokens), args.ctx, build=build,
+                            threads=args.threads)
+    head = 0
+    for f in factories:
+        for h in f.made:
+            if h.errors:
+                raise RuntimeError(f"{f.args[:2]}: {h.errors[0]}")
+            if h.calls == 0 and not (f.args[0] == f.args[1] == "f16"):
+                raise RuntimeError(f"{f.args[:2]}: the hook never saw a K or V node")
+            head = max(head, h.head)
+    rows = []
+    for v, rec in zip(variants, recs):
+        row = {"name": v.name, "ppl": rec["ppl"], "tokens": rec["tokens"], "token_nll": rec["token_nll"]}
+        if v.hook is not None:
+            k, vv, layers = v.hook.args[:3]
+            row["bits"] = (quant.bits_per_value(quant.parse(k), head or 128) +
+                           quant.bits_per_value(quant.parse(vv), head)) / 2
+            row["layers"] = sorted(layers) if layers else None
+        elif v is not F32_REF and v is not NOISE_BASE:
+            from ...llama.cachetypes import get
+            row["bits"] = get(v.type_k).bits
+        own = [(variants[i].name, "own") for i in refs[2:]]
+        for ref, key in [(NOISE_BASE.name, "f16"), (F32_REF.name, "f32")] + own:
+            vs = rec["vs"].get(ref)
+            if vs:
+                ci = mean_ci(vs["token_kl"])
+                row[f"kl_{key}"] = ci["mean"]
+                row[f"kl_{key}_ci"] = ci["ci"]
+                row[f"kl_{key}_p99"] = vs["kl_p99"]
+                row[f"top1_{key}"] = vs["top1_agreement"]
+                row[f"token_kl_{key}"] = vs["token_kl"]
+        rows.append(row)
+    return {"model": model, "head": head, "layers": n_layer, "text": text_path, "ctx": args.ctx,
+            "chunks": chunks, "threads": args.threads, "rows": rows}
+
+
+def table(out: dict[str, Any]) -> str:
+    f16 = next(r for r in out["rows"] if r["name"] == NOISE_BASE.name)
+    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "KL p99", "top-1 vs f16", "KL vs f32",
+            "KL vs the simulated default"]
+    rows = []
+    for r in out["rows"]:
+        kl = f"{r['kl_f16']:.4f} [{r['kl_f16_ci'][0]:.4f}, {r['kl_f16_ci'][1]:.4f}]" if "kl_f16" in r else "-"
+        rows.append([r["name"], f"{r['bits']:.3f}" if "bits" in r else "-", f"{r['ppl']:.2f}",
+                     f"{100 * (r['ppl'] / f16['ppl'] - 1):+.1f}%",
+                     kl, f"{r['kl_f16_p99']:.3f}" if "kl_f16_p99" in r else "-",
+                     f"{r['top1_f16']:.3f}" if "top1_f16" in r else "-",
+                     f"{r['kl_f32']:.4f}" if "kl_f32" in r else "-",
+                     f"{r['kl_own']:.4f}" if "kl_own" in r else "-"])
+    return markdown(head, rows, align="ll" + "r" * (len(head) - 2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m clickpaca.measure.kvsim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="path or registry name (smollm2, gemma3-270m)")
+    ap.add_argument("--text")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--real", default="", help="comma list of real cache types beside (q4_0,turbo4)")
+    ap.add_argument("--sim", default="", help="';'-separated K/V[@layers] of quant.py specs")
+    ap.add_argument("--floor-of", default=None,
+                    help="one of --sim: also its default with prompt chunks of 16 and with cells after 100 "
+                         "of another sequence, read against it (the simulated type's own noise floor)")
+    ap.add_argument("--out", default="bench-results/kvsim", help="folder; writes NAME.json")
+    ap.add_argument("--name", default="kvsim")
+    args = ap.parse_args(argv)
+    try:
+        out = run(args)
+    except ValueError as e:
+        print(f"kvsim: {e}", file=sys.stderr)
+        return 2
+    print(table(out))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"{args.name}.json").write_text(json.dumps(out))
+    return 0
