@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..llama import features
-from . import statedir
+from . import faults, statedir
 from ..activations import capture as C
 from ..wire.protocol import ProtocolError
 from .plan import Feed, Want
@@ -189,16 +189,21 @@ def write_npy(arr: np.ndarray, states: Any, namespace: str | None, seq_id: int, 
     """A large capture as a new .npy file in the session's namespace of the state directory
     (never replacing a file); the reference that goes in the event."""
     name = f"capture-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
-    dir_fd, name, label = states.locate(name, namespace, False)
     try:
-        buf = io.BytesIO()
-        np.save(buf, arr)
+        faults.hit("capture", seq_id)
+        dir_fd, name, label = states.locate(name, namespace, False)
+        try:
+            buf = io.BytesIO()
+            np.save(buf, arr)
 
-        def never(_fd: int, _name: str) -> None:
-            raise FileExistsError(f"{label} exists")
-        statedir.write_file(dir_fd, name, [buf.getvalue()], label, never)
-    finally:
-        os.close(dir_fd)
+            def never(_fd: int, _name: str) -> None:
+                raise FileExistsError(f"{label} exists")
+            statedir.write_file(dir_fd, name, [buf.getvalue()], label, never)
+        finally:
+            os.close(dir_fd)
+    except (OSError, statedir.StatePathError) as e:
+        raise faults.StageFailed("capture", f"capture: its {node} file could not be written in the state "
+                                            f"directory: {e}") from e
     sub = namespace or ""
     return {"dtype": str(arr.dtype), "shape": list(arr.shape), "file": str(states.root / sub / name)}
 
