@@ -186,19 +186,25 @@ class JobCapture:
 
 
 def write_npy(arr: np.ndarray, states: Any, namespace: str | None, seq_id: int, node: str) -> dict:
-    """A large capture as a new .npy file in the session's namespace of the state directory
-    (never replacing a file); the reference that goes in the event."""
-    name = f"capture-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
+    """A large capture as a new .npy file in the session's namespace of the state directory;
+    the reference that goes in the event. Its name holds the server's run id (unique among
+    the servers sharing the directory) and it is created with O_EXCL: nothing is ever
+    replaced (a name taken anyway, by a client's `save`, moves on to the next number)."""
+    buf = io.BytesIO()
+    np.save(buf, arr)
     try:
         faults.hit("capture", seq_id)
-        dir_fd, name, label = states.locate(name, namespace, False)
+        dir_fd = states.namespace_dir(namespace)
         try:
-            buf = io.BytesIO()
-            np.save(buf, arr)
-
-            def never(_fd: int, _name: str) -> None:
-                raise FileExistsError(f"{label} exists")
-            statedir.write_file(dir_fd, name, [buf.getvalue()], label, never)
+            for _ in range(8):
+                name = f"capture-{states.run_id}-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
+                try:
+                    statedir.create_file(dir_fd, name, [buf.getbuffer()])
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError("eight names in a row were taken")
         finally:
             os.close(dir_fd)
     except (OSError, statedir.StatePathError) as e:
