@@ -66,3 +66,105 @@ def test_a_dry_request_does_not_hold_up_another_client(tmp_path):
         b.close()
     finally:
         stop_server(proc, path)
+
+
+# ------------------------------------------------------------------ the smaller findings
+
+
+@pytest.fixture(scope="module")
+def bare():
+    """A stdio server not initialised yet: a failed init leaves it so, for the next."""
+    c = Client.spawn("--allow-any-path")
+    yield c
+    c.close()
+
+
+def init_error(c: Client, **init) -> str:
+    from clickpaca.wire.client import ServerError
+    from conftest import TEST_BUILD
+
+    with pytest.raises(ServerError) as e:
+        c.init(nCtx=256, nSeqMax=2, build=TEST_BUILD, timeout=120, **init)
+    assert e.value.event["request"] == "init", e.value.event
+    return e.value.event["message"]
+
+
+def test_a_control_vector_path_too_long_names_the_field(bare, tmp_path):
+    long_name = str(tmp_path / ("v" * 300 + ".gguf"))
+    msg = init_error(bare, controlVector=long_name)
+    assert msg.startswith("controlVector: ") and "File name too long" in msg, msg
+    assert len(msg) < 600  # the path is shortened in the message
+    msg = init_error(bare, controlVector="/" + "d/" * 3000 + "v.gguf")
+    assert msg.startswith("controlVector: a path of at most 4096 bytes"), msg
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
+def test_a_gguf_with_unusable_directions_is_refused_at_init(bare, tmp_path, bad):
+    """The same rule as directions given as data (activations/wire.values)."""
+    import numpy as np
+
+    from clickpaca.activations import cvec
+
+    d = np.zeros(640, np.float32)
+    d[7] = bad
+    path = cvec.write_gguf(tmp_path / "bad.gguf", {3: d, 4: np.ones(640, np.float32)}, "gemma3")
+    msg = init_error(bare, controlVector=str(path))
+    assert msg.startswith(f"controlVector: {path}: layer 3: "), msg
+    assert ("finite" in msg) if bad != 3e38 else ("within +-1e+06" in msg), msg
+    assert init_error(bare, controlVector={"3": [bad] * 640}).startswith("controlVector: layer 3: ")
+
+
+def test_a_negative_payload_shape_is_refused(bare):
+    from clickpaca.activations.capture import encode
+    import numpy as np
+
+    payload = encode(np.ones(640, np.float32), "float32")
+    assert init_error(bare, controlVector={"3": {**payload, "shape": [-640]}}) == \
+        "controlVector: layer 3: shape must be [n_embd] or [1, n_embd], got [-640]"
+    assert init_error(bare, controlVector={"3": {**payload, "shape": [1, -640]}}).startswith(
+        "controlVector: layer 3: shape must be")
+
+
+def test_a_5000_digit_key_names_the_field(bare):
+    msg = init_error(bare, controlVector={"9" * 5000: [1.0] * 640})
+    assert msg.startswith("controlVector: layer ") and "not a layer number" in msg, msg
+    bare.infer(0, "x", logit_bias={"9" * 5000: 1.0})
+    _, ev = bare.collect(0, timeout=60)
+    assert ev["type"] == "error" and ev["message"].startswith("logit_bias: token id"), ev
+
+
+def test_capture_names_listed_are_capturable_and_the_others_say_why(tmp_path):
+    """Qcur-N, Kcur-N, Vcur-N, norm-N and the cache views are not offered (llama.cpp
+    names several nodes so, or they have no token dimension): asking for one says why.
+    Every name the error lists as valid is captured, in requests of 64 names."""
+    from clickpaca.activations import capture as C
+    from clickpaca.llama import core
+    from conftest import TEST_BUILD
+
+    c = spawn_capture(tmp_path)
+    try:
+        for name in ("Qcur-3", "Kcur-3", "Vcur-3", "norm-3", "cache_k_l0 (view)"):
+            c.infer(0, PROMPT, maxTokens=1, capture=[name])
+            _, ev = c.collect(0, timeout=120)
+            assert ev["type"] == "error" and ev["message"].startswith(f"capture: node {name!r} is not captured: "), ev
+        model = core.Model(c.ready["model"]["path"], build=TEST_BUILD)
+        try:
+            names = C.graph(model, "on" if c.ready["kernels"]["flashAttn"] else "off").names
+        finally:
+            model.close()
+        for i in range(0, len(names), 64):
+            chunk = names[i:i + 64]
+            c.infer(0, PROMPT, maxTokens=1, capture=chunk, captureTokens="last", captureDtype="float16")
+            _, ev = c.collect(0, timeout=300)
+            assert ev["type"] == "done" and sorted(ev["capture"]["nodes"]) == sorted(chunk), ev.get("message")
+    finally:
+        c.close()
+
+
+def spawn_capture(tmp_path) -> Client:
+    from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
+
+    c = Client.spawn()
+    c.init(nCtx=512, nSeqMax=2, build=TEST_BUILD, cacheTypeK=TEST_CACHE_K, cacheTypeV=TEST_CACHE_V,
+           capture=True, stateDir=str(tmp_path / "state"))
+    return c

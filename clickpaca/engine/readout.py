@@ -225,7 +225,7 @@ def for_request(rt: Any, req: Any, namespace: str | None, max_rows: int) -> JobC
     fa = {True: "on", False: "off"}.get(rt.ctx.flash_attn, "auto")
     g = C.graph(rt.model, fa)
     try:
-        names = tuple(C.validate(list(req.capture), g.names))
+        names = tuple(C.validate(list(req.capture), g.names, g.excluded))
     except C.CaptureError as e:
         raise ProtocolError(str(e), seq_id, kind) from None
     per_row = sum(g.row_elems.get(n, rt.model.n_embd) for n in names) * 4

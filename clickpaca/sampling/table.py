@@ -70,8 +70,9 @@ def _norm_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in items:
         if isinstance(key, str):
             s = key.strip()
-            if not (s.isascii() and s.isdigit()):
-                raise SamplerParamError(name, f"token id must be a non-negative integer, got {show(key)}")
+            if not (s.isascii() and s.isdigit()) or len(s) > 12:  # (int() refuses 4,300 digits)
+                raise SamplerParamError(name, f"token id must be a non-negative integer of at most 12 digits, "
+                                              f"got {show(key)}")
             tok = int(s)
         elif is_int(key):
             tok = int(key)
