@@ -81,5 +81,7 @@ def test_only_the_recent_breaker_sets_are_kept(vocab):
     tables = [dry.breakers(vocab, s) for s in sets]
     kept = vocab.memo("dry-breaker-sets", dry._Recent)
     assert len(kept._sets) == dry.MAX_BREAKER_SETS
+    held = dry.held(vocab, 200)
+    assert held["entries"] == dry.MAX_BREAKER_SETS and 0 < held["bytes"] <= held["maxBytes"]
     assert dry.breakers(vocab, sets[-1]) is tables[-1]  # the recent ones are not made again
     assert sets[0] not in kept._sets

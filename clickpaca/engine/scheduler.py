@@ -45,6 +45,9 @@ class Scheduler:
     def __init__(self, rt: Runtime, seqs: Sequences) -> None:
         self.rt, self.seqs = rt, seqs
         self._prompt_tick = False  # deterministic mode: this tick feeds one prompt chunk only
+        # logits rows whose pages stay resident between requests (a generating tick uses
+        # one per sequence); those past it are given back once no decode needs them
+        self._keep_rows = max(64, rt.ctx.n_seq_max)
 
     def tick(self) -> None:
         """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
@@ -71,6 +74,10 @@ class Scheduler:
             job.wait()
         if plan:
             self._consume(plan, job)
+        # the tick's logits are read: once no decode needs many rows (the requests that
+        # wrote them are over, or nothing runs), their pages go back (core.release_logits)
+        if ctx.n_outputs <= self._keep_rows or not self.seqs.order:
+            ctx.release_logits(self._keep_rows)
 
     def _guard(self, seq: Sequence, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), one stage of serving `seq`; when it raises, `seq` alone ends with an

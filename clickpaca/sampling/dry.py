@@ -30,6 +30,8 @@ import numpy as np
 __all__ = ["breakers", "dry_penalties", "apply"]
 
 MAX_TAIL = 20  # tokens of a breaker after its head, as llama.cpp
+_BYTES_OBJ = 33 + 8  # a bytes object's header and its list slot (64-bit CPython)
+MAX_BREAKERS, MAX_BREAKER_CHARS = 64, 40  # drySequenceBreakers (sampling/table.py checks them)
 FLOAT_MAX_LOG = 88.7228391  # log of the largest float32: caps the exponent
 
 _EMPTY_I = np.empty(0, np.int32)
@@ -80,9 +82,9 @@ def breakers(vocab: Any, strings: tuple[str, ...]) -> dict[int, tuple[tuple[int,
     return vocab.memo("dry-breaker-sets", _Recent).get(strings, make)
 
 
-#: breaker sets kept per vocabulary, the most recently used (one takes up to ~30 MB when
-#: its breakers touch most of the vocabulary; the default set ~0.2 MB)
-MAX_BREAKER_SETS = 8
+#: breaker sets kept per vocabulary, the most recently used (one took 28 MiB measured when
+#: 64 breakers touched most of the vocabulary; the default set 0.14 MiB)
+MAX_BREAKER_SETS = 4
 
 
 class _Recent:
@@ -98,14 +100,42 @@ class _Recent:
         with self._lock:
             if key in self._sets:
                 self._sets.move_to_end(key)
-                return self._sets[key]
+                return self._sets[key][0]
         value = make()  # outside the lock: two threads may both make it, the same table
         with self._lock:
-            self._sets[key] = value
+            self._sets[key] = (value, table_bytes(value))
             self._sets.move_to_end(key)
             while len(self._sets) > MAX_BREAKER_SETS:
                 self._sets.popitem(last=False)
         return value
+
+    def held(self) -> tuple[int, int]:
+        """(sets kept, their estimated bytes)."""
+        with self._lock:
+            return len(self._sets), sum(b for _, b in self._sets.values())
+
+
+#: a table's bytes per token and per further tail, measured with tracemalloc (112-153
+#: bytes per token over three sets, the worst 28 MiB for 194k tokens and 655k tails)
+ENTRY_BYTES, TAIL_BYTES = 120, 16
+
+
+def table_bytes(table: dict) -> int:
+    return ENTRY_BYTES * len(table) + TAIL_BYTES * sum(len(v) - 1 for v in table.values())
+
+
+def held(vocab: Any, longest_piece: int) -> dict:
+    """What DRY keeps for a vocabulary (engine/accounting.py, `stats`): its breaker sets
+    now, the index included once built (~21 MiB here), and the bound: every token in
+    every kept set with a tail per breaker and prefix (loose: 28 MiB is the most seen)."""
+    sets = vocab.peek("dry-breaker-sets")
+    n, b = sets.held() if sets is not None else (0, 0)
+    index = vocab.peek("dry-index")
+    per_set = (ENTRY_BYTES + TAIL_BYTES * MAX_BREAKERS * (MAX_BREAKER_CHARS * 4 - 1)) * vocab.n_vocab
+    index_max = vocab.n_vocab * (2 * longest_piece + _BYTES_OBJ + 33)
+    return {"entries": n, "maxEntries": MAX_BREAKER_SETS,
+            "bytes": b + (index.nbytes if index is not None else 0),
+            "maxBytes": MAX_BREAKER_SETS * per_set + index_max}
 
 
 class _Index:
@@ -121,6 +151,9 @@ class _Index:
         self.order = np.array(order, np.int64)
         self.rev_sorted = [rev[i] for i in order]
         self.pad = b"\xff" * (int(self.lens.max(initial=0)) + 1)
+        self.nbytes = (len(self.blob) + sum(len(r) + _BYTES_OBJ for r in self.rev_sorted)
+                       + self.lens.nbytes + self.starts.nbytes + self.order.nbytes)
+
 
     def holding(self, b: bytes) -> np.ndarray:
         """The tokens whose piece contains b."""

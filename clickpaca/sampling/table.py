@@ -235,7 +235,7 @@ register(Step(
                   "DRY: how many of the latest context tokens (prompt included) it scans; -1 = whole "
                   "context, 0 = off"),
             Param("dry_sequence_breakers", "drySequenceBreakers", ("\n", ":", "\"", "*"),
-                  choice_strings(64, 40), ("dry_sequence_breakers",),
+                  choice_strings(D.MAX_BREAKERS, D.MAX_BREAKER_CHARS), ("dry_sequence_breakers",),
                   "DRY: strings (at most 64, each 1-40 characters) no repetition reaches across",
                   shown='`["\\n", ":", "\\"", "*"]`')),
     run=lambda ids, logits, p, ctx: D.apply(ids, logits, *D.penalties_for(p, ctx)),
