@@ -551,7 +551,7 @@ def test_stats_names_every_cache_with_its_bounds(fresh):
     alive(srv)  # at least one tick
     first = stats_of(srv)
     assert set(first["caches"]) == {"grammarCache", "sessionGrammars", "allSessionGrammars", "samplerPlans",
-                                    "tokenPieces"}, first
+                                    "tokenPieces", "dryBreakerSets"}, first
     assert first["ticks"] > 0 and first["rssBytes"] > 0
     check_bounds(first)
     cache = first["caches"]["grammarCache"]

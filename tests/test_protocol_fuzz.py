@@ -12,7 +12,12 @@ valid `infer` requests (1-4 tokens). Then:
   error. The valid infers the generator means to run are only sent to a sequence once
   every earlier infer on it has ended, so endings and requests can be counted per seq_id;
 - every line the protocol layer refuses is answered by exactly that error event;
-- no token arrives after its request ended, and no event is an internal error.
+- no token arrives after its request ended, and no event is an internal error;
+- every field of every request type went out (the fixed seed): the fields and their
+  candidate values come from the protocol's own tables (REQUESTS, the step registry's
+  defaults: `values_for`), so a new field is fuzzed without being added here;
+- memory: after the first run (the warm-up), VmRSS grows by no more than what the
+  bounded caches (`stats`) took meanwhile plus 48 MiB (RSS_SLACK).
 
 CLICKPACA_FUZZ_SEED picks the fixed seed; CLICKPACA_FUZZ_LINES another length. A failing
 fresh seed is printed: rerun it with CLICKPACA_FUZZ_SEED=<seed>. Under CI the fresh seed is a
@@ -32,8 +37,9 @@ from collections import Counter
 
 import pytest
 
+from clickpaca.sampling.registry import all_params
 from clickpaca.wire.client import Client
-from clickpaca.wire.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
+from clickpaca.wire.protocol import MAX_LINE_BYTES, MISSING, REQUESTS, ProtocolError, Request, parse_line
 from clickpaca.serve.server import read_lines
 from conftest import fresh_seed, spawn_server
 
@@ -94,6 +100,69 @@ REGRESSION = [
 ]
 
 
+# ------------------------------------------------------------------ every documented field
+#
+# The fields come from the protocol's own tables (REQUESTS: each request type's fields
+# and defaults, the sampler fields among them, whose defaults are the step registry's),
+# so a field added to the protocol is fuzzed without anyone adding it here: its values
+# are derived from its default (the default, its neighbours and extremes, the wrong
+# type), or, for a field whose default says nothing (None, required), plausible values
+# from FIELD_HINTS when the field is named there, else the generic JUNK_VALUES. The
+# fixed-seed run checks it sent every (request, field) pair (test_every_field_is_fuzzed).
+
+SAMPLER_DEFAULTS = {p.wire: p.default for p in all_params()}
+
+
+def field_default(kind: str, name: str):
+    default = REQUESTS[kind][name][1]
+    return SAMPLER_DEFAULTS.get(name, default) if default is MISSING else default
+
+
+def all_fields() -> set[tuple[str, str]]:
+    return {(kind, name) for kind, spec in REQUESTS.items() for name in spec}
+
+
+MESSAGES = [[{"role": "user", "content": "Hi"}], [], [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "2+2?"}],
+            [{"role": "wizard", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": "x" * 300}] * 3]
+FIELD_HINTS = {  # values for fields whose default tells nothing of their type
+    "seq_id": SIDE_SEQS + [0, 40, -1], "dst_seq_id": SIDE_SEQS + [40], "prompt": PROMPTS, "text": PROMPTS[:8],
+    "messages": MESSAGES, "chatTemplate": ["gemma", "chatml", "llama3", "nope", "{{ messages }}", "{% for"],
+    "grammar_id": ["digits", "nope", 3], "stop": [[" "], ["\n"], [], ["zzz"] * 20, [""]],
+    "capture": [["l_out-6"], ["result_output"], ["attn_norm-3", "l_out-17"], ["Qcur-3"], ["l_out-99"], [],
+                ["x"] * 65],
+    "captureTokens": ["last", "all", "generated", "every"], "controlVectorStrength": [0.5, -2, 1e7],
+    "window": [2, 8, 100000, 0], "scoreLast": [1, 3, 0, -1], "id": ["g", 1, "digits", ""],
+    "grammar": ['root ::= [0-9]+', 'root ::= "a" | "b"', "root ::= (", '%json_schema {"type": "integer"}'],
+    "path": STATE_NAMES, "modelPath": ["/nonexistent.gguf", ""], "nThreads": [1, 0, 10 ** 6],
+    "build": ["mainline", "nope"], "stateDir": ["/tmp/x"], "rpcServers": [["127.0.0.1:1"], []],
+    "tensorSplit": [[1.0], [-1.0]], "controlVector": [{"3": [0.0] * 640}, "/nonexistent.gguf", {"x": [1.0]}],
+    "controlVectorLayers": [[1, 17], [0, 3], [5, 2]],
+    "logit_bias": [[{"token": 106, "bias": -1e9}], {"506": 2.0}, [[1, 1e9]], {"9" * 40: 1.0}],
+    "samplers": [[], ["temperature"], ["top_k", "temperature"], ["penalties", "dry"], ["nope"]],
+    "drySequenceBreakers": [["\n"], [], ["x" * 40] * 64, ["é😀"], [""]],
+    "trace": [True, False, 3],
+}
+
+
+def values_for(kind: str, name: str) -> list:
+    """Candidate values of one field: hints, or derived from its default."""
+    if name in FIELD_HINTS:
+        return FIELD_HINTS[name] + [None, "x"]
+    d = field_default(kind, name)
+    if isinstance(d, bool):
+        return [True, False, 1, "true"]
+    if isinstance(d, int):
+        return [d, 0, 1, -1, d + 1, 2 * d + 3, 2 ** 31, 1.5, "1"]
+    if isinstance(d, float):
+        return [d, 0.0, 0.5, 1.0, -1.0, 2.0, d * 10 + 1, 1e30, "x"]
+    if isinstance(d, str):
+        return [d, "", "x", d.upper(), 1]
+    if isinstance(d, (tuple, list)):
+        return [list(d), [], list(d)[:1], [1], "x"]
+    return JUNK_VALUES
+
+
 def ending_kind(ev: dict) -> str | None:
     """'infer' when the event ends an infer request (counted per seq_id)."""
     if ev.get("type") == "done" and "request" not in ev:
@@ -125,6 +194,7 @@ class Fuzzer:
         self.expected_errors: Counter = Counter()  # (seq_id, request, message) of refused lines
         self.sent = 0
         self.valid_infers = 0
+        self.fields_sent: set[tuple[str, str]] = set()  # (request type, field) of the lines sent
         self.log: list[bytes] = []
         with client._lock:
             self.start = len(client.all_events)  # events of earlier runs on this server are not ours
@@ -151,8 +221,17 @@ class Fuzzer:
                 assert ans.maxTokens <= MAX_TOKENS, line
                 self.expected_infers[ans.seq_id] += 1
         self.log.append(line[:300])
+        self._note_fields(line)
         self.c.send_raw(line + b"\n")
         self.sent += 1
+
+    def _note_fields(self, line: bytes) -> None:
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # (deep nesting: the server refuses it too)
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("type"), str) and obj["type"] in REQUESTS:
+            self.fields_sent |= {(obj["type"], k) for k in obj if k in REQUESTS[obj["type"]]}
 
     def safe(self, line: bytes) -> bool:
         """A generated line the server may get: nothing that quits it, runs long, or
@@ -166,9 +245,10 @@ class Fuzzer:
         if kind == "quit":
             return False
         if kind == "infer":
-            return ans.maxTokens <= MAX_TOKENS and len(ans.prompt) <= 2000
+            return ans.maxTokens <= MAX_TOKENS and len(ans.prompt or "") <= 2000 and len(str(ans.messages)) <= 2000
         if kind in ("score", "prefill"):
-            return len(getattr(ans, "text", getattr(ans, "prompt", ""))) <= 400
+            return len(str(getattr(ans, "text", "") or "")) <= 400 and len(str(getattr(ans, "prompt", "") or "")) <= 400 \
+                and len(str(getattr(ans, "messages", "") or "")) <= 400
         if kind in ("save", "load"):
             return True  # names only: nothing outside the server's state directory is reachable
         if kind == "grammar":
@@ -218,7 +298,20 @@ class Fuzzer:
         return req
 
     def random_request(self) -> dict:
-        """A request of a random known type with plausible fields (valid or not)."""
+        """A request of a random known type with plausible fields (valid or not), plus
+        up to three more of the type's documented fields (values_for)."""
+        req = self._base_request()
+        kind = req["type"]
+        spec = sorted(REQUESTS[kind])
+        names = self.rng.sample(spec, min(len(spec), self.rng.randint(0, 3)))
+        todo = [n for n in spec if (kind, n) not in self.fields_sent]
+        if todo:  # a field not sent yet first: every one goes out early in the run
+            names.append(self.rng.choice(todo))
+        for name in names:
+            req[name] = self.rng.choice(values_for(kind, name))
+        return req
+
+    def _base_request(self) -> dict:
         r = self.rng
         kind = r.choice(sorted(REQUESTS))
         sid = r.choice(SIDE_SEQS + [r.randint(0, 20)])
@@ -442,6 +535,9 @@ def test_fuzz_lines(fuzz_server, tmp_path, seed):
         print("last lines sent:", *fz.log[-15:], sep="\n  ")
         raise
     assert fz.sent >= N_LINES
+    if seed == SEED:  # every documented field went out (the fields come from REQUESTS)
+        missing = all_fields() - fz.fields_sent
+        assert not missing, f"fields never fuzzed: {sorted(missing)}"
     rss, held, st = memory(c)
     print(f"seed {seed}: {fz.sent} lines, {fz.valid_infers} valid infers, {len(fz.events())} events, "
           f"{time.monotonic() - t0:.1f}s; VmRSS {rss / 2**20:.0f} MiB (start {_memory['start'][0] / 2**20:.0f}), "

@@ -143,3 +143,27 @@ def test_json_depth_is_iterative_and_bounded():
     with pytest.raises(ProtocolError) as e:
         parse_line(line)
     assert (e.value.seq_id, e.value.request) == (3, "infer")
+
+
+def test_created_files_never_replace_anything(sd):
+    """create_file (the names a server picks itself) refuses an existing name, a symlink
+    included, and leaves what is there as it was."""
+    fd = sd.namespace_dir(None)
+    try:
+        assert statedir.create_file(fd, "a.npy", [b"first"]) == 5
+        with pytest.raises(FileExistsError):
+            statedir.create_file(fd, "a.npy", [b"second"])
+        os.symlink("/nonexistent-target", sd.root / "l.npy")
+        with pytest.raises(FileExistsError):
+            statedir.create_file(fd, "l.npy", [b"x"])
+    finally:
+        os.close(fd)
+    assert (sd.root / "a.npy").read_bytes() == b"first"
+    assert not os.path.exists("/nonexistent-target")
+
+
+def test_each_server_run_has_its_own_run_id(tmp_path):
+    """Two StateDirs on one directory (two servers, or two runs): different run ids, which
+    the capture files' names hold."""
+    ids = {StateDir(tmp_path / "state").run_id for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith(f"{os.getpid()}-") for i in ids)

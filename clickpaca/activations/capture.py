@@ -22,7 +22,8 @@ from __future__ import annotations
 import base64
 import io
 import re
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable
 
@@ -239,6 +240,13 @@ class Graph:
     names: list[str]
     row_elems: dict[str, int]
     output_rows_only: frozenset[str]
+    #: names listed by the graph that cannot be captured, and why (not in `names`):
+    #: a name llama.cpp gives to several nodes of one decode (Qcur-N, Kcur-N and Vcur-N
+    #: before and after their reshape and RoPE, norm-N for each norm of a layer, the
+    #: cache views), or a node whose outermost dimension is not the tokens' (the views of
+    #: the KV cache's cells; attention scores per head, kq_soft_max-N without flash
+    #: attention): Capture._copy refuses those at every decode, so they are not offered
+    excluded: dict[str, str] = field(default_factory=dict)
 
 
 LISTING_TOKENS = 3  # the listing decode: 3 tokens, logits on the last only
@@ -264,14 +272,21 @@ def graph(model: Any, flash_attn: str = "auto") -> Graph:
             raise RuntimeError("decoding the listing batch failed")
     finally:
         ctx.close()
-    names = list(dict.fromkeys(cap.seen))
-    row_elems, only_out = {}, set()
+    times = Counter(cap.seen)
+    row_elems, only_out, excluded = {}, set(), {}
     for name, ne in cap.shapes.items():
         tok = max((d for d in range(1, 4) if ne[d] != 1), default=1)
         row_elems[name] = int(np.prod(ne[:tok]))
-        if ne[tok] == 1:
+        if times[name] > 1:
+            excluded[name] = (f"llama.cpp gives this name to {times[name]} nodes of one decode (e.g. before and "
+                              "after a reshape or RoPE), so which one is meant cannot be told")
+        elif ne[tok] not in (LISTING_TOKENS, 1):
+            excluded[name] = (f"its outermost dimension is not the tokens' (shape {ne}: a view of the KV "
+                              "cache's cells, or attention laid out per head)")
+        elif ne[tok] == 1:
             only_out.add(name)
-    cache[flash_attn] = g = Graph(names, row_elems, frozenset(only_out))
+    names = [n for n in dict.fromkeys(cap.seen) if n not in excluded]
+    cache[flash_attn] = g = Graph(names, row_elems, frozenset(only_out), excluded)
     return g
 
 
@@ -298,12 +313,17 @@ def describe(names: list[str]) -> str:
     return ", ".join(parts + plain) + (f" (and {hidden} unnamed nodes and views)" if hidden else "")
 
 
-def validate(names, valid: list[str]) -> list[str]:
-    """The requested names, checked against the graph's; CaptureError listing valid ones."""
+def validate(names, valid: list[str], excluded: dict[str, str] | None = None) -> list[str]:
+    """The requested names, checked against the graph's; CaptureError listing valid ones
+    (or saying why a name the graph has is not captured: Graph.excluded)."""
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise CaptureError("capture", "must be a list of graph node names")
     have = set(valid)
     bad = [n for n in names if n not in have]
+    why = next((n for n in bad if excluded and n in excluded), None)
+    if why is not None:
+        raise CaptureError("capture", f"node {why!r} is not captured: {excluded[why]}; capturable nodes: "
+                                      f"{describe(valid)}")
     if bad:
         raise CaptureError("capture", f"unknown node {', '.join(map(repr, bad))}; this model's "
                                       f"graph has: {describe(valid)}")

@@ -13,12 +13,14 @@ the field and the build that has it.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import stat
 from typing import Any
 
 from ..llama import features
 from . import steer
 from .wire import directions as directions_of
+from .wire import values as check_values
 
 
 class ContextVector:
@@ -73,11 +75,23 @@ def for_request(cv: ContextVector | None, nat: Any, strength: float | None) -> C
 
 
 def _read(path: str) -> dict:
+    """The GGUF's directions, each checked as directions given as data are (wire.values)."""
     from .cvec import read_gguf
 
-    if not Path(path).is_file():
-        raise steer.SteerError("controlVector", f"{path}: no such file")
+    shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
     try:
-        return read_gguf(path)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise steer.SteerError("controlVector", f"{shown}: not a regular file")
+    except FileNotFoundError:
+        raise steer.SteerError("controlVector", f"{shown}: no such file") from None
+    except (OSError, ValueError) as e:  # a name too long, a NUL, no permission
+        raise steer.SteerError("controlVector", f"{shown}: cannot be used "
+                                                f"({getattr(e, 'strerror', None) or e})") from None
+    try:
+        dirs = read_gguf(path)
     except Exception as e:  # noqa: BLE001 - gguf's reader raises many kinds for a bad file
-        raise steer.SteerError("controlVector", f"{path}: not a control-vector GGUF ({type(e).__name__}: {e})") from None
+        raise steer.SteerError("controlVector", f"{shown}: not a control-vector GGUF ({type(e).__name__}: {e})") from None
+    try:
+        return {il: check_values(f"controlVector: layer {il}", v) for il, v in dirs.items()}
+    except ValueError as e:
+        raise steer.SteerError("controlVector", f"{shown}: {str(e).removeprefix('controlVector: ')}") from None

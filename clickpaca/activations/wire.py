@@ -25,6 +25,12 @@ from ..base.fieldcheck import show
 MAX_LAYERS = 1024  # directions in one controlVector
 MAX_EMBD = 1 << 16  # numbers in one direction
 MAX_STRENGTH = 1e6  # |controlVectorStrength|: finite and bounded (a direction times it stays finite in f32)
+#: |a direction's value|, from data or a GGUF: far above any residual stream's (Gemma 3
+#: 270M's l_out rows stay within ~1e3), and with MAX_STRENGTH well inside float32, where
+#: llama.cpp's RMS norm squares it (3e38 overflowed to inf, and no token could be sampled)
+MAX_VALUE = 1e6
+MAX_PATH_BYTES = 4096  # PATH_MAX: a longer controlVector path is refused here, not by the OS
+MAX_LAYER_DIGITS = 4
 
 Directions = tuple[tuple[int, bytes], ...]
 
@@ -34,6 +40,8 @@ def control_vector(name: str, v: Any) -> str | Directions:
     if isinstance(v, str):
         if not v:
             raise ValueError(f"{name}: must not be empty")
+        if len(v.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+            raise ValueError(f"{name}: a path of at most {MAX_PATH_BYTES} bytes, got {len(v.encode('utf-8', 'surrogatepass'))}")
         return v
     if not isinstance(v, dict) or not v:
         raise ValueError(f"{name}: must be a control-vector GGUF path or {{layer: vector}} "
@@ -42,8 +50,9 @@ def control_vector(name: str, v: Any) -> str | Directions:
         raise ValueError(f"{name}: {len(v)} layers, the limit is {MAX_LAYERS}")
     out = []
     for key, vec in v.items():
-        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-            raise ValueError(f"{name}: layer {key!r} is not a layer number")
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()) or len(key) > MAX_LAYER_DIGITS:
+            raise ValueError(f"{name}: layer {show(key)} is not a layer number "
+                             f"(at most {MAX_LAYER_DIGITS} digits)")
         il = int(key)
         if il < 1:
             raise ValueError(f"{name}: layer {il}: llama.cpp never steers layer 0")
@@ -64,7 +73,8 @@ def direction(name: str, v: Any) -> np.ndarray:
             raise ValueError(f"{name}: a payload is {{\"dtype\": {' or '.join(map(repr, sorted(DTYPES)))}, "
                              "\"shape\", \"data\"}} (what capture sends)")
         shape = v["shape"]
-        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                for n in shape)
                 and 1 <= len(shape) <= 2 and (len(shape) == 1 or shape[0] == 1)):
             raise ValueError(f"{name}: shape must be [n_embd] or [1, n_embd], got {show(shape)}")
         try:
@@ -77,10 +87,18 @@ def direction(name: str, v: Any) -> np.ndarray:
         arr = np.asarray(v, dtype=np.float32)
     else:
         raise ValueError(f"{name}: must be a list of numbers or a capture payload, got {type(v).__name__}")
+    return values(name, arr)
+
+
+def values(name: str, arr: np.ndarray) -> np.ndarray:
+    """A direction's numbers, from data or from a GGUF (vector.py): 1..MAX_EMBD of them,
+    finite in float32 and within +-MAX_VALUE."""
     if not 1 <= arr.size <= MAX_EMBD:
         raise ValueError(f"{name}: {arr.size} numbers, must be 1..{MAX_EMBD}")
     if not np.isfinite(arr).all():
         raise ValueError(f"{name}: must be finite numbers (float32)")
+    if np.abs(arr).max() > MAX_VALUE:
+        raise ValueError(f"{name}: values must be within +-{MAX_VALUE:g}, got {float(np.abs(arr).max()):g}")
     return arr
 
 

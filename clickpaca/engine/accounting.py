@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sampling import chain
+from ..sampling import chain, dry
 
 # Grammar ids one client may hold, and their texts' bytes together. Each compiled grammar
 # costs memory (2,000 ids measured +60 MiB, ~30 KiB each); 1,024 lets a client give every
@@ -69,6 +69,8 @@ def caches(rt: Any, sessions: list, session: Any) -> dict[str, dict]:
                                        per_session_max * len(sessions)), "sessions": len(sessions)},
         "samplerPlans": cache(plans, max_plans, plans * PLAN_ENTRY_BYTES, max_plans * PLAN_ENTRY_BYTES),
         "tokenPieces": cache(len(pieces), rt.model.n_vocab, piece_bytes, rt.model.n_vocab * max_piece),
+        # DRY's breaker tables and the vocabulary index they are made from (estimated bytes)
+        "dryBreakerSets": dry.held(rt.step_vocab, max_piece),
     }
 
 

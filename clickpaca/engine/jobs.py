@@ -221,7 +221,7 @@ class InferJob(Job):
                         "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
         if res.trace is not None:
             logprobs = {**(logprobs or {}), "trace": res.trace}
-        seq.session.send(token_event(seq.seq_id, token, piece, logprobs))
+        tick.seqs.send(seq, token_event(seq.seq_id, token, piece, logprobs))
         self.n_predicted += 1
         self._end_if_over(tick, seq, stop=self.stops.feed(piece) if self.stops else None)
 
@@ -325,7 +325,7 @@ class ScoreJob(Job):
         ev = scored_event(seq.seq_id, self.nll, len(self.windows), self.per_token,
                           **self.captured(seq))
         tick.seqs.release(seq)
-        seq.session.send(ev)
+        tick.seqs.answer(seq, self.kind, ev)
 
 
 @dataclass(eq=False)
@@ -339,10 +339,11 @@ class PrefillJob(Job):
         return self.reads(Want(seq, False, seq.n_past, n, n, n - 1, False, seq.kv_wait))
 
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
-        if f.ends:
-            tick.seqs.hold(seq)
+        if f.ends:  # the event first: a capture that cannot be written ends it with an error
             ms = (tick.now - self.t_prompt) * 1000 if self.t_prompt else 0.0
-            seq.session.send(prefilled_event(seq.seq_id, seq.n_past, ms, **self.captured(seq)))
+            ev = prefilled_event(seq.seq_id, seq.n_past, ms, **self.captured(seq))
+            tick.seqs.hold(seq)
+            tick.seqs.answer(seq, self.kind, ev)
 
 
 def _top(rt: "Runtime", pairs) -> list[dict]:

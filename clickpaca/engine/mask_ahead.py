@@ -11,6 +11,11 @@ The scheduler starts a `MaskJob` right after it has planned the batch and waits 
 just before sampling. Until then nobody else touches those matchers: requests are
 applied between ticks only, and a decode that fails waits for the job before it ends
 any sequence.
+
+A failure stays with its matcher: when the tick's fill fails as a whole, each mask is
+filled alone and a key whose own fill fails gets its exception from `row` (the
+scheduler ends that sequence only). The scheduler's keys are its sequences, whose
+seq_id the test hook (faults.py, stage `mask`) reads.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from ..grammar.grammars import Matcher, fill_masks
+from . import faults
 
 #: Set CLICKPACA_MASK_AHEAD=0 to compute masks after the decode instead (for comparison).
 ENABLED = os.environ.get("CLICKPACA_MASK_AHEAD", "1") != "0"
@@ -34,24 +40,46 @@ class MaskJob:
                  pool: ThreadPoolExecutor | None) -> None:
         self.rows = {k: i for i, k in enumerate(keys)}
         self.bitmask = bitmask
+        self.errors: dict[Hashable, Exception] = {}  # key -> why its own mask could not be filled
         self._future: Future | None = None
         if not matchers:
             return
         if pool is None:
-            fill_masks(list(matchers), bitmask[:len(matchers)])
+            self.errors = _fill(list(keys), list(matchers), bitmask)
         else:
-            self._future = pool.submit(fill_masks, list(matchers), bitmask[:len(matchers)])
+            self._future = pool.submit(_fill, list(keys), list(matchers), bitmask)
 
     def wait(self) -> None:
-        """Block until the masks are filled; re-raises what the worker raised."""
+        """Block until the masks are filled (a mask's own failure is kept for `row`)."""
         if self._future is not None:
             future, self._future = self._future, None
-            future.result()
+            self.errors = future.result()
 
     def row(self, key: Hashable) -> np.ndarray | None:
-        """The filled mask row of ``key`` (call `wait` first), None if it has none."""
+        """The filled mask row of ``key`` (call `wait` first), None if it has none;
+        raises the exception its own fill raised."""
+        if key in self.errors:
+            raise self.errors[key]
         i = self.rows.get(key)
         return None if i is None else self.bitmask[i]
+
+
+def _fill(keys: list, matchers: list[Matcher], bitmask: np.ndarray) -> dict[Hashable, Exception]:
+    """Fill every mask in one call; if that fails, each alone: {key: its exception}."""
+    try:
+        for k in keys:
+            faults.hit("mask", getattr(k, "seq_id", None))
+        fill_masks(matchers, bitmask[:len(matchers)])
+        return {}
+    except Exception:  # noqa: BLE001 - find whose mask fails, the others are filled
+        errors = {}
+        for i, (k, m) in enumerate(zip(keys, matchers)):
+            try:
+                faults.hit("mask", getattr(k, "seq_id", None))
+                fill_masks([m], bitmask[i:i + 1])
+            except Exception as e:  # noqa: BLE001
+                errors[k] = e
+        return errors
 
 
 class MaskAhead:

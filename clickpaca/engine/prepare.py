@@ -15,7 +15,8 @@ holds only what the client sent):
   template that cannot format them, or a text whose special tokens alone overflow the
   context, is kept as the ProtocolError to answer with (`prompt`);
 - `score`: the text's tokens (`text`);
-- `grammar`: the compiled grammar, or the GrammarError to answer with (`grammar`).
+- `grammar`: the compiled grammar, or the GrammarError to answer with (`grammar`);
+- an `infer` with DRY: its sequence breakers' table (kept by sampling/dry.py, not here).
 
 Tokenizing is linear in the text (pretokenize.py) and llama_tokenize and llguidance
 release the GIL, so the engine thread keeps decoding meanwhile. One function does the
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ..grammar.grammars import CompiledGrammar, GrammarError
+from ..sampling import dry
 from ..wire.protocol import GrammarRequest, InferRequest, PrefillRequest, ProtocolError, Request, ScoreRequest
 
 if TYPE_CHECKING:
@@ -111,6 +113,8 @@ def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepa
                                   rt.tokenize_prompt(text, True, req.seq_id, req.type))
         except ProtocolError as e:
             tokens = PromptTokens(None, None, e)
+        if isinstance(req, InferRequest):
+            _dry_breakers(req, rt)
         return Prepared(prompt=tokens)
     if isinstance(req, ScoreRequest):
         return Prepared(text=rt.score_tokens(req.text))
@@ -122,6 +126,15 @@ def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepa
             compiled = e
         return Prepared(grammar=compiled)
     return NOTHING
+
+
+def _dry_breakers(req: InferRequest, rt: "Runtime") -> None:
+    """DRY's breaker table, made here so the engine thread finds it made (sampling/dry.py
+    keeps the recent ones per vocabulary): up to ~1 s for 64 breakers that touch most
+    of the vocabulary, plus ~2 s to read and index the vocabulary the first time."""
+    p = req.params
+    if p.dry_multiplier != 0 and p.dry_penalty_last_n != 0 and p.dry_sequence_breakers:
+        dry.breakers(rt.step_vocab, p.dry_sequence_breakers)
 
 
 def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: SharedUse) -> Prepared | None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..llama import features
-from . import statedir
+from . import faults, statedir
 from ..activations import capture as C
 from ..wire.protocol import ProtocolError
 from .plan import Feed, Want
@@ -186,19 +186,30 @@ class JobCapture:
 
 
 def write_npy(arr: np.ndarray, states: Any, namespace: str | None, seq_id: int, node: str) -> dict:
-    """A large capture as a new .npy file in the session's namespace of the state directory
-    (never replacing a file); the reference that goes in the event."""
-    name = f"capture-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
-    dir_fd, name, label = states.locate(name, namespace, False)
+    """A large capture as a new .npy file in the session's namespace of the state directory;
+    the reference that goes in the event. Its name holds the server's run id (unique among
+    the servers sharing the directory) and it is created with O_EXCL: nothing is ever
+    replaced (a name taken anyway, by a client's `save`, moves on to the next number)."""
+    buf = io.BytesIO()
+    np.save(buf, arr)
     try:
-        buf = io.BytesIO()
-        np.save(buf, arr)
-
-        def never(_fd: int, _name: str) -> None:
-            raise FileExistsError(f"{label} exists")
-        statedir.write_file(dir_fd, name, [buf.getvalue()], label, never)
-    finally:
-        os.close(dir_fd)
+        faults.hit("capture", seq_id)
+        dir_fd = states.namespace_dir(namespace)
+        try:
+            for _ in range(8):
+                name = f"capture-{states.run_id}-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
+                try:
+                    statedir.create_file(dir_fd, name, [buf.getbuffer()])
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError("eight names in a row were taken")
+        finally:
+            os.close(dir_fd)
+    except (OSError, statedir.StatePathError) as e:
+        raise faults.StageFailed("capture", f"capture: its {node} file could not be written in the state "
+                                            f"directory: {e}") from e
     sub = namespace or ""
     return {"dtype": str(arr.dtype), "shape": list(arr.shape), "file": str(states.root / sub / name)}
 
@@ -214,7 +225,7 @@ def for_request(rt: Any, req: Any, namespace: str | None, max_rows: int) -> JobC
     fa = {True: "on", False: "off"}.get(rt.ctx.flash_attn, "auto")
     g = C.graph(rt.model, fa)
     try:
-        names = tuple(C.validate(list(req.capture), g.names))
+        names = tuple(C.validate(list(req.capture), g.names, g.excluded))
     except C.CaptureError as e:
         raise ProtocolError(str(e), seq_id, kind) from None
     per_row = sum(g.row_elems.get(n, rt.model.n_embd) for n in names) * 4

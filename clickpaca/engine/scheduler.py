@@ -12,33 +12,49 @@ its job (`sampled`).
 
 Failures stay local: a decode that finds no KV room first defers prompt chunks, then
 ends the sequence that holds the most cells; a failed decode ends only the sequences
-that were in it. Every `infer` ends in exactly one `done` or `error`.
+that were in it. Every stage that serves one sequence (faults.STAGES: its preparation,
+mask, readout, feed, sampling, accept, events, capture file) runs guarded (`_guard`):
+a failure there ends that sequence alone with an `error` naming the stage, and the
+others in the tick go on; the batched mask fill and the batched sampling call, on
+failing, are redone one sequence at a time to find whose it was. Only what serves the
+whole batch (planning, the decode) can fail a tick; the server then ends every request
+in it with an error (Sequences.fail_all). Every `infer` ends in exactly one `done` or
+`error`.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
+from typing import Any, Callable
 
 from ..sampling.batch import sample_tick
 from ..sampling.usersteps import StepFailed
+from . import faults
 from .jobs import Tick
 from .mask_ahead import MaskJob
 from .plan import Feed, plan_tick
 from .runtime import Runtime
-from .sequences import Sequences
+from .sequences import Sequence, Sequences
+
+_FAILED = object()  # what `_guard` returns for a stage that failed
 
 
 class Scheduler:
     def __init__(self, rt: Runtime, seqs: Sequences) -> None:
         self.rt, self.seqs = rt, seqs
         self._prompt_tick = False  # deterministic mode: this tick feeds one prompt chunk only
+        # logits rows whose pages stay resident between requests (a generating tick uses
+        # one per sequence); those past it are given back once no decode needs them
+        self._keep_rows = max(64, rt.ctx.n_seq_max)
 
     def tick(self) -> None:
         """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
         ctx = self.rt.ctx
         for seq in list(self.seqs.order):
-            why = seq.job.overflow(seq, ctx.n_ctx_seq)
-            if why is not None:
+            why = self._guard(seq, "prepare", seq.job.overflow, seq, ctx.n_ctx_seq)
+            if why is not None and why is not _FAILED:
                 self.seqs.fail(seq, why)
         if self.rt.deterministic:
             self._prompt_tick = self._next_is_prompt_tick()
@@ -46,6 +62,8 @@ class Scheduler:
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
             while plan:
+                for f in plan:  # the tests' way to fail the tick itself (faults.py)
+                    faults.hit("decode", f.key.seq_id)
                 rc = ctx.decode(self.rt.batch)
                 if rc == 0:
                     break
@@ -56,6 +74,29 @@ class Scheduler:
             job.wait()
         if plan:
             self._consume(plan, job)
+        # the tick's logits are read: once no decode needs many rows (the requests that
+        # wrote them are over, or nothing runs), their pages go back (core.release_logits)
+        if ctx.n_outputs <= self._keep_rows or not self.seqs.order:
+            ctx.release_logits(self._keep_rows)
+
+    def _guard(self, seq: Sequence, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), one stage of serving `seq`; when it raises, `seq` alone ends with an
+        `error` naming the stage (unless its request was answered already) and this
+        returns _FAILED. faults.hit is the tests' way in (faults.py)."""
+        try:
+            faults.hit(stage, seq.seq_id)
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the others in the tick go on
+            if not isinstance(e, faults.StageFailed):
+                traceback.print_exc(file=sys.stderr)
+            if seq.job is not None:  # still running: its request has had no end event
+                self.seqs.fail(seq, faults.describe(stage, e))
+            return _FAILED
+
+    def _wants(self) -> list:
+        """Each active sequence's Want (stage `prepare`)."""
+        wants = [self._guard(seq, "prepare", seq.job.want, seq) for seq in list(self.seqs.order)]
+        return [w for w in wants if w is not _FAILED]
 
     def _start_masks(self, plan: list[Feed]) -> MaskJob:
         """Start filling the masks of the rows that sample this tick, for the jobs that
@@ -65,14 +106,14 @@ class Scheduler:
             if f.samples:
                 matcher = f.key.job.grammar()
                 if matcher is not None:
-                    pairs.append((f.key.slot, matcher))
+                    pairs.append((f.key, matcher))
         return self.rt.masks.start(pairs)
 
     def _next_is_prompt_tick(self) -> bool:
         """Deterministic mode never mixes generated tokens and prompt chunks in one decode
         (llama.cpp's split of such a batch can leave a prompt token alone in a micro-batch):
         with both waiting, prompt and generation ticks alternate."""
-        wants = [seq.job.want(seq) for seq in self.seqs.order]
+        wants = self._wants()
         kinds = {w.generating for w in wants if w.generating or not w.waiting}
         if kinds == {True, False}:
             return not self._prompt_tick
@@ -81,7 +122,7 @@ class Scheduler:
     def _plan(self, defer_prompts: bool) -> list[Feed]:
         """Plan the tick (plan.py) and fill the batch from it."""
         batch = self.rt.batch
-        wants = [seq.job.want(seq) for seq in self.seqs.order]
+        wants = self._wants()
         if self.rt.deterministic:
             plan = plan_tick(wants, batch.capacity, one_prompt=True) if self._prompt_tick \
                 else plan_tick(wants, batch.capacity, defer_prompts=True)
@@ -125,9 +166,11 @@ class Scheduler:
                     captured=self.rt.readout.take())
         for f in plan:
             seq = f.key
+            if seq.job is None:  # ended earlier in this tick
+                continue
             seq.n_past += f.count
-            if seq.job.read(tick, seq):
-                seq.job.fed(tick, seq, f)
+            if self._guard(seq, "readout", seq.job.read, tick, seq) is True:
+                self._guard(seq, "feed", seq.job.fed, tick, seq, f)
         if tick.draws:
             self._sample(tick, masks)
 
@@ -138,11 +181,42 @@ class Scheduler:
         other row runs its own chain, spread over the decode's threads (idle while the
         host samples); the results are bit for bit the per-sequence ones
         (tests/test_sampling_batch.py). A user-defined step that raises (StepFailed)
-        costs only its own sequence."""
-        draws = tick.draws
+        costs only its own sequence, as does any failure of one row (stage `sampling`)."""
         # the mask job was started for exactly the plan's sampling entries with a grammar
-        mask_rows = [masks.row(seq.slot) for seq, _, _ in draws]  # None: no grammar
-        results = sample_tick([sampler for _, _, sampler in draws], tick.logits, [row for _, row, _ in draws],
-                              mask_rows, isolate=(StepFailed,), threads=self.rt.ctx.n_threads)
+        draws, mask_rows = [], []
+        for d in tick.draws:
+            if d[0].job is None:
+                continue
+            row = self._guard(d[0], "mask", masks.row, d[0])  # None: no grammar
+            if row is not _FAILED:
+                draws.append(d)
+                mask_rows.append(row)
+        if not draws:
+            return
+        try:
+            for seq, _, _ in draws:  # the tests' way to fail the batched call (faults.py)
+                faults.hit("sampling", seq.seq_id)
+            results = sample_tick([sampler for _, _, sampler in draws], tick.logits,
+                                  [row for _, row, _ in draws], mask_rows, isolate=(Exception,),
+                                  threads=self.rt.ctx.n_threads)
+        except Exception as e:  # noqa: BLE001 - one row at a time, to find whose it is
+            if not isinstance(e, faults.StageFailed):
+                traceback.print_exc(file=sys.stderr)
+            results = [self._sample_one(seq, sampler, tick.logits[row], mask)
+                       for (seq, row, sampler), mask in zip(draws, mask_rows)]
         for (seq, row, _), mask, res in zip(draws, mask_rows, results):
-            seq.job.sampled(tick, seq, row, mask, res)
+            if isinstance(res, Exception) and not isinstance(res, StepFailed):
+                if not isinstance(res, faults.StageFailed):
+                    traceback.print_exception(res, file=sys.stderr)
+                self.seqs.fail(seq, faults.describe("sampling", res))
+                continue
+            self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
+
+    @staticmethod
+    def _sample_one(seq: Sequence, sampler: Any, logits: Any, mask: Any) -> Any:
+        """One row's token, or the exception its sampling raised."""
+        try:
+            faults.hit("sampling", seq.seq_id)
+            return sampler.sample(logits, mask)
+        except Exception as e:  # noqa: BLE001
+            return e

@@ -9,16 +9,23 @@ active order (the sequences with a job, in arrival order: `start`, `hold`), and 
 ending goes through it: `finish` (a `done` event), `fail` (an `error` event) or
 `release` (silently), each of which frees the slot and its KV cells at once, so the
 seq_id is reusable by the next request.
+
+Every request ends exactly once: the books first (the sequence leaves the active
+order), then its one end event (`answer`); when that event cannot be built (a capture
+file that cannot be written) or sent, an `error` naming the stage goes in its place.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..llama import core
 from ..wire.protocol import ProtocolError, error_event
+from . import faults
 from .jobs import Job
 
 
@@ -125,44 +132,84 @@ class Sequences:
     # ------------------------------------------------------------ endings
 
     def release(self, seq: Sequence) -> None:
-        """Free the sequence's KV cells and slot at once; its seq_id is reusable now."""
-        if not self.frozen:
-            self.ctx.seq_rm(seq.slot, -1, -1)
-        if seq.job is not None:
-            self.order.remove(seq)
-            self._end_job(seq)
-        if seq.session.seqs.get(seq.seq_id) is seq:
-            del seq.session.seqs[seq.seq_id]
-        self.free_slots.append(seq.slot)
-        for other in self.order:
-            other.kv_wait = False
+        """Free the sequence's KV cells and slot at once; its seq_id is reusable now.
+        The books come first: should a KV call raise, the sequence is still over."""
+        try:
+            if not self.frozen:
+                self.ctx.seq_rm(seq.slot, -1, -1)
+        finally:
+            job, seq.job = seq.job, None
+            if job is not None:
+                self.order.remove(seq)
+            if seq.session.seqs.get(seq.seq_id) is seq:
+                del seq.session.seqs[seq.seq_id]
+            self.free_slots.append(seq.slot)
+            for other in self.order:
+                other.kv_wait = False
+        if job is not None and not self.frozen:
+            job.end(seq)
         if len(self.free_slots) == self.ctx.n_seq_max and not self.frozen:
             # Nothing is held or running: start the next requests from the first cells.
             # Otherwise new cells land after the freed ones and every later decode
             # attends over the larger span (measured: 64 sequences ran ~35% slower).
             self.ctx.clear()
 
+    def send(self, seq: Sequence, event: dict) -> None:
+        """Send one of the sequence's events (stage `send`: a failure raises StageFailed)."""
+        faults.hit("send", seq.seq_id)
+        try:
+            seq.session.send(event)
+        except Exception as e:  # noqa: BLE001 - named for the sequence's error
+            raise faults.StageFailed("send", f"send: its event could not be sent: {type(e).__name__}: {e}") from e
+
+    def answer(self, seq: Sequence, kind: str | None, event: "dict | Callable[[], dict]") -> None:
+        """Send the one event that ends the sequence's request (or build it first: a
+        callable); when it cannot be built or sent, an `error` naming the stage instead."""
+        try:
+            if callable(event):
+                faults.hit("end", seq.seq_id)
+                event = event()
+            self.send(seq, event)
+            return
+        except Exception as e:  # noqa: BLE001 - the request must still end
+            if not isinstance(e, faults.StageFailed):
+                traceback.print_exc(file=sys.stderr)
+            message = faults.describe("end", e)
+        try:
+            seq.session.send(error_event(message, seq.seq_id, kind))
+        except Exception:  # noqa: BLE001 - nothing more can reach this client
+            traceback.print_exc(file=sys.stderr)
+
     def finish(self, seq: Sequence, reason: str, stop: str | None = None, notify: bool = True) -> None:
         """End a request with a `done` event (none when not ``notify``)."""
         now = time.perf_counter()
         job = seq.job
-        self.release(seq)
-        if notify:
-            seq.session.send(job.done(seq, reason, stop, now))
+        try:
+            self.release(seq)
+        finally:
+            if notify:
+                self.answer(seq, job.kind, lambda: job.done(seq, reason, stop, now))
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an `error` event."""
         kind = seq.job.kind if seq.job is not None else None
-        self.release(seq)
-        seq.session.send(error_event(message, seq.seq_id, kind))
+        try:
+            self.release(seq)
+        finally:
+            self.answer(seq, kind, error_event(message, seq.seq_id, kind))
 
     def finish_all(self, reason: str, notify: bool = True) -> None:
         for seq in list(self.order):
             self.finish(seq, reason, notify=notify)
 
     def fail_all(self, message: str) -> None:
+        """End every active request with an `error` (a tick that cannot go on): each one,
+        whatever ending another raises."""
         for seq in list(self.order):
-            self.fail(seq, message)
+            try:
+                self.fail(seq, message)
+            except Exception:  # noqa: BLE001 - its error went out (fail's finally); the next
+                traceback.print_exc(file=sys.stderr)
 
     def close_session(self, session: Session) -> None:
         """A client went away: end its sequences silently and free their KV cells."""

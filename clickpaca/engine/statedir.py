@@ -14,6 +14,10 @@ client's names live in `clients/<id>/`, private to its connection and removed wh
 disconnects; `shared: true` uses `shared/`, where an existing name is replaced only
 when the save says `replace: true`, so clients never overwrite each other silently.
 
+Names the server picks itself never collide: a capture file's name holds the server's
+run id (`StateDir.run_id`: pid and a random part) and is created with O_EXCL, so
+servers and runs that share the directory never overwrite each other's files.
+
 Writes go to a temporary file `.clickpaca-tmp-<pid>-<random>` renamed into place. A
 process killed mid-write leaves its temporary file behind; `sweep()` (run at start)
 removes those of processes that no longer exist, and the private namespaces of dead
@@ -136,6 +140,24 @@ def write_file(dir_fd: int, name: str, chunks: Iterable[bytes], label: str,
     return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
 
 
+def create_file(dir_fd: int, name: str, chunks: Iterable[bytes]) -> int:
+    """Create a new file (O_EXCL: FileExistsError when the name exists; never replaces
+    anything, never follows a link) and write it; removed again if writing fails.
+    Returns its size. For names the server picks itself (capture files)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    except BaseException:
+        os.unlink(name, dir_fd=dir_fd)
+        raise
+
+
 def sweep(root: Path) -> list[str]:
     """Remove temp files of dead processes and private namespaces of dead servers."""
     removed: list[str] = []
@@ -170,6 +192,9 @@ class StateDir:
         if self.root.is_symlink() or not self.root.is_dir():
             raise StatePathError(f"stateDir: {self.root} is not a directory")
         self.swept = sweep(self.root)
+        # in the names this server picks itself (capture files): unique among the servers
+        # and runs that share the directory (a counter alone restarts at 0 in each)
+        self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
 
     def new_client_namespace(self, n: int) -> str:
         """A private namespace for one socket connection (unguessable, pid-tagged)."""
@@ -195,9 +220,13 @@ class StateDir:
             why = "absolute paths need --allow-any-path (stdio only); " if name.startswith("/") else ""
             raise StatePathError(f"path: must be a state file name ({why}letters, digits, '.', '_', '-', "
                                  f"at most 128, not starting with '.'), got {name[:60]!r}")
-        sub = "shared" if shared else namespace
-        d = self.root / sub if sub else self.root
+        return self.namespace_dir("shared" if shared else namespace), name, repr(name)
+
+    def namespace_dir(self, namespace: str | None) -> int:
+        """A descriptor of the namespace's directory (None: the root), created if missing;
+        the caller closes it."""
+        d = self.root / namespace if namespace else self.root
         try:
-            return open_dir(d, create=True), name, repr(name)
+            return open_dir(d, create=True)
         except OSError as e:
             raise StatePathError(f"path: the state namespace cannot be opened ({e.strerror})") from None

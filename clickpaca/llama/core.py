@@ -392,13 +392,46 @@ class Context(_Owned):
         self.mem = lib.llama_get_memory(self.ptr)
         self.n_vocab = model.n_vocab
         self._n_outputs = 0
+        self._rows_touched = 0  # the most logits rows a decode has written since the last release
+        # a host-only build's logits buffer is plain memory that can be given back; a GPU
+        # build's may be pinned for transfers, and is left alone
+        self._releasable = _host_only(nat)
 
     # -------------------------------------------------------------- decode
 
     def decode(self, batch: Batch) -> int:
         """llama_decode: 0 ok, 1 no KV slot for the batch, 2 aborted, <0 error."""
         self._n_outputs = int(batch.logits[:batch.n].sum())
+        self._rows_touched = max(self._rows_touched, self._n_outputs)
         return int(self.nat.lib.llama_decode(self.ptr, batch.value()))
+
+    @property
+    def n_outputs(self) -> int:
+        """Logits rows of the last decode."""
+        return self._n_outputs
+
+    def release_logits(self, keep_rows: int) -> int:
+        """Give back to the OS the pages of the logits buffer past `keep_rows` rows that
+        earlier decodes wrote (a score, or a capture of last-layer nodes, writes one row
+        of n_vocab floats per token: 512 MiB for a 512-token batch here; llama.cpp keeps
+        the buffer for the context's life). madvise(MADV_DONTNEED): a later decode that
+        writes there gets fresh zeroed pages. Call it once the last decode's logits have
+        been read (rows past `keep_rows` read zero after it); only on a host-only build.
+        Returns the bytes given back."""
+        keep = keep_rows
+        if not self._releasable or self._rows_touched <= keep:
+            return 0
+        ptr = self.nat.lib.llama_get_logits(self.ptr)
+        if ptr == self.nat.ffi.NULL:
+            return 0
+        base = int(self.nat.ffi.cast("uintptr_t", ptr))
+        page = os.sysconf("SC_PAGE_SIZE")
+        lo = -(-(base + keep * self.n_vocab * 4) // page) * page  # whole pages inside the rows
+        hi = (base + self._rows_touched * self.n_vocab * 4) // page * page
+        self._rows_touched = keep
+        if hi <= lo:
+            return 0
+        return hi - lo if _madvise_dontneed(lo, hi - lo) else 0
 
     def logits(self) -> np.ndarray:
         """[n_outputs, n_vocab] float32 view of the last decode's logits (see module doc)."""
@@ -441,3 +474,22 @@ class Context(_Owned):
         return int(lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data),
                                                 len(data), seq))
 
+
+def _host_only(nat: Native) -> bool:
+    """No GPU device is registered (RPC workers are fine: the logits buffer stays a plain
+    CPU buffer then); False where ggml's device API is missing (unknown)."""
+    if not features.available(nat, "device-rows"):
+        return False
+    lib = nat.lib
+    kinds = [getattr(lib, k) for k in ("GGML_BACKEND_DEVICE_TYPE_GPU", "GGML_BACKEND_DEVICE_TYPE_IGPU",
+                                       "GGML_BACKEND_DEVICE_TYPE_ACCEL") if hasattr(lib, k)]
+    return all(lib.ggml_backend_dev_by_type(k) == nat.ffi.NULL for k in kinds)
+
+
+def _madvise_dontneed(addr: int, length: int) -> bool:
+    """madvise(addr, length, MADV_DONTNEED) through libc; False when it fails."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), 4) == 0  # MADV_DONTNEED

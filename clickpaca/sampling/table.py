@@ -70,8 +70,9 @@ def _norm_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in items:
         if isinstance(key, str):
             s = key.strip()
-            if not (s.isascii() and s.isdigit()):
-                raise SamplerParamError(name, f"token id must be a non-negative integer, got {show(key)}")
+            if not (s.isascii() and s.isdigit()) or len(s) > 12:  # (int() refuses 4,300 digits)
+                raise SamplerParamError(name, f"token id must be a non-negative integer of at most 12 digits, "
+                                              f"got {show(key)}")
             tok = int(s)
         elif is_int(key):
             tok = int(key)
@@ -234,7 +235,7 @@ register(Step(
                   "DRY: how many of the latest context tokens (prompt included) it scans; -1 = whole "
                   "context, 0 = off"),
             Param("dry_sequence_breakers", "drySequenceBreakers", ("\n", ":", "\"", "*"),
-                  choice_strings(64, 40), ("dry_sequence_breakers",),
+                  choice_strings(D.MAX_BREAKERS, D.MAX_BREAKER_CHARS), ("dry_sequence_breakers",),
                   "DRY: strings (at most 64, each 1-40 characters) no repetition reaches across",
                   shown='`["\\n", ":", "\\"", "*"]`')),
     run=lambda ids, logits, p, ctx: D.apply(ids, logits, *D.penalties_for(p, ctx)),

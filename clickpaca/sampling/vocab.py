@@ -34,6 +34,10 @@ class Vocab:
     def tokenize(self, data: bytes) -> list[int]:
         return self._model.tokenize(data, add_special=False, parse_special=False).tolist()
 
+    def peek(self, key: Any) -> Any:
+        """memo's value for key, None when it was never made (nothing is made)."""
+        return self._memo.get(key)
+
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:
         """make() once per key (e.g. a step's processed parameters)."""
         if key not in self._memo:

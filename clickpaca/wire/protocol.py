@@ -631,8 +631,9 @@ def validate(obj: Any) -> Request:
         if name in obj:
             try:
                 values[name] = check(name, obj[name])
-            except ValueError as e:
-                raise ProtocolError(str(e), seq_id, kind) from None
+            except ValueError as e:  # a check names its field; one from deeper down (int()) gets it here
+                msg = str(e)
+                raise ProtocolError(msg if msg.startswith(name) else f"{name}: {msg}", seq_id, kind) from None
         elif default is MISSING:
             raise ProtocolError(f"{name}: missing (required for {kind})", seq_id, kind)
         else:

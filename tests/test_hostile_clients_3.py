@@ -1,0 +1,228 @@
+"""Issue 43, "hostile clients, round three": the findings of the fuzz run over the fields
+added since round two, each replayed on a real server.
+
+(The tick's failure isolation is tests/test_tick_failures.py; two servers on one state
+directory, tests/test_statedir_shared.py.)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import orjson
+import pytest
+
+from clickpaca.wire.client import Client
+from test_socket import start_server, stop_server
+
+pytestmark = pytest.mark.model
+
+PROMPT = "The capital of France is"
+
+
+class Timed(Client):
+    """A client that notes when each event arrived (to order two clients' events)."""
+
+    def _decode(self, line: bytes) -> dict:
+        ev = orjson.loads(line)
+        ev["_t"] = time.monotonic()
+        return ev
+
+
+# ------------------------------------------------------------------ DRY's breakers
+
+
+def test_a_dry_request_does_not_hold_up_another_client(tmp_path):
+    """The issue's line (64 breakers of 40 "x", 35 s on the engine thread before) on a
+    fresh server, whose first DRY request also reads and indexes the vocabulary: that
+    work is done on the sender's reader thread, so a short request another client sends
+    right after it is answered before the DRY request's first token; then 64 distinct
+    breakers beside a running stream: both end with `done`."""
+    path = tmp_path / "s.sock"
+    proc = start_server(path, nCtx=2048, nSeqMax=8, nBatch=64)
+    try:
+        a, b = Timed.connect(path), Timed.connect(path)
+        line = {"type": "infer", "seq_id": 2, "prompt": "Hello", "maxTokens": 8, "dryMultiplier": 1.0,
+                "drySequenceBreakers": ["x" * 40] * 64}
+        assert len(orjson.dumps(line)) > 2800
+        b.send(line)
+        a.infer(0, PROMPT, maxTokens=3, temperature=0)
+        toks_a, done_a = a.collect(0)
+        toks_b, done_b = b.collect(2)
+        assert done_a["type"] == "done" and done_b["type"] == "done" and len(toks_b) == 8, done_b
+        assert done_a["_t"] < toks_b[0]["_t"], "the DRY request's preparation held up the other client"
+
+        rng = random.Random(43)
+        worst = ["".join(rng.choices("etaoinshr ", k=40)) for _ in range(64)]
+        a.infer(1, PROMPT, maxTokens=64, temperature=0)
+        next(a.stream(1))  # streaming
+        b.send({**line, "seq_id": 3, "drySequenceBreakers": worst})
+        toks_a, done_a = a.collect(1)
+        toks_b, done_b = b.collect(3)
+        assert done_a["type"] == "done" and len(toks_a) == 63  # the first one was read above
+        assert done_b["type"] == "done" and len(toks_b) == 8
+        a.close()
+        b.close()
+    finally:
+        stop_server(proc, path)
+
+
+# ------------------------------------------------------------------ the smaller findings
+
+
+@pytest.fixture(scope="module")
+def bare():
+    """A stdio server not initialised yet: a failed init leaves it so, for the next."""
+    c = Client.spawn("--allow-any-path")
+    yield c
+    c.close()
+
+
+def init_error(c: Client, **init) -> str:
+    from clickpaca.wire.client import ServerError
+    from conftest import TEST_BUILD
+
+    with pytest.raises(ServerError) as e:
+        c.init(nCtx=256, nSeqMax=2, build=TEST_BUILD, timeout=120, **init)
+    assert e.value.event["request"] == "init", e.value.event
+    return e.value.event["message"]
+
+
+def test_a_control_vector_path_too_long_names_the_field(bare, tmp_path):
+    long_name = str(tmp_path / ("v" * 300 + ".gguf"))
+    msg = init_error(bare, controlVector=long_name)
+    assert msg.startswith("controlVector: ") and "File name too long" in msg, msg
+    assert len(msg) < 600  # the path is shortened in the message
+    msg = init_error(bare, controlVector="/" + "d/" * 3000 + "v.gguf")
+    assert msg.startswith("controlVector: a path of at most 4096 bytes"), msg
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
+def test_a_gguf_with_unusable_directions_is_refused_at_init(bare, tmp_path, bad):
+    """The same rule as directions given as data (activations/wire.values)."""
+    import numpy as np
+
+    from clickpaca.activations import cvec
+
+    d = np.zeros(640, np.float32)
+    d[7] = bad
+    path = cvec.write_gguf(tmp_path / "bad.gguf", {3: d, 4: np.ones(640, np.float32)}, "gemma3")
+    msg = init_error(bare, controlVector=str(path))
+    assert msg.startswith(f"controlVector: {path}: layer 3: "), msg
+    assert ("finite" in msg) if bad != 3e38 else ("within +-1e+06" in msg), msg
+    assert init_error(bare, controlVector={"3": [bad] * 640}).startswith("controlVector: layer 3: ")
+
+
+def test_a_negative_payload_shape_is_refused(bare):
+    from clickpaca.activations.capture import encode
+    import numpy as np
+
+    payload = encode(np.ones(640, np.float32), "float32")
+    assert init_error(bare, controlVector={"3": {**payload, "shape": [-640]}}) == \
+        "controlVector: layer 3: shape must be [n_embd] or [1, n_embd], got [-640]"
+    assert init_error(bare, controlVector={"3": {**payload, "shape": [1, -640]}}).startswith(
+        "controlVector: layer 3: shape must be")
+
+
+def test_a_5000_digit_key_names_the_field(bare):
+    msg = init_error(bare, controlVector={"9" * 5000: [1.0] * 640})
+    assert msg.startswith("controlVector: layer ") and "not a layer number" in msg, msg
+    bare.infer(0, "x", logit_bias={"9" * 5000: 1.0})
+    _, ev = bare.collect(0, timeout=60)
+    assert ev["type"] == "error" and ev["message"].startswith("logit_bias: token id"), ev
+
+
+def test_capture_names_listed_are_capturable_and_the_others_say_why(tmp_path):
+    """Qcur-N, Kcur-N, Vcur-N, norm-N and the cache views are not offered (llama.cpp
+    names several nodes so, or they have no token dimension): asking for one says why.
+    Every name the error lists as valid is captured, in requests of 64 names."""
+    from clickpaca.activations import capture as C
+    from clickpaca.llama import core
+    from conftest import TEST_BUILD
+
+    c = spawn_capture(tmp_path)
+    try:
+        for name in ("Qcur-3", "Kcur-3", "Vcur-3", "norm-3", "cache_k_l0 (view)"):
+            c.infer(0, PROMPT, maxTokens=1, capture=[name])
+            _, ev = c.collect(0, timeout=120)
+            assert ev["type"] == "error" and ev["message"].startswith(f"capture: node {name!r} is not captured: "), ev
+        model = core.Model(c.ready["model"]["path"], build=TEST_BUILD)
+        try:
+            names = C.graph(model, "on" if c.ready["kernels"]["flashAttn"] else "off").names
+        finally:
+            model.close()
+        for i in range(0, len(names), 64):
+            chunk = names[i:i + 64]
+            c.infer(0, PROMPT, maxTokens=1, capture=chunk, captureTokens="last", captureDtype="float16")
+            _, ev = c.collect(0, timeout=300)
+            assert ev["type"] == "done" and sorted(ev["capture"]["nodes"]) == sorted(chunk), ev.get("message")
+    finally:
+        c.close()
+
+
+def spawn_capture(tmp_path) -> Client:
+    from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
+
+    c = Client.spawn()
+    c.init(nCtx=512, nSeqMax=2, build=TEST_BUILD, cacheTypeK=TEST_CACHE_K, cacheTypeV=TEST_CACHE_V,
+           capture=True, stateDir=str(tmp_path / "state"))
+    return c
+
+
+# ------------------------------------------------------------------ memory
+
+
+def rss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def anon_mappings(pid: int) -> list[tuple[int, int]]:
+    """(size, resident) in MiB of each anonymous mapping of the process."""
+    out, cur = [], None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(ch in "0123456789abcdef-" for ch in head[0]):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                cur = [(b - a) >> 20, 0] if len(head) == 5 else None
+                if cur is not None:
+                    out.append(cur)
+            elif line.startswith("Rss:") and cur is not None:
+                cur[1] = int(head[1]) >> 10
+    return [tuple(m) for m in out]
+
+
+def test_a_large_captures_memory_comes_back_when_it_ends(tmp_path):
+    """A score capturing l_out-17 (a last-layer node: every row asks for logits) over a
+    window of ~500 tokens writes ~500 MiB of logits rows into llama.cpp's output buffer,
+    which it keeps for the context's life. Once the request is over the server gives
+    those pages back (core.Context.release_logits): the buffer (the anonymous mapping of
+    one MiB per row) keeps at most 64 rows resident, and the same request again does not
+    raise the process's RSS where it ends."""
+    c = spawn_capture_big(tmp_path)
+    try:
+        text = " ".join(f"word{i} is here." for i in range(95))  # one window of ~500 tokens
+        pid = c.proc.pid
+        ends = []
+        for _ in range(2):
+            ev = c.score(1, text, window=512, capture=["l_out-17"], captureTokens="all")
+            rows = ev["capture"]["nodes"]["l_out-17"]["shape"][0]
+            assert ev["type"] == "scored" and rows >= 400, ev["tokens"]
+            buffers = [m for m in anon_mappings(pid) if rows <= m[0] <= rows + 16]
+            assert buffers, ("no mapping of the output buffer's size", rows, anon_mappings(pid))
+            assert all(resident <= 64 + 8 for _, resident in buffers), buffers
+            ends.append(rss_of(pid))
+        assert ends[1] - ends[0] <= 64 << 20, [e >> 20 for e in ends]
+    finally:
+        c.close()
+
+
+def spawn_capture_big(tmp_path) -> Client:
+    from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
+
+    c = Client.spawn()
+    c.init(nCtx=2048, nSeqMax=4, nBatch=512, build=TEST_BUILD, cacheTypeK=TEST_CACHE_K, cacheTypeV=TEST_CACHE_V,
+           capture=True, stateDir=str(tmp_path / "state-big"))
+    return c
