@@ -14,6 +14,8 @@ One module per job:
   peer     `bench peer`: against llama-server on the same loads (peer_loads: the loads,
            peer_sides: one timed run on each side, peer_check: every output checked,
            llama_server: starting and driving llama-server)
+  schemas  `bench schemas DIR|PACKAGE`: a schema corpus through clickpaca and llama-server,
+           every output validated
   ppl      `clickpaca ppl`: perplexity through the server, KL / top-1 in-process
   cli      dispatch and `bench all`
 

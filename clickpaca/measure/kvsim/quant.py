@@ -150,6 +150,9 @@ def q8_0(x: np.ndarray) -> np.ndarray:
     idv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     v = b * idv[:, None]
     q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))  # roundf: ties away from zero
+    # ggml stores q in an int8; where d underflows fp16 (amax < ~7.6e-6) 1/d overflows and q
+    # is inf or nan, but d's fp16 is 0 and the value is 0 whatever q holds: keep q finite
+    q = np.clip(np.nan_to_num(q, nan=0.0, posinf=127.0, neginf=-128.0), -128, 127)
     return (q * d.astype(np.float16).astype(np.float32)[:, None]).reshape(np.shape(x))
 
 
