@@ -75,7 +75,7 @@ def test_sampler_and_protocol_fields_answer_alike():
     assert message(reusePrefix=None) == "reusePrefix: must be true or false, got null"
     assert message(trace=1) == "trace: must be true or false, got 1"
     assert message(samplers=["top_k", "nope"]).startswith('samplers: unknown step "nope"; known: ')
-    assert message(logit_bias=[["a", 1]]) == 'logit_bias: token id must be a non-negative integer, got "a"'
+    assert message(logit_bias=[["a", 1]]) == 'logit_bias: token id must be a non-negative integer of at most 12 digits, got "a"'
     with pytest.raises(SamplerParamError) as e:  # in process, the same class and text
         SamplerParams(top_p="x")
     assert str(e.value) == 'topP: must be a number, got "x"' and isinstance(e.value, FieldError)
