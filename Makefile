@@ -23,7 +23,7 @@ setup: prereqs venv model mainline bindgen
 
 ## prereqs: check the README's system prerequisites before any download or build
 prereqs:
-	@$(PYTHON) native/prereqs.py
+	@$(PYTHON) native/prereqs.py --preset $(PRESET)
 
 ## venv: the Python environment (.venv) with clickpaca installed in development mode
 venv: $(VENV)/.installed
