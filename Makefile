@@ -12,7 +12,19 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study clean help
+# BUNDLE=dir (docs/GPU.md): set up from an offline bundle only. pip sees that directory and no
+# index; the project's own downloads (build.py's sdist, the corpus, the second model) take
+# their files from it or refuse by name. `make bundle` itself gathers one (network needed).
+BUNDLE ?=
+ifneq ($(BUNDLE),)
+ifeq ($(filter bundle,$(MAKECMDGOALS)),)
+export CLICKPACA_BUNDLE := $(abspath $(BUNDLE))
+export PIP_NO_INDEX := 1
+export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
+endif
+endif
+
+.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study bundle clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -24,6 +36,16 @@ setup: prereqs venv model mainline bindgen
 ## prereqs: check the README's system prerequisites before any download or build
 prereqs:
 	@$(PYTHON) native/prereqs.py --preset $(PRESET)
+
+## bundle: an offline bundle for a machine without network (a cluster node): the wheels for its
+## Python and platform, the pinned llama.cpp sdist and the default model, in one directory:
+## make bundle [BUNDLE=bundle] [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_31_x86_64]; on the node:
+## make setup BUNDLE=bundle (docs/GPU.md). PLATFORM defaults to this machine's glibc.
+PYTHON_VERSION ?=
+PLATFORM ?=
+bundle:
+	$(PYTHON) native/bundle.py make $(or $(BUNDLE),bundle) $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
+		$(if $(PLATFORM),--platform $(PLATFORM))
 
 ## venv: the Python environment (.venv) with clickpaca installed in development mode
 venv: $(VENV)/.installed

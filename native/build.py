@@ -123,6 +123,12 @@ def fetch_sdist(package: str, version: str, sdist: str, sha256: str | None) -> P
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     target = downloads / sdist
+    if not target.exists() and offline_module().active():  # make setup BUNDLE=dir: no network
+        try:
+            offline_module().from_bundle(sdist, downloads)
+        except offline_module().BundleError as e:
+            raise BuildError(str(e)) from None
+        log(f"{sdist}: taken from the bundle {offline_module().active()}")
     if not target.exists():
         log(f"downloading {package}=={version} (sdist) from the package registry ...")
         with_tmp = downloads / f".tmp-{os.getpid()}"
@@ -636,6 +642,18 @@ def link_names(flavor: str, sdist_version: str | None, cpu: dict) -> list[str]:
         return [f"compat-{sdist_version}"]
     names = BUILD_NAMES.get(flavor, (flavor,))
     return [f"{n}-{cpu['cpu_isa']}" for n in names] if cpu.get("cpu_isa") else list(names)
+
+
+@functools.lru_cache(maxsize=1)
+def offline_module():
+    """clickpaca/base/offline.py (standard library only), loaded by path like cpu_module:
+    with $CLICKPACA_BUNDLE set the sdist comes from the bundle, never from the network."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("clickpaca_offline", ROOT / "clickpaca" / "base" / "offline.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)

@@ -58,6 +58,12 @@ def missing(preset: str = "linux-cpu") -> list[str]:
                 cuda.resolve_arch(os.environ.get("CUDA_ARCH"), cuda.local_archs())
             except cuda.CudaError as e:
                 problems.append(str(e))
+    if os.environ.get("CLICKPACA_BUNDLE"):  # make setup BUNDLE=dir: whole, and for this machine
+        import bundle
+        try:
+            bundle.check(Path(os.environ["CLICKPACA_BUNDLE"]))
+        except bundle.BundleError as e:
+            problems.append(str(e))
     if sys.version_info[:2] < PYTHON_MIN:
         problems.append(f"Python {'.'.join(map(str, PYTHON_MIN))} or newer is required "
                         f"({sys.executable} is {sys.version.split()[0]}): install a newer python3")
