@@ -96,15 +96,15 @@ test: setup patched peer
 	@$(PY) -c 'import os, sys; os.setsid(); os.execvp("sh", sys.argv[1:])' sh -c 'for v in $(COMPAT_CI); do nice -n 19 $(PY) native/build.py compat --sdist-version $$v \
 		--preset $(PRESET) || exit 1; done' > builds/compat-build.log 2>&1 & cb=$$!; \
 	trap 'kill -- -$$cb 2>/dev/null' EXIT; \
-	$(PY) -m pytest -m turboquant $(PYTEST_ARGS) && \
-	$(PY) -m pytest -m "not turboquant and not portable" $(PYTEST_ARGS) || exit 1; \
+	$(PY) -m pytest -m "turboquant and not gpu" $(PYTEST_ARGS) && \
+	$(PY) -m pytest -m "not turboquant and not portable and not gpu" $(PYTEST_ARGS) || exit 1; \
 	echo "waiting for the compat builds (builds/compat-build.log) ..."; \
 	wait $$cb || { tail -n 40 builds/compat-build.log; exit 1; }; trap - EXIT
 	@for v in $(COMPAT_CI); do $(MAKE) --no-print-directory compat-run COMPAT_VERSION=$$v || exit 1; done
 
 ## check: between commits, under 5 minutes with the builds cached: every module's unit tests
 ## (no model, no patched build) and one real-server smoke test (tests/test_smoke_server.py)
-CHECK_MARKS ?= (not model and not turboquant and not activations and not portable and not slow) or smoke
+CHECK_MARKS ?= ((not model and not turboquant and not activations and not portable and not slow) or smoke) and not gpu
 check: setup
 	$(PY) -m pytest -q -m "$(CHECK_MARKS)" $(PYTEST_ARGS)
 
