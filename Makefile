@@ -24,7 +24,7 @@ export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
 endif
 endif
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study bundle clean help
+.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study bundle gpu-check clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -46,6 +46,17 @@ PLATFORM ?=
 bundle:
 	$(PYTHON) native/bundle.py make $(or $(BUNDLE),bundle) $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
 		$(if $(PLATFORM),--platform $(PLATFORM))
+
+## gpu-check: on a machine with an NVIDIA GPU and a CUDA toolkit (offline: after make setup
+## BUNDLE=dir): builds linux-cuda for the local GPU with every core (links under
+## builds/linux-cuda-sm<arch>/), runs the tests marked gpu, measures decode, 64 sequences and the
+## sampler against the native tools; summary.json + summary.md in GPU_CHECK_OUT (docs/GPU.md).
+## Without a GPU it stops in one line.
+GPU_CHECK_OUT ?= bench-results/gpu-check
+gpu-check:
+	@$(PYTHON) native/cudakit.py preflight >/dev/null
+	@$(MAKE) --no-print-directory venv model PRESET=linux-cuda
+	$(PY) -m clickpaca.measure.gpucheck --out $(GPU_CHECK_OUT)
 
 ## venv: the Python environment (.venv) with clickpaca installed in development mode
 venv: $(VENV)/.installed

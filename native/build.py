@@ -370,12 +370,15 @@ def tools_in(targets: set[str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def cache_lock(flavor: str):
+def cache_lock(flavor: str, preset: str = "linux-cpu"):
     """One build of a flavour at a time per cache: two `make setup` runs on one cache wait
     for each other instead of deleting each other's half-built trees. Per flavour, so a
-    long compat build does not hold up a turboquant one."""
+    long compat build does not hold up a turboquant one, and per GPU preset, so an hour-long
+    CUDA compile on two cores does not hold up a CPU build (the CPU presets keep the
+    flavour's own lock file)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".build-{flavor}.lock", "w") as f:
+    name = f"{flavor}-{preset}" if cuda.is_cuda_preset(preset) else flavor
+    with open(cache_dir() / f".build-{name}.lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -541,7 +544,7 @@ def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         for name in link_names(flavor, sdist_version, cpu):
             link_build(name, out)
         return out
-    with cache_lock(flavor):
+    with cache_lock(flavor, preset):
         return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools, tools)
 
 

@@ -161,6 +161,18 @@ def preset_cmake(preset: str, env: dict | None = None) -> tuple[list[str], dict]
                                     "version": nvcc_version(root / "bin" / "nvcc"), "root": str(root)}
 
 
+def gpu_preflight(env: dict | None = None) -> tuple[str | None, str | None]:
+    """`make gpu-check`'s first step: (the architecture to build for, None), or (None, one
+    line saying what this machine lacks: a GPU, or nvcc)."""
+    env = os.environ if env is None else env
+    archs = local_archs()
+    if not archs:
+        return None, "make gpu-check needs an NVIDIA GPU, and nvidia-smi lists none here (docs/GPU.md)"
+    if find_nvcc(env) is None:
+        return None, "make gpu-check: " + NO_NVCC
+    return env.get("CUDA_ARCH") or ";".join(archs), None
+
+
 # ---------------------------------------------------------------- the registry toolkit
 
 
@@ -244,11 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("toolkit", help="assemble the registry CUDA toolkit in the cache; print its root")
     t.add_argument("--wheels", type=Path, help="install from this directory only (a bundle's wheels)")
     sub.add_parser("arch", help="print the architecture a linux-cuda build here would target")
+    sub.add_parser("preflight", help="make gpu-check's first step: a GPU and nvcc, or one line")
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca"))
     try:
         if args.cmd == "toolkit":
             print(assemble_registry_toolkit(cache, args.wheels))
+        elif args.cmd == "preflight":
+            arch, problem = gpu_preflight()
+            if problem:
+                print(problem, file=sys.stderr)
+                return 1
+            print(arch)
         else:
             print(resolve_arch(os.environ.get("CUDA_ARCH"), local_archs()))
     except CudaError as e:
