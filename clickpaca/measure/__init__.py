@@ -3,4 +3,5 @@ in the results store (results/). bench/ is `clickpaca bench ...` and `clickpaca 
 retrieval/ is `clickpaca kv-retrieval`; what the two share sits here: common.py (the
 commands' shared arguments), kl.py (KL and top-1 against a reference, in-process),
 texts.py and corpus.py (the default public-domain texts); steering.py is the worked
-control-vector experiment of docs/ACTIVATIONS.md, through the server."""
+control-vector experiment of docs/ACTIVATIONS.md, through the server; gpucheck.py is
+`make gpu-check` (docs/GPU.md)."""
