@@ -39,13 +39,14 @@ prereqs:
 
 ## bundle: an offline bundle for a machine without network (a cluster node): the wheels for its
 ## Python and platform, the pinned llama.cpp sdist and the default model, in one directory:
-## make bundle [BUNDLE=bundle] [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_31_x86_64]; on the node:
-## make setup BUNDLE=bundle (docs/GPU.md). PLATFORM defaults to this machine's glibc.
+## make bundle [BUNDLE=bundle] [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_31_x86_64] [CUDA=1: the
+## registry CUDA toolkit too]; on the node: make setup BUNDLE=bundle (docs/GPU.md). PLATFORM
+## defaults to this machine's glibc.
 PYTHON_VERSION ?=
 PLATFORM ?=
 bundle:
 	$(PYTHON) native/bundle.py make $(or $(BUNDLE),bundle) $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
-		$(if $(PLATFORM),--platform $(PLATFORM))
+		$(if $(PLATFORM),--platform $(PLATFORM)) $(if $(filter 1,$(CUDA)),--cuda)
 
 ## gpu-check: on a machine with an NVIDIA GPU and a CUDA toolkit (offline: after make setup
 ## BUNDLE=dir): builds linux-cuda for the local GPU with every core (links under

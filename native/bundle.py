@@ -71,9 +71,11 @@ def pip(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, cwd=ROOT)
 
 
-def make(out: Path, python_version: str, target: str) -> dict:
+def make(out: Path, python_version: str, target: str, cuda: bool = False) -> dict:
     """Download into `out` what set-up needs for `python_version` on `target`; write
-    bundle.json. Re-running reuses what is there (pip skips files it has)."""
+    bundle.json. Re-running reuses what is there (pip skips files it has). `cuda`: also
+    the registry CUDA toolkit's wheels (native/cudakit.py) into out/cuda, for a GPU node
+    without a toolkit (`python3 native/cudakit.py toolkit --wheels DIR/cuda`)."""
     wheels, files = out / "wheels", out / "files"
     wheels.mkdir(parents=True, exist_ok=True)
     files.mkdir(parents=True, exist_ok=True)
@@ -94,6 +96,12 @@ def make(out: Path, python_version: str, target: str) -> dict:
             proc = pip("download", "--no-deps", *opts, req, "-d", str(files))
         if proc.returncode != 0:
             raise BundleError(f"pip could not download {req}:\n{proc.stderr[-2000:]}")
+    if cuda:
+        import cudakit
+        proc = pip("download", "--no-deps", *where, "-d", str(out / "cuda"),
+                   *(f"{n}=={v}" for n, v in cudakit.REGISTRY_WHEELS.items()))
+        if proc.returncode != 0:
+            raise BundleError(f"pip could not download the CUDA wheels for {target}: {proc.stderr[-600:]}")
     lock = read_lock()
     sdist = files / lock["sdist"]
     if sha256_file(sdist) != lock["sha256"]:
@@ -106,6 +114,8 @@ def make(out: Path, python_version: str, target: str) -> dict:
         "llama_cpp_sdist": {"file": lock["sdist"], "sha256": lock["sha256"]},
         "wheels": {p.name: sha256_file(p) for p in sorted(wheels.iterdir()) if p.is_file()},
         "files": {p.name: sha256_file(p) for p in sorted(files.iterdir()) if p.is_file()},
+        "cuda": {p.name: sha256_file(p) for p in sorted((out / "cuda").iterdir()) if p.is_file()}
+        if (out / "cuda").is_dir() else {},
         "seconds": round(time.monotonic() - t0, 1),
     }
     (out / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -147,8 +157,8 @@ def check(bundle: Path) -> dict:
     if manifest["files"].get(lock["sdist"]) != lock["sha256"]:
         raise BundleError(f"the bundle {bundle} does not hold {lock['sdist']} with the sha256 "
                           "native/llama-cpp.lock pins: make it again from this checkout")
-    for sub, key in (("wheels", "wheels"), ("files", "files")):
-        for name, digest in manifest[key].items():
+    for sub, key in (("wheels", "wheels"), ("files", "files"), ("cuda", "cuda")):
+        for name, digest in manifest.get(key, {}).items():
             path = bundle / sub / name
             if not path.is_file() or sha256_file(path) != digest:
                 raise BundleError(f"{path} is missing or differs from the sha256 bundle.json recorded")
@@ -163,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
     m.add_argument("--platform", default=this_platform(),
                    help="the nodes' platform (default: this machine's, e.g. manylinux_2_36_x86_64)")
+    m.add_argument("--cuda", action="store_true",
+                   help="also the registry CUDA toolkit's wheels (bundle/cuda), for GPU nodes without one")
     c = sub.add_parser("check", help="check a bundle against this machine and its own sha256 record")
     c.add_argument("dir", type=Path)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "make":
-            got = make(args.dir.resolve(), args.python_version, args.platform)
-            print(f"bundle {args.dir}: {len(got['wheels'])} wheels and {len(got['files'])} files for Python "
+            got = make(args.dir.resolve(), args.python_version, args.platform, args.cuda)
+            print(f"bundle {args.dir}: {len(got['wheels'])} wheels, {len(got['files'])} files and "
+                  f"{len(got['cuda'])} CUDA wheels for Python "
                   f"{got['python_version']} on {got['platform']} "
                   f"({sum(p.stat().st_size for p in args.dir.rglob('*') if p.is_file()) / 2**20:.0f} MiB)")
         else:

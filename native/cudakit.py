@@ -227,7 +227,7 @@ def assemble_registry_toolkit(cache: Path, wheels: Path | None = None) -> Path:
            "--only-binary", ":all:", "--target", str(site),
            *(["--no-index", "--find-links", str(wheels)] if wheels else []),
            *(f"{name}=={version}" for name, version in REGISTRY_WHEELS.items())]
-    print(f"[cuda] installing CUDA {REGISTRY_CUDA} from the package registry into {site} ...",
+    print(f"[cuda] installing CUDA {REGISTRY_CUDA} from {wheels or 'the package registry'} into {site} ...",
           file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
