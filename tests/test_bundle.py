@@ -189,3 +189,14 @@ def test_a_clone_sets_up_from_a_bundle_with_every_download_blocked_and_serves(tm
                             cwd=clone, env=offline_env, capture_output=True, text=True, timeout=600)
     assert served.returncode == 0, served.stdout[-3000:] + served.stderr[-2000:]
     assert "1 passed" in served.stdout
+
+
+def test_make_setup_with_a_bundle_for_another_python_stops_in_one_line_before_the_venv(tmp_path):
+    b = small_bundle(tmp_path, {}, python_version="3.99")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "CLICKPACA_BUNDLE"))}
+    proc = subprocess.run(["make", "setup", f"BUNDLE={b}", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("make:", "make["))]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "is for Python 3.99" in lines[0] and f"PYTHON_VERSION={PY}" in lines[0]
+    assert not (tmp_path / "venv").exists()
