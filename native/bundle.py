@@ -41,6 +41,9 @@ from build import offline_module, read_lock, sha256_file  # noqa: E402  (native/
 ENV, BundleError = offline_module().ENV, offline_module().BundleError
 
 EXTRAS = "dev,model,plot"
+# What decides a bundle's contents besides its Python and platform: kept in bundle.json, and
+# a bundle made from the same is reused as it is (no network).
+INPUTS = ("pyproject.toml", "native/llama-cpp.lock", "native/cudakit.py")
 def project_files() -> list[tuple[str, list[str], str]]:
     """The files the project fetches with pip itself, beside the wheels pip installs:
     (pip's requirement, pip download options, what it is)."""
@@ -77,6 +80,15 @@ def make(out: Path, python_version: str, target: str, cuda: bool = False) -> dic
     the registry CUDA toolkit's wheels (native/cudakit.py) into out/cuda, for a GPU node
     without a toolkit (`python3 native/cudakit.py toolkit --wheels DIR/cuda`)."""
     wheels, files = out / "wheels", out / "files"
+    recipe = {"python_version": python_version, "platform": target, "cuda": cuda,
+              "inputs": {name: sha256_file(ROOT / name) for name in INPUTS}}
+    if (out / "bundle.json").is_file():  # made from the same inputs: kept, no network
+        old = json.loads((out / "bundle.json").read_text())
+        if old.get("recipe") == recipe:
+            try:
+                return check(out, for_this_machine=False)
+            except BundleError:
+                pass  # altered or incomplete: make it again
     wheels.mkdir(parents=True, exist_ok=True)
     files.mkdir(parents=True, exist_ok=True)
     tags = [a for p in platforms(target) for a in ("--platform", p)]
@@ -107,7 +119,7 @@ def make(out: Path, python_version: str, target: str, cuda: bool = False) -> dic
     if sha256_file(sdist) != lock["sha256"]:
         raise BundleError(f"{sdist} has sha256 {sha256_file(sdist)}, native/llama-cpp.lock pins {lock['sha256']}")
     manifest = {
-        "python_version": python_version, "platform": target, "extras": EXTRAS,
+        "python_version": python_version, "platform": target, "extras": EXTRAS, "recipe": recipe,
         "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "made_from": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                     text=True).stdout.strip() or "unknown",
@@ -139,18 +151,19 @@ def this_platform_ok(target: str) -> bool:
     return m.group(2) == platform.machine() and have >= (2, int(m.group(1)))
 
 
-def check(bundle: Path) -> dict:
-    """The bundle is whole (every recorded sha256), for this Python and this platform, and
-    holds the sdist native/llama-cpp.lock pins. Raises BundleError in one line."""
+def check(bundle: Path, for_this_machine: bool = True) -> dict:
+    """The bundle is whole (every recorded sha256), for this Python and this platform (unless
+    not `for_this_machine`), and holds the sdist native/llama-cpp.lock pins. Raises
+    BundleError in one line."""
     manifest_path = bundle / "bundle.json"
     if not manifest_path.is_file():
         raise BundleError(f"{bundle} is not a bundle (no bundle.json): make one with `make bundle BUNDLE={bundle}`")
     manifest = json.loads(manifest_path.read_text())
     ours = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if manifest["python_version"] != ours:
+    if for_this_machine and manifest["python_version"] != ours:
         raise BundleError(f"the bundle {bundle} is for Python {manifest['python_version']}, this is {ours}: "
                           f"make it with `make bundle PYTHON_VERSION={ours}`")
-    if not this_platform_ok(manifest["platform"]):
+    if for_this_machine and not this_platform_ok(manifest["platform"]):
         raise BundleError(f"the bundle {bundle} is for {manifest['platform']}, which this machine "
                           f"({platform.machine()}, glibc {platform.libc_ver()[1]}) cannot run")
     lock = read_lock()
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "make":
             got = make(args.dir.resolve(), args.python_version, args.platform, args.cuda)
             print(f"bundle {args.dir}: {len(got['wheels'])} wheels, {len(got['files'])} files and "
-                  f"{len(got['cuda'])} CUDA wheels for Python "
+                  f"{len(got.get('cuda', {}))} CUDA wheels for Python "
                   f"{got['python_version']} on {got['platform']} "
                   f"({sum(p.stat().st_size for p in args.dir.rglob('*') if p.is_file()) / 2**20:.0f} MiB)")
         else:

@@ -1,8 +1,9 @@
 """native/bundle.py, clickpaca/base/offline.py and `make setup BUNDLE=dir`: a clone of the
 checkout sets up on a machine without network from a bundle alone and serves.
 
-The end-to-end test makes (or reuses) a bundle for this machine's Python in the cache,
-the one step that reaches the package registry, then copies the checkout's tracked files
+The end-to-end test makes a bundle for this machine's Python in the cache (reused while
+pyproject.toml and the pins are unchanged), the one step that may reach the package
+registry, then copies the checkout's tracked files
 to a temporary directory and runs `make setup BUNDLE=...` there with every download
 blocked: in a network namespace of its own with no network at all (`unshare -n`, where
 the machine allows it), pip told to use no index and pointed at an address where nothing
