@@ -578,9 +578,17 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         log(f"{flavor}: cached build {out} (key {key})")
     else:
         t0 = time.monotonic()
-        log(f"{flavor}: building {src} with preset {preset} into {out} (key {key})")
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
+        if (out / "cmake" / "build.ninja").exists():
+            # An interrupted build of this very key (a CUDA compile on two cores takes hours):
+            # ninja goes on where it stopped (an object with no entry in its log is built
+            # again); what the last attempt assembled is made anew.
+            log(f"{flavor}: resuming the interrupted build in {out} (key {key})")
+            for sub in ("lib", "bin", "include"):
+                shutil.rmtree(out / sub, ignore_errors=True)
+        else:
+            log(f"{flavor}: building {src} with preset {preset} into {out} (key {key})")
+            shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CLICKPACA_BUILD_DIR=str(out / "cmake"))
         if cpu["cflags"]:
             for var in ("CFLAGS", "CXXFLAGS"):
