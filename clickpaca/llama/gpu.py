@@ -74,7 +74,7 @@ def local_gpus(nat: Any) -> list:
         if int(lib.ggml_backend_dev_type(dev)) not in kinds:
             continue
         reg = lib.ggml_backend_dev_backend_reg(dev)
-        if reg != ffi.NULL and ffi.string(lib.ggml_backend_reg_name(reg)) == b"RPC":
+        if reg != ffi.NULL and ffi.string(lib.ggml_backend_reg_name(reg)).startswith(b"RPC"):  # "RPC", "RPC[host:port]"
             continue
         out.append(dev)
     return out
