@@ -62,3 +62,14 @@ def test_the_summary_lists_every_step_and_says_whether_the_budget_held():
     text = gpucheck.render(summary)
     assert "NVIDIA H200" in text and "sm_90" in text and re.search(r"\| build mainline +\| +0 \| 200 +\|", text)
     assert "EXCEEDED" in text and "NOT all passed" in text and "## decode" in text
+
+
+def test_the_benches_json_is_collected_as_the_benches_write_it(tmp_path):
+    from clickpaca.results.report import write_json
+
+    write_json(tmp_path / "decode", "decode", {"table_markdown": "| side |\n|---|\n| server |", "notes": ["n"]})
+    write_json(tmp_path / "sampler", "sampler", {"table_markdown": "| n |\n|---|\n| 64 |"})
+    got = gpucheck.collect(tmp_path)
+    assert set(got) == {"decode", "sampler"}
+    assert got["decode"] == {"file": "decode/decode.json", "table_markdown": "| side |\n|---|\n| server |",
+                             "notes": ["n"]}

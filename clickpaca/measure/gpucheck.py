@@ -95,12 +95,7 @@ def run(out: Path, arch: str, jobs: int) -> dict:
         if rc != 0 and is_build:
             break
     total = round(time.monotonic() - t0, 1)
-    results = {}
-    for sub in ("decode", "batch", "peer", "sampler"):
-        for p in sorted((out / sub).glob("*.json")) if (out / sub).exists() else []:
-            data = json.loads(p.read_text())
-            results[sub] = {"file": str(p.relative_to(out)), "table_markdown": data.get("table_markdown"),
-                            "notes": data.get("notes")}
+    results = collect(out)
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip().splitlines()
     summary = {"arch": arch, "gpus": gpus, "cores": jobs, "builds": str(builds), "steps": done,
@@ -110,6 +105,21 @@ def run(out: Path, arch: str, jobs: int) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "summary.md").write_text(render(summary))
     return summary
+
+
+BENCHES = ("decode", "batch", "peer", "sampler")
+
+
+def collect(out: Path) -> dict:
+    """Each bench's JSON under out/<bench>/ (results/report.py write_json): its file, table
+    and notes, for the summary."""
+    results = {}
+    for sub in BENCHES:
+        for p in sorted((out / sub).glob("*.json")) if (out / sub).exists() else []:
+            data = json.loads(p.read_text())
+            results[sub] = {"file": str(p.relative_to(out)), "table_markdown": data.get("table_markdown"),
+                            "notes": data.get("notes")}
+    return results
 
 
 def render(summary: dict) -> str:
