@@ -23,6 +23,7 @@ libcuda.so.1 is loaded. Standard library only: it runs before any venv exists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -177,8 +178,8 @@ def gpu_preflight(env: dict | None = None) -> tuple[str | None, str | None]:
 
 
 def registry_root(cache: Path) -> Path:
+    """Where the registry toolkit of these pins is assembled (a new pin, a new directory)."""
     pins = json.dumps(REGISTRY_WHEELS, sort_keys=True)
-    import hashlib
     return cache / "toolchains" / f"cuda-{REGISTRY_CUDA}-{hashlib.sha256(pins.encode()).hexdigest()[:8]}"
 
 
