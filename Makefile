@@ -12,7 +12,19 @@ AMX ?= 0
 PORTABLE ?= 0
 export AMX PORTABLE
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study clean help
+# BUNDLE=dir (docs/GPU.md): set up from an offline bundle only. pip sees that directory and no
+# index; the project's own downloads (build.py's sdist, the corpus, the second model) take
+# their files from it or refuse by name. `make bundle` itself gathers one (network needed).
+BUNDLE ?=
+ifneq ($(BUNDLE),)
+ifeq ($(filter bundle,$(MAKECMDGOALS)),)
+export CLICKPACA_BUNDLE := $(abspath $(BUNDLE))
+export PIP_NO_INDEX := 1
+export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
+endif
+endif
+
+.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study bundle gpu-check clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -23,7 +35,29 @@ setup: prereqs venv model mainline bindgen
 
 ## prereqs: check the README's system prerequisites before any download or build
 prereqs:
-	@$(PYTHON) native/prereqs.py
+	@$(PYTHON) native/prereqs.py --preset $(PRESET)
+
+## bundle: an offline bundle for a machine without network (a cluster node): the wheels for its
+## Python and platform, the pinned llama.cpp sdist and the default model, in one directory:
+## make bundle [BUNDLE=bundle] [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_31_x86_64] [CUDA=1: the
+## registry CUDA toolkit too]; on the node: make setup BUNDLE=bundle (docs/GPU.md). PLATFORM
+## defaults to this machine's glibc.
+PYTHON_VERSION ?=
+PLATFORM ?=
+bundle:
+	$(PYTHON) native/bundle.py make $(or $(BUNDLE),bundle) $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
+		$(if $(PLATFORM),--platform $(PLATFORM)) $(if $(filter 1,$(CUDA)),--cuda)
+
+## gpu-check: on a machine with an NVIDIA GPU and a CUDA toolkit (offline: after make setup
+## BUNDLE=dir): builds linux-cuda for the local GPU with every core (links under
+## builds/linux-cuda-sm<arch>/), runs the tests marked gpu, measures decode, 64 sequences and the
+## sampler against the native tools; summary.json + summary.md in GPU_CHECK_OUT (docs/GPU.md).
+## Without a GPU it stops in one line.
+GPU_CHECK_OUT ?= bench-results/gpu-check
+gpu-check:
+	@$(PYTHON) native/cudakit.py preflight >/dev/null
+	@$(MAKE) --no-print-directory venv model PRESET=linux-cuda
+	$(PY) -m clickpaca.measure.gpucheck --out $(GPU_CHECK_OUT)
 
 ## venv: the Python environment (.venv) with clickpaca installed in development mode
 venv: $(VENV)/.installed
@@ -74,15 +108,15 @@ test: setup patched peer
 	@$(PY) -c 'import os, sys; os.setsid(); os.execvp("sh", sys.argv[1:])' sh -c 'for v in $(COMPAT_CI); do nice -n 19 $(PY) native/build.py compat --sdist-version $$v \
 		--preset $(PRESET) || exit 1; done' > builds/compat-build.log 2>&1 & cb=$$!; \
 	trap 'kill -- -$$cb 2>/dev/null' EXIT; \
-	$(PY) -m pytest -m turboquant $(PYTEST_ARGS) && \
-	$(PY) -m pytest -m "not turboquant and not portable" $(PYTEST_ARGS) || exit 1; \
+	$(PY) -m pytest -m "turboquant and not gpu" $(PYTEST_ARGS) && \
+	$(PY) -m pytest -m "not turboquant and not portable and not gpu" $(PYTEST_ARGS) || exit 1; \
 	echo "waiting for the compat builds (builds/compat-build.log) ..."; \
 	wait $$cb || { tail -n 40 builds/compat-build.log; exit 1; }; trap - EXIT
 	@for v in $(COMPAT_CI); do $(MAKE) --no-print-directory compat-run COMPAT_VERSION=$$v || exit 1; done
 
 ## check: between commits, under 5 minutes with the builds cached: every module's unit tests
 ## (no model, no patched build) and one real-server smoke test (tests/test_smoke_server.py)
-CHECK_MARKS ?= (not model and not turboquant and not activations and not portable and not slow) or smoke
+CHECK_MARKS ?= ((not model and not turboquant and not activations and not portable and not slow) or smoke) and not gpu
 check: setup
 	$(PY) -m pytest -q -m "$(CHECK_MARKS)" $(PYTEST_ARGS)
 

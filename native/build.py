@@ -12,6 +12,7 @@ compiling through the top-level CMakeLists.txt and CMakePresets.json.
     python3 native/build.py patched        # also: turboquant, activations (the same build)
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
     python3 native/build.py turboquant --cpu-isa sse42   # the CPU backend for SSE4.2, keyed apart
+    CUDA_ARCH=90 python3 native/build.py mainline --preset linux-cuda --only-tools ""   # GPU, library only
 
 Result: builds/<name> in the checkout for each of the flavor's names (BUILD_NAMES), links to
 $CLICKPACA_CACHE/builds/<flavor>-<preset>-<key>/ holding lib/, bin/, include/ and
@@ -38,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "native"
+sys.path.insert(0, str(NATIVE))
+import cudakit as cuda  # noqa: E402  (native/cudakit.py: a CUDA preset's toolkit, architecture and options)
 # Bump when the way a build is made changes in a way the key would not otherwise see.
 RECIPE_VERSION = "2"
 TOOLS = [
@@ -120,6 +123,12 @@ def fetch_sdist(package: str, version: str, sdist: str, sha256: str | None) -> P
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     target = downloads / sdist
+    if not target.exists() and offline_module().active():  # make setup BUNDLE=dir: no network
+        try:
+            offline_module().from_bundle(sdist, downloads)
+        except offline_module().BundleError as e:
+            raise BuildError(str(e)) from None
+        log(f"{sdist}: taken from the bundle {offline_module().active()}")
     if not target.exists():
         log(f"downloading {package}=={version} (sdist) from the package registry ...")
         with_tmp = downloads / f".tmp-{os.getpid()}"
@@ -361,12 +370,15 @@ def tools_in(targets: set[str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def cache_lock(flavor: str):
+def cache_lock(flavor: str, preset: str = "linux-cpu"):
     """One build of a flavour at a time per cache: two `make setup` runs on one cache wait
     for each other instead of deleting each other's half-built trees. Per flavour, so a
-    long compat build does not hold up a turboquant one."""
+    long compat build does not hold up a turboquant one, and per GPU preset, so an hour-long
+    CUDA compile on two cores does not hold up a CPU build (the CPU presets keep the
+    flavour's own lock file)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".build-{flavor}.lock", "w") as f:
+    name = f"{flavor}-{preset}" if cuda.is_cuda_preset(preset) else flavor
+    with open(cache_dir() / f".build-{name}.lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -440,13 +452,16 @@ def target_isa(cflags: list[str], native: bool = True) -> list[str]:
 
 def build_key(flavor: str, preset: str, source_digest: str, pdigest: str, extra: list[str],
               compat_stamp: list | None = None, cpu: dict | None = None,
-              isa: list[str] | None = None, compat_tools: bool = True) -> str:
+              isa: list[str] | None = None, compat_tools: bool = True,
+              tools: list[str] | None = None) -> str:
     """The cache key: everything that decides what a build produces, including the
-    instruction sets it was compiled for (`isa`) and the CPU choices (`cpu`)."""
+    instruction sets it was compiled for (`isa`) and the CPU choices (`cpu`). `tools`: the
+    native tools built beside the library when not all of TOOLS (--only-tools); a CUDA
+    preset's options (architecture, toolkit) come in `extra`."""
     fields = {
         "recipe": RECIPE_VERSION, "flavor": flavor, "preset": preset,
         "presets": preset_digest(preset), "source": source_digest,
-        "patches": pdigest, "targets": ["llama", *TOOLS],
+        "patches": pdigest, "targets": ["llama", *(TOOLS if tools is None else tools)],
         **({"extra": extra} if extra else {}),
         **({"cpu": {k: cpu[k] for k in ("cflags", "cmake")}} if cpu else {}),
         **({"isa": isa} if isa is not None else {}),
@@ -470,7 +485,8 @@ def build_cpu(preset: str, cpu: dict) -> list[str]:
     return target_isa(cpu["cflags"])
 
 
-def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
+def finished_pinned_build(flavor: str, preset: str, cpu: dict,
+                          tools: list[str] | None = None) -> Path | None:
     """A finished build of the pinned source (a PATCH_SETS flavor), found without the lock
     and without writing anything (its key needs only the lock file, the patches and what
     the compiler targets on this machine)."""
@@ -479,10 +495,30 @@ def finished_pinned_build(flavor: str, preset: str, cpu: dict) -> Path | None:
         return None
     pfiles = patch_files(flavor)
     key = build_key(flavor, preset, "sdist:" + read_lock()["sha256"],
-                    patches_digest(pfiles) if pfiles else "", [], cpu=cpu,
-                    isa=build_cpu(preset, cpu))
+                    patches_digest(pfiles) if pfiles else "", preset_options(preset)[0], cpu=cpu,
+                    isa=build_cpu(preset, cpu), tools=tools)
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     return out if (out / ".complete").exists() else None
+
+
+def preset_options(preset: str) -> tuple[list[str], dict]:
+    """A preset's own CMake options beyond CMakePresets.json, in the key, and their record:
+    for a CUDA preset the toolkit and architecture (native/cudakit.py), none for a CPU one."""
+    try:
+        return cuda.preset_cmake(preset)
+    except cuda.CudaError as e:
+        raise BuildError(str(e)) from None
+
+
+def selected_tools(only: str | None) -> list[str] | None:
+    """--only-tools "a,b" -> those of TOOLS ("" -> the library alone); None: all of them."""
+    if only is None:
+        return None
+    names = [t.strip() for t in only.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TOOLS]
+    if unknown:
+        raise BuildError(f"--only-tools: {', '.join(unknown)} not among {', '.join(TOOLS)}")
+    return [t for t in TOOLS if t in names]
 
 
 def link_build(name: str, out: Path) -> None:
@@ -499,26 +535,27 @@ def link_build(name: str, out: Path) -> None:
 
 def build(flavor: str, preset: str, sdist_version: str | None, jobs: int,
           cpu: dict | None = None, smoke_model: Path | None = None,
-          compat_tools: bool = False) -> Path:
+          compat_tools: bool = False, tools: list[str] | None = None) -> Path:
     cpu = cpu or cpu_from_env()
     flavor = FLAVOR_OF.get(flavor, flavor)
-    out = finished_pinned_build(flavor, preset, cpu)
+    out = finished_pinned_build(flavor, preset, cpu, tools)
     if out is not None:
         log(f"{flavor}: cached build {out}")
         for name in link_names(flavor, sdist_version, cpu):
             link_build(name, out)
         return out
-    with cache_lock(flavor):
-        return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools)
+    with cache_lock(flavor, preset):
+        return build_locked(flavor, preset, sdist_version, jobs, cpu, smoke_model, compat_tools, tools)
 
 
 def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
                  cpu: dict | None = None, smoke_model: Path | None = None,
-                 compat_tools: bool = False) -> Path:
+                 compat_tools: bool = False, only_tools: list[str] | None = None) -> Path:
     """`compat_tools`: a compat build also builds the native tools its tree defines;
     without, it is the library alone (all the bindings and the serve smoke need, and
-    about a third less to compile)."""
+    about a third less to compile). `only_tools`: a pinned flavor's tools when not all."""
     cpu = cpu or cpu_from_env()
+    preset_extra, preset_info = preset_options(preset)  # before any download: no nvcc, one line
     source = resolve_source(flavor, sdist_version)
     src: Path = source["src"]
     extra: list[str] = []
@@ -526,6 +563,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
         # Older trees: common/ wanted CURL by default. Which tools exist is found after
         # configuring (configured_targets); none is required for the bindings' smoke test.
         extra = ["-DLLAMA_CURL=OFF"]
+    extra += preset_extra
     pfiles = patch_files(flavor)
     pdigest = patches_digest(pfiles) if pfiles else ""
     if pfiles:
@@ -533,16 +571,24 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
     compat = [source["commit"], source["build_number"]] if flavor == "compat" else None
     isa = build_cpu(preset, cpu)
     key = build_key(flavor, preset, source["digest"], pdigest, extra, compat_stamp=compat,
-                    cpu=cpu, isa=isa, compat_tools=compat_tools)
+                    cpu=cpu, isa=isa, compat_tools=compat_tools, tools=only_tools)
     out = cache_dir() / "builds" / f"{flavor}-{preset}-{key}"
     done = out / ".complete"
     if done.exists():
         log(f"{flavor}: cached build {out} (key {key})")
     else:
         t0 = time.monotonic()
-        log(f"{flavor}: building {src} with preset {preset} into {out} (key {key})")
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
+        if (out / "cmake" / "build.ninja").exists():
+            # An interrupted build of this very key (a CUDA compile on two cores takes hours):
+            # ninja goes on where it stopped (an object with no entry in its log is built
+            # again); what the last attempt assembled is made anew.
+            log(f"{flavor}: resuming the interrupted build in {out} (key {key})")
+            for sub in ("lib", "bin", "include"):
+                shutil.rmtree(out / sub, ignore_errors=True)
+        else:
+            log(f"{flavor}: building {src} with preset {preset} into {out} (key {key})")
+            shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CLICKPACA_BUILD_DIR=str(out / "cmake"))
         if cpu["cflags"]:
             for var in ("CFLAGS", "CXXFLAGS"):
@@ -560,12 +606,15 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
             log(f"{flavor}: tools this tree defines under preset {preset}: "
                 f"{', '.join(tools) or 'none (library only)'}")
         else:
-            tools = {t: t for t in TOOLS}
+            tools = {t: t for t in (TOOLS if only_tools is None else only_tools)}
         run_streamed(["cmake", "--build", str(out / "cmake"), "-j", str(jobs),
                       "--target", "llama", *tools.values()], env, logfile)
         modules = assemble(out, src, tools, cpu)
         try:
-            smoke(out, flavor, smoke_model, jobs, strict=flavor != "compat")
+            if preset_info and not cuda.local_archs():
+                log(f"{flavor}: smoke test skipped (a {preset} build and no GPU here to run it on)")
+            else:
+                smoke(out, flavor, smoke_model, jobs, strict=flavor != "compat")
         except BuildError:
             shutil.rmtree(out, ignore_errors=True)  # nothing a later run could take as finished
             raise
@@ -581,6 +630,7 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
                     "cflags": cpu["cflags"],
                     "cmake": cpu["cmake"], "isa": isa, "machine": platform.machine(),
                     "built_on": cpu_model_name(), **modules},
+            **({"cuda": preset_info} if preset_info else {}),
             "patches": [str(p.relative_to(ROOT)) for p in pfiles], "patches_sha256": pdigest,
             "llama_h_sha256": header_sha,
             "libllama_sha256": sha256_file(out / "lib" / "libllama.so"),
@@ -603,6 +653,18 @@ def link_names(flavor: str, sdist_version: str | None, cpu: dict) -> list[str]:
         return [f"compat-{sdist_version}"]
     names = BUILD_NAMES.get(flavor, (flavor,))
     return [f"{n}-{cpu['cpu_isa']}" for n in names] if cpu.get("cpu_isa") else list(names)
+
+
+@functools.lru_cache(maxsize=1)
+def offline_module():
+    """clickpaca/base/offline.py (standard library only), loaded by path like cpu_module:
+    with $CLICKPACA_BUNDLE set the sdist comes from the bundle, never from the network."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("clickpaca_offline", ROOT / "clickpaca" / "base" / "offline.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)
@@ -747,13 +809,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-isa", default=os.environ.get("CPU_ISA") or None, choices=sorted(CPU_ISA_LEVELS),
                     help="the CPU backend for this instruction set level instead of this CPU's (CPU_ISA=...): "
                          "an experiment, linked as builds/<flavor>-<level>")
+    ap.add_argument("--only-tools", default=os.environ.get("ONLY_TOOLS"),
+                    help="a pinned flavor: build these native tools (comma-separated; \"\": the library "
+                         "alone) instead of all of them; keyed apart")
     ap.add_argument("--smoke-model", type=Path, default=None,
                     help="the GGUF the smoke test runs (default: $CLICKPACA_MODEL, else the default model in the cache)")
     args = ap.parse_args(argv)
     model = args.smoke_model or default_smoke_model()
     try:
         build(args.flavor, args.preset, args.sdist_version, args.jobs,
-              cpu_options(args.amx, args.portable, args.cpu_isa), model, compat_tools=args.tools)
+              cpu_options(args.amx, args.portable, args.cpu_isa), model, compat_tools=args.tools,
+              tools=selected_tools(args.only_tools))
     except BuildError as e:
         log(f"error: {e}")
         return 1

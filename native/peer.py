@@ -64,10 +64,12 @@ def check_source_dir(cmake_dir: Path) -> None:
             "with the same CMakeLists.txt")
 
 
-def build_peer(preset: str, jobs: int) -> Path:
+def build_peer(preset: str, jobs: int, tools: list[str] | None = None) -> Path:
+    """`tools`: the mainline build's tools when not all of them (build.py --only-tools): the
+    peer is built in that mainline tree, keyed by it."""
     # The mainline lock: llama-server is built inside the mainline tree.
-    with build.cache_lock("mainline"):
-        main = build.build_locked("mainline", preset, None, jobs)
+    with build.cache_lock("mainline", preset):
+        main = build.build_locked("mainline", preset, None, jobs, only_tools=tools)
         main_key = (main / ".complete").read_text().strip()
         key = hashlib.sha256(json.dumps({"mainline": main_key, "target": TARGET,
                                          "options": SERVER_OPTIONS}, sort_keys=True)
@@ -131,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--only-tools", default=os.environ.get("ONLY_TOOLS"),
+                    help="the mainline build to build in: the one with these tools (build.py --only-tools)")
     args = ap.parse_args(argv)
     try:
-        build_peer(args.preset, args.jobs)
+        build_peer(args.preset, args.jobs, build.selected_tools(args.only_tools))
     except build.BuildError as e:
         build.log(f"error: {e}")
         return 1

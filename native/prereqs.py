@@ -7,14 +7,17 @@ runs this first so a missing tool stops the set-up in one line, not after a six-
 build. Standard library only: it runs before any venv exists.
 
     python3 native/prereqs.py            # exit 0, or one line per missing tool and exit 1
+    python3 native/prereqs.py --preset linux-cuda   # and nvcc, for a CUDA preset
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 # (what, command, minimum version or None, how to get it). Kept in step with the README.
 CMAKE_MIN = (3, 21)
@@ -38,13 +41,29 @@ def version_of(cmd: str) -> tuple[int, ...] | None:
 
 
 def compiler_name(default: str, env_var: str) -> str:
-    import os
     return os.environ.get(env_var, "").split(" ")[0] or default
 
 
-def missing() -> list[str]:
-    """One line per unmet prerequisite: what is missing and how to get it."""
+def missing(preset: str = "linux-cpu") -> list[str]:
+    """One line per unmet prerequisite: what is missing and how to get it. A CUDA preset
+    also needs nvcc and a GPU architecture (CUDA_ARCH, else the local GPU's; native/cudakit.py)."""
     problems = []
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cudakit as cuda
+    if cuda.is_cuda_preset(preset):
+        if cuda.find_nvcc() is None:
+            problems.append(cuda.NO_NVCC)  # one line: the architecture matters only after
+        else:
+            try:
+                cuda.resolve_arch(os.environ.get("CUDA_ARCH"), cuda.local_archs())
+            except cuda.CudaError as e:
+                problems.append(str(e))
+    if os.environ.get("CLICKPACA_BUNDLE"):  # make setup BUNDLE=dir: whole, and for this machine
+        import bundle
+        try:
+            bundle.check(Path(os.environ["CLICKPACA_BUNDLE"]))
+        except bundle.BundleError as e:
+            problems.append(str(e))
     if sys.version_info[:2] < PYTHON_MIN:
         problems.append(f"Python {'.'.join(map(str, PYTHON_MIN))} or newer is required "
                         f"({sys.executable} is {sys.version.split()[0]}): install a newer python3")
@@ -72,8 +91,11 @@ def missing() -> list[str]:
     return problems
 
 
-def main() -> int:
-    problems = missing()
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default=os.environ.get("PRESET", "linux-cpu"))
+    problems = missing(ap.parse_args(argv).preset)
     for line in problems:
         print(f"clickpaca prerequisites: {line}", file=sys.stderr)
     return 1 if problems else 0

@@ -228,3 +228,39 @@ def test_rows_of_several_micro_batches_equal_opdumps_dump(det_model, streams):
     for key, rows_, names in (("a", range(n1, batch.n), nodes), ("b", range(n1), nodes[:2])):
         for name in names:
             assert np.array_equal(got[key][name], np.stack([full[name][r] for r in rows_])), (key, name)
+
+
+def test_a_rows_bytes_span_its_lower_dimensions():
+    f32 = 4
+    assert C.row_bytes([640, 7, 1, 1], [4, 2560, 17920, 17920], 1, f32) == 2560
+    # a view whose rows sit further apart than they are long: the row only, not the gap
+    assert C.row_bytes([64, 3, 5, 1], [4, 512, 2048, 10240], 2, f32) == 63 * 4 + 2 * 512 + 4
+
+
+@pytest.mark.model
+def test_rows_copied_as_from_a_device_equal_the_host_copy(det_model, monkeypatch):
+    """The device path (ggml_backend_tensor_get, row by row: what a GPU build's capture
+    takes) run on this CPU build's tensors gives the host path's rows bit for bit."""
+    m = det_model
+    t0, t1 = m.tokenize("The quick brown fox"), m.tokenize("Hello there my friend")
+    nodes = ["attn_norm-0", "l_out-3", f"l_out-{m.n_layer - 1}"]
+
+    def run(on_host: bool):
+        cap = C.Capture(m.nat)
+        monkeypatch.setattr(cap, "on_host", lambda t: on_host)
+        ctx = _ctx(m, cap.callback)
+        batch = core.Batch(m.nat, 64)
+        batch.add(t0, 0, 0)
+        batch.add(t1, 0, 1, output_all=True)
+        cap.arm(nodes, {"a": [len(t0) - 1], "b": list(range(len(t0), len(t0) + len(t1)))}, batch)
+        assert ctx.decode(batch) == 0
+        got = cap.take()
+        ctx.close()
+        return got
+
+    host, device = run(True), run(False)
+    assert set(host) == set(device) == {"a", "b"}
+    for key in host:
+        for name in nodes:
+            assert host[key][name].shape == device[key][name].shape
+            assert np.array_equal(host[key][name], device[key][name])

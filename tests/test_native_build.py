@@ -441,3 +441,32 @@ def test_every_patched_flavor_is_keyed_by_the_shared_applier_too(tmp_path, monke
     for name in nb.PATCH_SETS["patched"]:
         (changed.parent / name).symlink_to(shared.parent / name)
     assert nb.patches_digest(nb.patch_files("patched")) != before
+
+
+def test_an_interrupted_build_resumes_where_it_stopped(tmp_path):
+    """A build of the same key that did not finish (a failure, or a CUDA compile stopped
+    after an hour) goes on in its tree: what compiled stays compiled."""
+    src = tmp_path / "tiny-llama"
+    (src / "include").mkdir(parents=True)
+    (src / "src").mkdir()
+    (src / "include" / "llama.h").write_text("int llama_tiny(void);\n")
+    (src / "src" / "a.c").write_text("int llama_tiny_a(void) { return 1; }\n")
+    gate = tmp_path / "gate.h"  # outside the tree: the tree (and so the key) stays the same
+    (src / "src" / "b.c").write_text(f'#if !__has_include("{gate}")\n#error the gate is shut\n#endif\n'
+                                     "int llama_tiny(void) { return 2; }\n")
+    (src / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.21)\nproject(tiny C)\n"
+                                        "add_library(llama SHARED src/a.c src/b.c)\n")
+    env = dict(os.environ, CLICKPACA_CACHE=str(tmp_path / "cache"), LLAMA_CPP_SRC=str(src),
+               CLICKPACA_BUILDS=str(tmp_path / "links"))
+    cmd = [sys.executable, str(BUILD_PY), "mainline", "--only-tools", "", "-j", "1"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert first.returncode == 1 and "the gate is shut" in first.stderr
+    [out] = (tmp_path / "cache" / "builds").iterdir()
+    [obj_a] = out.rglob("a.c.o")
+    made = obj_a.stat().st_mtime_ns
+    gate.write_text("/* open */\n")
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert "resuming the interrupted build" in second.stderr
+    assert (out / ".complete").exists() and (out / "lib" / "libllama.so").exists()
+    assert obj_a.stat().st_mtime_ns == made  # a.c was not compiled again

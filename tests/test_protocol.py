@@ -44,7 +44,7 @@ MINIMAL = {
 CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": True}
 CAPTURE_DEFAULTS = {"capture": None, "captureTokens": None, "captureDtype": "float32"}
 DEFAULTS = {
-    "init": {"modelPath": None, "nGpuLayers": 99, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
+    "init": {"modelPath": None, "nGpuLayers": -1, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
              "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None,
              "deterministic": False, "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0,
@@ -192,7 +192,7 @@ BAD = [
     # init
     ("init", "modelPath", 5, "string"), ("init", "modelPath", "", "empty"),
     ("init", "modelPath", ["a"], "string"),
-    ("init", "nGpuLayers", -1, ">= 0"), ("init", "nGpuLayers", 1e20, "integer"), ("init", "nGpuLayers", 1 << 31, "<="), ("init", "nGpuLayers", "1", "integer"),
+    ("init", "nGpuLayers", -2, ">= -1"), ("init", "nGpuLayers", 1e20, "integer"), ("init", "nGpuLayers", 1 << 31, "<="), ("init", "nGpuLayers", "1", "integer"),
     ("init", "nGpuLayers", 1.5, "integer"), ("init", "nGpuLayers", None, "integer"),
     ("init", "nCtx", 15, ">= 16"), ("init", "nCtx", (1 << 24) + 1, "<="), ("init", "nCtx", "4096", "integer"),
     ("init", "nBatch", 0, ">= 1"), ("init", "nBatch", (1 << 16) + 1, "<="), ("init", "nBatch", [], "integer"),

