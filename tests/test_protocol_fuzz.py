@@ -17,7 +17,9 @@ valid `infer` requests (1-4 tokens). Then:
   candidate values come from the protocol's own tables (REQUESTS, the step registry's
   defaults: `values_for`), so a new field is fuzzed without being added here;
 - memory: after the first run (the warm-up), VmRSS grows by no more than what the
-  bounded caches (`stats`) took meanwhile plus 48 MiB (RSS_SLACK).
+  bounded caches (`stats`) took meanwhile plus 48 MiB (RSS_SLACK). Before any of it the
+  server makes its largest decode once (touch_fixed_buffers), so llama.cpp's fixed
+  buffers are at their high-water marks and no seed's largest decode can add to them.
 
 CLICKPACA_FUZZ_SEED picks the fixed seed; CLICKPACA_FUZZ_LINES another length. A failing
 fresh seed is printed: rerun it with CLICKPACA_FUZZ_SEED=<seed>. Under CI the fresh seed is a
@@ -460,8 +462,32 @@ def check_events(fz: Fuzzer, events: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def fuzz_server():
     c = spawn_server()
+    touch_fixed_buffers(c)
     yield c
     c.close()
+
+
+PRIME_SEQ = SIDE_SEQS[-1]
+
+
+def touch_fixed_buffers(c) -> dict:
+    """Run the largest decode this server can make, once, before any memory baseline: a
+    score whose window is the whole context per sequence, so its last decodes are full
+    batches (nBatch tokens, every row's logits) over every KV cell. That is the graph
+    llama.cpp sized its compute buffer for, so the buffer's resident part (which grows with
+    the largest graph decoded so far; docs/PROTOCOL.md "Memory") is at its high-water mark
+    afterwards; so are the KV cells' pages, and the logits buffer's rows that
+    release_logits keeps. Without this, which of these a fuzz run touches first depends on
+    its seed, and VmRSS grows between two runs by pages that are no growth at all."""
+    window = c.ready["nCtxPerSeq"]
+    text = " ".join(f"Line {i} of the primer, and a few more words." for i in range(window // 8))  # 1 window
+    ev = c.score(PRIME_SEQ, text, window=window)
+    # whole windows only: rows window // 2 .. window - 2 of each scored (a text shorter
+    # than the window would make one window scoring every row but the last)
+    assert ev["type"] == "scored" and ev["windows"] >= 1, ev
+    assert ev["tokens"] == ev["windows"] * (window - window // 2 - 1), ev
+    assert window - window // 2 - 1 >= c.ready["nBatch"], "the last decodes are not full batches"
+    return ev
 
 
 def infer_endings(c, sid: int) -> list[dict]:
@@ -494,10 +520,40 @@ RSS_SLACK = 48 << 20
 _memory: dict[str, tuple[int, int]] = {}
 
 
+def anon_mappings(pid: int, min_bytes: int = 16 << 20) -> list[tuple[int, int]]:
+    """(size, resident) MiB of the process's anonymous mappings of at least min_bytes,
+    largest first: llama.cpp's compute buffer, logits buffer and KV cache among them."""
+    out: list[list[int]] = []
+    cur = None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                cur = [b - a, 0] if len(head) == 5 and b - a >= min_bytes else None
+                if cur is not None:
+                    out.append(cur)
+            elif head[0] == "Rss:" and cur is not None:
+                cur[1] = int(head[1]) << 10
+    return sorted(((a >> 20, b >> 20) for a, b in out), reverse=True)
+
+
+def rss_parts(pid: int) -> str:
+    """VmRSS's parts (/proc status): anonymous, file-backed (the model's mapping), shared."""
+    with open(f"/proc/{pid}/status") as f:
+        rows = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
+    return ", ".join(f"{k[3:]} {int(v.split()[0]) >> 10}" for k, v in rows.items())
+
+
 def memory(c) -> tuple[int, int, dict]:
-    """(VmRSS, the caches' bytes together, stats) of the server now."""
+    """(VmRSS, the caches' bytes together, stats) of the server now. The queue is emptied
+    first: the fuzz sends `stats` too, and an answer of its waiting there would be the
+    memory at some moment of the run (its seed's), not now. Called once the fuzz's lines
+    are all answered (its last infer ended), so nothing of it arrives after the drain."""
+    while not c.misc.empty():  # (the fuzz's errors on no sequence wait in the same queue)
+        c.misc.get_nowait()
     c.send({"type": "stats"})
-    while True:  # (the fuzz's errors on no sequence wait in the same queue)
+    while True:
         st = c.misc.get(timeout=WAIT)
         if st["type"] == "stats":
             break
@@ -511,6 +567,8 @@ def test_fuzz_lines(fuzz_server, tmp_path, seed):
     c = fuzz_server
     if "start" not in _memory:
         _memory["start"] = memory(c)[:2]
+        print(f"start: VmRSS {_memory['start'][0] / 2**20:.0f} MiB ({rss_parts(c.proc.pid)}), anonymous mappings (MiB, resident) "
+              f"{anon_mappings(c.proc.pid)}")
     print(f"fuzz seed {seed} (rerun: CLICKPACA_FUZZ_SEED={seed})")
     pipe = os.path.join(c.ready["stateDir"], "pipe")
     if not os.path.exists(pipe):
@@ -542,7 +600,9 @@ def test_fuzz_lines(fuzz_server, tmp_path, seed):
     print(f"seed {seed}: {fz.sent} lines, {fz.valid_infers} valid infers, {len(fz.events())} events, "
           f"{time.monotonic() - t0:.1f}s; VmRSS {rss / 2**20:.0f} MiB (start {_memory['start'][0] / 2**20:.0f}), "
           f"caches {held / 2**20:.1f} MiB: " + ", ".join(f"{k} {v['entries']}/{v['maxEntries']}"
-                                                        for k, v in st["caches"].items()))
+                                                        for k, v in st["caches"].items())
+          + f"; RSS MiB {rss_parts(c.proc.pid)}; anonymous mappings (MiB, resident) {anon_mappings(c.proc.pid)}"
+          f" (load {os.getloadavg()[0]:.1f})")
     if "warm" in _memory:  # the second run: growth explained by the caches
         rss0, held0 = _memory["warm"]
         assert rss - rss0 <= max(0, held - held0) + RSS_SLACK, (
