@@ -122,14 +122,8 @@ def write_file(dir_fd: int, name: str, chunks: Iterable[bytes], label: str,
     if _regular_or_none(dir_fd, name, label) is not None:
         may_replace(dir_fd, name)
     tmp = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                 dir_fd=dir_fd)
+    create_file(dir_fd, tmp, chunks)  # removed again if writing fails
     try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
