@@ -25,6 +25,7 @@ from ..wire.protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, 
                              PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event,
                              freed_event, grammar_ready_event, stats_event)
 from ..sampling import SamplerParamError, SequenceSampler
+from ..sampling.fastpath import FastStats
 from ..wire.scoring import windows_for
 from .jobs import InferJob, PrefillJob, ScoreJob
 from .prepare import Prepared
@@ -110,7 +111,8 @@ class Handlers(StateFileHandlers):
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,
                                  steer=cvec, strength=req.controlVectorStrength,
                                  check=compiled.check if compiled is not None and (
-                                     req.validate or compiled.checks_outputs) else None))
+                                     req.validate or compiled.checks_outputs) else None,
+                                 paths=FastStats() if rt.ctx.presampler is not None else None))
 
     def score(self, session: Session, req: ScoreRequest, work: Prepared) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs

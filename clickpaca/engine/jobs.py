@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..grammar.grammars import Matcher
     from .readout import JobCapture
     from ..sampling import SampleResult, SequenceSampler
+    from ..sampling.fastpath import FastStats
     from .runtime import Runtime
     from .sequences import Sequence, Sequences
 
@@ -105,6 +106,11 @@ class Job:
         while the decode runs: mask_ahead.py); None: none, or it does not sample."""
         return None
 
+    def drawer(self) -> "SequenceSampler | None":
+        """The sampler that draws from the row its feed asks for this tick (None: it
+        draws nothing): the scheduler reads it before the decode to pre-select the row."""
+        return None
+
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         """Its plan entry's tokens are in the KV cells now (seq.n_past moved on); a job
         that samples asks for its row here (`tick.draw`)."""
@@ -151,6 +157,8 @@ class InferJob(Job):
     # the output's text, kept only then
     check: Any = None
     text: list = field(default_factory=list)
+    # with init preselect: which path decided each token (sampling/fastpath.py), for `done`
+    paths: "FastStats | None" = None
 
     def begin(self, seq: "Sequence") -> None:
         if self.steer is not None:
@@ -169,6 +177,9 @@ class InferJob(Job):
 
     def grammar(self) -> "Matcher | None":
         return self.matcher
+
+    def drawer(self) -> "SequenceSampler | None":
+        return self.sampler
 
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         if f.samples:
@@ -195,6 +206,10 @@ class InferJob(Job):
         except StepFailed as e:  # a user-defined step raised: this sequence ends, the others go on
             tick.seqs.fail(seq, str(e))
             return
+        if self.paths is not None:
+            self.paths.took(res.path)
+            if res.trace is not None:
+                res.trace["path"] = res.path
         if res.empty:
             tick.seqs.fail(seq, f"no token can be sampled: {res.reason}")
             return
@@ -267,7 +282,8 @@ class InferJob(Job):
             prompt_tps=round(self.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
             # the first token comes from the prompt's logits: n tokens take n - 1 decodes
             eval_tps=round((self.n_predicted - 1) / eval_s, 2) if eval_s > 0 and self.n_predicted > 1 else None,
-            **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason))
+            **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason),
+            **({"samplingPath": self.paths.as_event()} if self.paths is not None else {}))
 
     def _schema(self, reason: str) -> dict:
         """`schemaValid` of a checked output: the validator's verdict on a finished one

@@ -18,6 +18,7 @@ from ..activations.vector import ContextVector
 from ..grammar.grammars import GrammarEngine
 from .mask_ahead import MaskAhead
 from .readout import Readout
+from ..llama.presample import Presampler
 from ..llama.models import resolve_model
 from ..llama.native import NativeError, load
 from ..wire.protocol import InferRequest, InitRequest, PrefillRequest, ProtocolError, ready_event
@@ -129,13 +130,15 @@ class Runtime:
             close_workers(workers, loss)
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         readout = Readout(nat, req.capture)  # the eval callback: at creation or live (readout.py)
+        # the decode pre-selects each sampled row's values (llama/presample.py, sampling/fastpath.py)
+        presampler = Presampler(nat, model.n_vocab, req.nSeqMax) if req.preselect else None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
                                n_ubatch=deterministic.ubatch(types, req.nBatch) if det else None,
                                n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
                                n_threads=req.nThreads, flash_attn=flash_attn,
                                kv_unified=req.kvUnified, swa_full=req.swaFull,
-                               eval_callback=readout.at_creation)
+                               eval_callback=readout.at_creation, presampler=presampler)
         except core.ContextError as e:
             model.close()
             close_workers(workers, loss)
@@ -262,6 +265,7 @@ def kernels(model: core.Model, ctx: core.Context) -> dict[str, Any]:
     return {"flashAttn": ctx.flash_attn, "repack": model.repack,
             "extraBufferTypes": extra_buffer_types(model.load_log),
             "kvLayout": "unified" if ctx.kv_unified else "per-sequence",
+            "preselect": ctx.presampler is not None,
             "tiledMatmul": deterministic.tiled_matmul()}
 
 

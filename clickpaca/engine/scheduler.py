@@ -24,11 +24,13 @@ in it with an error (Sequences.fail_all). Every `infer` ends in exactly one `don
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
+from ..sampling import fastpath
 from ..sampling.batch import sample_tick
 from ..sampling.usersteps import StepFailed
 from . import faults
@@ -48,6 +50,7 @@ class Scheduler:
         # logits rows whose pages stay resident between requests (a generating tick uses
         # one per sequence); those past it are given back once no decode needs them
         self._keep_rows = max(64, rt.ctx.n_seq_max)
+        self._host_why: dict = {}  # with a presampler: why a sampled row came back whole
 
     def tick(self) -> None:
         """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
@@ -139,7 +142,41 @@ class Scheduler:
             if not f.generating and seq.job.t_prompt is None:
                 seq.job.t_prompt = now
         self.rt.readout.arm(plan, batch)  # the rows the jobs capture in this decode (readout.py)
+        self._preselect(plan)
         return plan
+
+    def _preselect(self, plan: list[Feed]) -> None:
+        """With a presampler (init preselect): tell it the rows whose chain runs on
+        pre-selected values (sampling/fastpath.py); every other row comes back whole,
+        and why is kept for its token's `path`."""
+        ps = self.rt.ctx.presampler
+        if ps is None:
+            return
+        orders, self._host_why = {}, {}
+        for f in plan:
+            if not f.samples:
+                continue
+            seq = f.key
+            got = self._guard(seq, "prepare", self._order, seq, f)
+            if isinstance(got, str):
+                self._host_why[seq] = got
+            elif got is not _FAILED:
+                orders[seq.slot] = got
+        ps.order(orders)
+
+    @staticmethod
+    def _order(seq: Sequence, f: Feed) -> Any:
+        """The sequence's RowOrder, or why its row comes back whole."""
+        if len(f.rows) != 1:
+            return "more than one row"  # a capture asked for logits rows beside the sampled one
+        if seq.job.grammar() is not None:
+            return "grammar"  # its mask is made while the decode runs (mask_ahead.py)
+        sampler = seq.job.drawer()
+        why = fastpath.route(sampler, grammar=False)
+        if why is not None:
+            return why
+        paths = getattr(seq.job, "paths", None)
+        return fastpath.order(sampler, None, k=paths.k if paths is not None else fastpath.K_MIN)
 
     def _recover(self, plan: list[Feed], rc: int) -> list[Feed]:
         """The decode failed: end only the sequences concerned, rebuild, and retry."""
@@ -193,6 +230,11 @@ class Scheduler:
                 mask_rows.append(row)
         if not draws:
             return
+        ps = self.rt.ctx.presampler
+        if ps is not None:  # the pre-selected rows first, each on its own (fastpath.py)
+            draws, mask_rows = self._sample_preselected(tick, ps, draws, mask_rows)
+            if not draws:
+                return
         try:
             for seq, _, _ in draws:  # the tests' way to fail the batched call (faults.py)
                 faults.hit("sampling", seq.seq_id)
@@ -204,13 +246,49 @@ class Scheduler:
                 traceback.print_exc(file=sys.stderr)
             results = [self._sample_one(seq, sampler, tick.logits[row], mask)
                        for (seq, row, sampler), mask in zip(draws, mask_rows)]
+        why = self._host_why if ps is not None else None
         for (seq, row, _), mask, res in zip(draws, mask_rows, results):
+            if why is not None and not isinstance(res, Exception):
+                res = dataclasses.replace(res, path=f"host: {why.get(seq, 'host')}")
             if isinstance(res, Exception) and not isinstance(res, StepFailed):
                 if not isinstance(res, faults.StageFailed):
                     traceback.print_exception(res, file=sys.stderr)
                 self.seqs.fail(seq, faults.describe("sampling", res))
                 continue
             self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
+
+    def _sample_preselected(self, tick: Tick, ps: Any, draws: list, mask_rows: list) -> tuple[list, list]:
+        """Sample the rows the decode pre-selected and hand each job its token; return the
+        other draws (their rows came back whole) for the batched host path."""
+        rest, rest_masks = [], []
+        n_out = self.rt.ctx.n_outputs
+        for d, mask in zip(draws, mask_rows):
+            seq, row, sampler = d
+            if seq.slot not in ps.orders:
+                rest.append(d)
+                rest_masks.append(mask)
+                continue
+            res = self._guard(seq, "sampling", self._preselected_one, tick, ps, seq, row, sampler, mask, n_out)
+            if res is not _FAILED:
+                self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
+        return rest, rest_masks
+
+    @staticmethod
+    def _preselected_one(tick: Tick, ps: Any, seq: Sequence, row: int, sampler: Any, mask: Any,
+                         n_out: int) -> Any:
+        """One pre-selected row's token; the host path on its whole row when the
+        pre-selected values cannot decide (the result's `path` says why)."""
+        pre = ps.read(seq.slot, row, n_out)
+        res = fastpath.sample(sampler, pre, mask) if pre is not None else "the row came back whole"
+        if not isinstance(res, str):
+            return res
+        full = tick.logits[row] if pre is None else ps.full_row(row, n_out)
+        if full is None:
+            raise RuntimeError(f"the whole row is needed ({res}) and this build does not keep it")
+        paths = getattr(seq.job, "paths", None)
+        if paths is not None and res == fastpath.PAST_K:
+            paths.k = min(paths.k * 2, fastpath.K_MAX)  # ask for more next time
+        return dataclasses.replace(sampler.sample(full, mask), path=f"host: {res}")
 
     @staticmethod
     def _sample_one(seq: Sequence, sampler: Any, logits: Any, mask: Any) -> Any:

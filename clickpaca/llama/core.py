@@ -322,9 +322,12 @@ class Context(_Owned):
     def __init__(self, model: Model, n_ctx: int = 8192, n_batch: int = 512,
                  n_ubatch: int | None = None, n_seq_max: int = 64, type_k: str = cachetypes.DEFAULT,
                  type_v: str = cachetypes.DEFAULT, n_threads: int | None = None, flash_attn: str = "auto",
-                 kv_unified: bool = True, swa_full: bool = True, eval_callback: Any = None) -> None:
+                 kv_unified: bool = True, swa_full: bool = True, eval_callback: Any = None,
+                 presampler: Any = None) -> None:
         """`eval_callback`: a cffi callback of type ggml_backend_sched_eval_callback that sees
-        every graph node's output (opdump.py); kept alive as long as the context."""
+        every graph node's output (opdump.py); kept alive as long as the context.
+        `presampler`: a presample.Presampler attached to every slot (its rows are read
+        from llama.cpp's sampled-logits block then: `logits`); the context frees it."""
         self.model = model
         self.nat = nat = model.nat
         ffi, lib = nat.ffi, nat.lib
@@ -365,6 +368,9 @@ class Context(_Owned):
         if eval_callback is not None:
             p.cb_eval = eval_callback
         self._eval_callback = eval_callback
+        if presampler is not None:
+            presampler.attach(p)
+        self.presampler = presampler
         sink = log_sink(nat)
         sink.captured.clear()
         sink.capture = True
@@ -396,6 +402,14 @@ class Context(_Owned):
         # a host-only build's logits buffer is plain memory that can be given back; a GPU
         # build's may be pinned for transfers, and is left alone
         self._releasable = _host_only(nat)
+        if presampler is not None:
+            presampler.bind(self.ptr, keep_rows=self._releasable)
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "presampler", None) is not None:  # after the context that used it
+            self.presampler.close()
+            self.presampler = None
 
     # -------------------------------------------------------------- decode
 
@@ -421,22 +435,39 @@ class Context(_Owned):
         keep = keep_rows
         if not self._releasable or self._rows_touched <= keep:
             return 0
-        ptr = self.nat.lib.llama_get_logits(self.ptr)
-        if ptr == self.nat.ffi.NULL:
-            return 0
-        base = int(self.nat.ffi.cast("uintptr_t", ptr))
+        touched, self._rows_touched = self._rows_touched, keep
+        freed = 0
         page = os.sysconf("SC_PAGE_SIZE")
-        lo = -(-(base + keep * self.n_vocab * 4) // page) * page  # whole pages inside the rows
-        hi = (base + self._rows_touched * self.n_vocab * 4) // page * page
-        self._rows_touched = keep
-        if hi <= lo:
-            return 0
-        return hi - lo if _madvise_dontneed(lo, hi - lo) else 0
+        for ptr in self._row_blocks():
+            base = int(self.nat.ffi.cast("uintptr_t", ptr))
+            lo = -(-(base + keep * self.n_vocab * 4) // page) * page  # whole pages inside the rows
+            hi = (base + touched * self.n_vocab * 4) // page * page
+            if hi > lo and _madvise_dontneed(lo, hi - lo):
+                freed += hi - lo
+        return freed
+
+    def _row_blocks(self) -> list[Any]:
+        """Base pointers of the [rows, n_vocab] float blocks decodes write: the logits, or
+        with a presampler llama.cpp's sampled-logits and sampled-probs blocks."""
+        lib, null = self.nat.lib, self.nat.ffi.NULL
+        if self.presampler is None:
+            ptrs = [lib.llama_get_logits(self.ptr)]
+        elif self._n_outputs:  # row 0 of the last decode (every output row has a sampler)
+            ptrs = [lib.llama_get_sampled_logits_ith(self.ptr, -self._n_outputs),
+                    lib.llama_get_sampled_probs_ith(self.ptr, -self._n_outputs)]
+        else:
+            ptrs = []
+        return [p for p in ptrs if p != null]
 
     def logits(self) -> np.ndarray:
         """[n_outputs, n_vocab] float32 view of the last decode's logits (see module doc)."""
         ffi = self.nat.ffi
-        ptr = self.nat.lib.llama_get_logits(self.ptr)
+        if self.presampler is not None:  # pre-selected rows hold their packed values (presample.py)
+            if not self._n_outputs:
+                return np.empty((0, self.n_vocab), np.float32)
+            ptr = self.nat.lib.llama_get_sampled_logits_ith(self.ptr, -self._n_outputs)
+        else:
+            ptr = self.nat.lib.llama_get_logits(self.ptr)
         n = self._n_outputs * self.n_vocab
         return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).reshape(self._n_outputs, self.n_vocab)
 

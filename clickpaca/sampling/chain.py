@@ -52,6 +52,7 @@ class SampleResult:
     steered_logprob: float | None = None
     steered_top: tuple[tuple[int, float], ...] | None = None
     trace: dict | None = None  # with params.trace: what every step did (sampling/trace.py)
+    path: str = "host"  # "graph": decided on the decode's pre-selected values (fastpath.py)
 
 
 PLAN_CACHE_MAX_BIAS = 64  # params with more logit_bias entries are planned uncached (memory)
@@ -418,6 +419,15 @@ class SequenceSampler:
         """The one uniform number a ``sample`` call draws (``batch.sample_tick`` takes it
         for the rows it samples itself, so the stream stays where ``sample`` leaves it)."""
         return float(self._rng.random())
+
+    def peek(self) -> float:
+        """The uniform the next ``draw`` will give, without taking it (the pre-selection
+        needs it before the decode: fastpath.py)."""
+        bg = self._rng.bit_generator
+        state = bg.state
+        u = float(self._rng.random())
+        bg.state = state
+        return u
 
     def sample(self, logits_row: np.ndarray, allowed_bitmask: np.ndarray | None = None, *,
                timings: dict | None = None) -> SampleResult:

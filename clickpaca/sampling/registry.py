@@ -170,6 +170,12 @@ class Step:
       rescale its logit): after a cut to the canonical first token, a chain whose
       remaining steps all keep one is greedy (``chain.greedy_tail``). Checked by
       tests/test_sampling_table.py on one-token sets.
+    preselected: True when the step runs exactly on the few values the decode's graph
+      pre-selects (sampling/fastpath.py): an elementwise step whose touched tokens the
+      graph gathers, a positive temperature, or a truncation that keeps an upper set (all
+      candidates at or above some value, found from the K best and the block masses).
+      A chain holding any other active step takes the host path.
+      tests/test_sampling_fastpath.py checks every such row against the host path.
     """
 
     name: str
@@ -187,6 +193,7 @@ class Step:
     doc: str = ""
     shared_state: bool = False
     keeps_one: bool = False
+    preselected: bool = False
 
     @property
     def stateful(self) -> bool:

@@ -206,7 +206,7 @@ LOGIT_BIAS = register(Step(
     run=lambda ids, logits, p, ctx: S.logit_bias(ids, logits, *p.bias_arrays),
     off=lambda p, has_hist: not p.logit_bias,
     touches=lambda p, ctx: p.bias_arrays[0],
-    empty="logit_bias bans every token still allowed"))
+    empty="logit_bias bans every token still allowed", preselected=True))
 register(Step(
     "penalties", ELEMENTWISE,
     params=(Param("penalty_repeat", "penaltyRepeat", 1.0, real(0.0, None, lo_open=True),
@@ -222,7 +222,7 @@ register(Step(
     run=lambda ids, logits, p, ctx: S.penalties(ids, logits, *ctx.hist, p.penalty_repeat,
                                                 p.penalty_freq, p.penalty_present),
     off=lambda p, has_hist: not has_hist or not p.penalties_active,
-    touches=lambda p, ctx: ctx.hist[0]))
+    touches=lambda p, ctx: ctx.hist[0], preselected=True))
 register(Step(
     "dry", ELEMENTWISE,
     params=(Param("dry_multiplier", "dryMultiplier", 0.0, real(0.0), ("dry_multiplier",),
@@ -255,7 +255,7 @@ register(Step(
     run=lambda ids, logits, p, ctx: S.top_k(ids, logits, p.top_k),
     off=lambda p, has_hist: p.top_k <= 0,
     truncates=lambda p, n_allowed: 0 < p.top_k < n_allowed,
-    cut=_upper_k(lambda p: p.top_k), keeps_one=True))
+    cut=_upper_k(lambda p: p.top_k), keeps_one=True, preselected=True))
 register(Step(
     "typical_p", GENERAL, alias="typicalP",
     params=(Param("typical_p", "typicalP", 1.0, real(0.0, 1.0), ("typical_p", "typ_p"),
@@ -270,14 +270,14 @@ register(Step(
     run=lambda ids, logits, p, ctx: S.min_p(ids, logits, p.min_p),
     off=lambda p, has_hist: p.min_p <= 0,
     truncates=lambda p, n_allowed: p.min_p > 0,
-    cut=_min_p_cut, keeps_one=True))
+    cut=_min_p_cut, keeps_one=True, preselected=True))
 register(Step(
     "top_p", TRUNCATION, alias="topP",
     params=(Param("top_p", "topP", 0.95, real(0.0, 1.0), ("top_p",), "1 = off"),),
     run=lambda ids, logits, p, ctx: S.top_p(ids, logits, p.top_p, ctx.rest_mass),
     off=lambda p, has_hist: p.top_p >= 1,
     truncates=lambda p, n_allowed: p.top_p < 1,
-    cut=_nucleus_cut, keeps_one=True))
+    cut=_nucleus_cut, keeps_one=True, preselected=True))
 XTC = register(Step(
     "xtc", GENERAL,
     params=(Param("xtc_probability", "xtcProbability", 0.0, real(0.0, 1.0), ("xtc_probability",),
@@ -299,7 +299,7 @@ TEMPERATURE = register(Step(
                                      else (ids, logits)),
     off=lambda p, has_hist: p.temperature == 1.0 or p.dynatemp_range > 0,
     truncates=lambda p, n_allowed: p.temperature <= 0,
-    cut=_upper_k(lambda p: 1), keeps_one=True))  # greedy: the canonical first candidate
+    cut=_upper_k(lambda p: 1), keeps_one=True, preselected=True))  # greedy: the canonical first candidate
 register(Step(
     "dynatemp", GENERAL, alias="dynaTemp",
     params=(Param("dynatemp_range", "dynatempRange", 0.0, real(0.0), ("dynatemp_range",),

@@ -1,0 +1,439 @@
+"""Pre-selection inside the decode: the few values per sampled row that a chain needs.
+
+llama.cpp b11312's backend sampling lets a sampler add ggml ops to the decode graph
+(``llama_sampler_i.backend_apply``) for the output row of its sequence; what the ops
+produce comes back through ``llama_get_sampled_logits_ith`` instead of the whole row.
+`Presampler` attaches one sampler (a chain holding one sampler of ours, whose hooks are
+cffi callbacks) to every slot when the context is created (``llama_set_sampler`` later
+would re-reserve the scheduler at each call), and composes ggml's own ops through the
+generated bindings: no C of ours.
+
+Per decode the engine gives `order` the rows it wants pre-selected (`RowOrder`, by slot);
+every other output row passes through whole (its sampler leaves the row as it is, so
+llama.cpp copies it into the sampled-logits block, where score jobs and the host path
+read it). The ops run once over all pre-selected rows of a micro-batch (one [V, n]
+tensor, so ggml spreads the rows over its threads), not once per sequence:
+
+    x      = the rows, gathered from the output logits         [V, n]
+    y      = x + grammar bias (0 / -inf expanded in the graph from the bitmask's bytes
+             through a 256 x 8 table: ``get_rows``), when some row has a grammar
+    ids    = top_k(y, K), vals = y[ids]                        [K, n]
+    top    = y[argmax(y)]                                      [1, n]
+    blocks = sum over 1,024-token blocks of exp((y - top) / tau) [V/1024, n]
+    dense  = (when some row draws from the whole set) the 3 blocks around the one where
+             u x total lands (cumsum of the blocks) and their 3,072 masses
+    raw    = (when some row needs raw log-probabilities and its y is not the raw row at
+             tau 1) x's max, its mass sum exp(x - max), and x's own top K
+    touched= x at the ids the host adjusts (logit bias, penalties)
+
+all packed into one float32 row per sequence (`Layout`; ids as floats: exact below 2^24).
+The host decodes it (`Presampler.read`) into a `Preselected`; the sampler chain's fast
+path (sampling/fastpath.py) decides from it, or takes the whole row (`full_row`: on a
+host-only build every pre-selected row is also copied whole, into llama.cpp's
+sampled-probs block, so the host path can always take over).
+
+Graph reuse is turned off for a context with samplers (``LLAMA_GRAPH_REUSE_DISABLE``):
+llama.cpp reuses a graph when the samplers are the same objects, but ours change shape
+with the tick's orders. The measured cost is in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table"]
+
+#: tokens per mass block (the host path's dense draw uses the same: sampling/candidates.py)
+BLOCK = 1024
+#: blocks handed back around the one where a dense draw lands
+DENSE_BLOCKS = 3
+_REUSE_ENV = "LLAMA_GRAPH_REUSE_DISABLE"
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """What one sampled row asks of the graph.
+
+    k: top ids wanted (the graph gives the tick's largest k to every row);
+    inv_tau: 1/temperature for the masses (1.0 when no temperature applies);
+    touched: int32 ids whose raw logits the host adjusts (bias, penalties);
+    u: the uniform of a draw over the whole set (None: no dense draw);
+    raw: the raw row's own max, mass and top ids are wanted (nProbs when y is not x at tau 1);
+    mask: the grammar's bitmask as uint8 bytes (None: no grammar)."""
+
+    k: int
+    inv_tau: float = 1.0
+    touched: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    u: float | None = None
+    raw: bool = False
+    mask: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each piece sits in a packed row (float32 offsets); one per micro-batch graph."""
+
+    k: int
+    n_blocks: int
+    n_touched: int
+    dense: bool
+    raw: bool
+    raw_top: bool
+
+    @property
+    def pieces(self) -> list[tuple[str, int]]:
+        out = [("vals", self.k), ("ids", self.k), ("top", 1), ("blocks", self.n_blocks)]
+        if self.dense:
+            out += [("dense_ids", DENSE_BLOCKS), ("dense", DENSE_BLOCKS * BLOCK)]
+        if self.raw:
+            out += [("raw_max", 1), ("raw_mass", 1)]
+            if self.raw_top:
+                out += [("raw_vals", self.k), ("raw_ids", self.k)]
+        if self.n_touched:
+            out += [("touched", self.n_touched)]
+        return out
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.pieces)
+
+
+@dataclass
+class Preselected:
+    """One row's pre-selection, decoded from its packed floats (see the module doc).
+
+    ids/vals: the K best of y (the row with the grammar applied): disallowed tokens
+    may appear with -inf when fewer than K are allowed. top: y's max. blocks: float32
+    masses exp((y - top) * inv_tau) summed per BLOCK tokens (float64 inside each block,
+    ggml's sum_rows). dense: {block id: its BLOCK float32 masses} around the draw.
+    raw_max/raw_mass: the raw row's max and sum exp(x - max) (None: y is x and inv_tau 1,
+    so top/blocks serve). raw_ids/raw_vals: x's own K best (None: ids/vals serve).
+    touched: x at the order's touched ids."""
+
+    order: RowOrder
+    ids: np.ndarray
+    vals: np.ndarray
+    top: float
+    blocks: np.ndarray
+    dense: dict[int, np.ndarray] | None
+    raw_max: float | None
+    raw_mass: float | None
+    raw_ids: np.ndarray | None
+    raw_vals: np.ndarray | None
+    touched: np.ndarray
+
+    @property
+    def floor(self) -> float:
+        """Every token outside ``ids`` has y <= this (the K-th best value): a decision is
+        exact when what it keeps lies strictly above it."""
+        return float(self.vals.min()) if self.vals.size else np.inf
+
+
+def mask_table() -> np.ndarray:
+    """[256, 8] float32: row b, column j = 0 when bit j of byte b is set, else -inf (the
+    grammar bias of the 8 tokens one bitmask byte covers, little-endian bit order)."""
+    bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1
+    return np.where(bits == 1, 0.0, -np.inf).astype(np.float32)
+
+
+class Presampler:
+    """One backend sampler per slot; `order` before a decode, `read` after it."""
+
+    NAME = b"clickpaca-preselect"
+
+    def __init__(self, nat: Any, n_vocab: int, n_slots: int) -> None:
+        self.nat = nat
+        ffi, lib = nat.ffi, nat.lib
+        self.n_vocab = int(n_vocab)
+        self.n_blocks = -(-self.n_vocab // BLOCK)
+        self._name = ffi.new("char[]", self.NAME)
+        cb = ffi.callback
+        self._callbacks = [
+            cb("const char *(*)(const struct llama_sampler *)", self._cb_name),
+            cb("void (*)(struct llama_sampler *, llama_token_data_array *)", self._cb_apply_host),
+            cb("bool (*)(struct llama_sampler *, ggml_backend_buffer_type_t, uint32_t)", self._cb_init),
+            cb("void (*)(struct llama_sampler *, struct ggml_context *, struct ggml_cgraph *, "
+               "struct llama_sampler_data *)", self._cb_apply),
+            cb("void (*)(struct llama_sampler *)", self._cb_set_input),
+            cb("void (*)(struct llama_sampler *)", self._cb_reset),
+        ]
+        self._iface = ffi.new("struct llama_sampler_i *")
+        (self._iface.name, self._iface.apply, self._iface.backend_init, self._iface.backend_apply,
+         self._iface.backend_set_input, self._iface.backend_reset) = self._callbacks
+        self.chains = []
+        self._slot_of: dict[int, int] = {}  # address of our sampler -> slot
+        chain_params = lib.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        for slot in range(n_slots):
+            chain = lib.llama_sampler_chain_init(chain_params)
+            smpl = lib.llama_sampler_init(self._iface, ffi.NULL)
+            lib.llama_sampler_chain_add(chain, smpl)
+            self.chains.append(chain)
+            self._slot_of[int(ffi.cast("uintptr_t", smpl))] = slot
+        self._configs = ffi.new("struct llama_sampler_seq_config[]", n_slots)
+        for slot, chain in enumerate(self.chains):
+            self._configs[slot].seq_id = slot
+            self._configs[slot].sampler = chain
+        self._table = mask_table()
+        self.orders: dict[int, RowOrder] = {}
+        self._graph: Any = None  # the graph context the shared ops were built in
+        self._shared: dict[str, Any] | None = None
+        self._rows: dict[int, int] = {}  # slot -> its output row in the micro-batch being built
+        self._set = False
+        self._layouts: dict[int, Layout] = {}  # slot -> the layout of its packed row
+        self._ctx: Any = None
+        self._env_before: str | None = None
+        self.keep_rows = False
+        self.failures = 0  # callbacks that raised (their rows passed through whole)
+
+    # ------------------------------------------------------------------ context
+
+    def attach(self, params: Any) -> None:
+        """Give llama_context_params the samplers (before llama_init_from_model), and turn
+        graph reuse off for the context about to be made (read once, at its creation)."""
+        params.samplers = self._configs
+        params.n_samplers = len(self.chains)
+        self._env_before = os.environ.get(_REUSE_ENV)
+        os.environ[_REUSE_ENV] = "1"
+
+    def close(self) -> None:
+        """Free the chains (after the context that uses them)."""
+        for chain in self.chains:
+            self.nat.lib.llama_sampler_free(chain)
+        self.chains = []
+
+    # ------------------------------------------------------------------ per decode
+
+    def order(self, orders: dict[int, RowOrder]) -> None:
+        """The rows to pre-select in the next decode, by slot (one output row each)."""
+        self.orders = dict(orders)
+        self._layouts = {}
+
+    def bind(self, ctx_ptr: Any, keep_rows: bool) -> None:
+        """The context it serves. ``keep_rows`` (host-only builds): every pre-selected
+        row's whole raw row is copied too, into llama.cpp's sampled-probs block (a copy in
+        memory), so the host path can always take over; on a GPU build that would be the
+        transfer pre-selection avoids, so it is not done there (`full_row` is None)."""
+        self._ctx = ctx_ptr
+        self.keep_rows = keep_rows
+        if self._env_before is None:  # the context has read it: leave the process as it was
+            os.environ.pop(_REUSE_ENV, None)
+        else:
+            os.environ[_REUSE_ENV] = self._env_before
+
+    def read(self, slot: int, row: int, n_outputs: int) -> Preselected | None:
+        """Decode slot's packed row (output ``row`` of the last decode, which had
+        ``n_outputs`` rows); None when the row came back whole (a callback failed: the
+        host path takes it)."""
+        lay = self._layouts.get(slot)
+        if lay is None:
+            return None
+        lib, ffi = self.nat.lib, self.nat.ffi
+        i = row - n_outputs  # llama.cpp's negative index: the row itself, not a batch position
+        if lib.llama_get_sampled_logits_count_ith(self._ctx, i) != lay.size:
+            return None
+        ptr = lib.llama_get_sampled_logits_ith(self._ctx, i)
+        packed = np.frombuffer(ffi.buffer(ptr, lay.size * 4), np.float32)
+        at, got = 0, {}
+        for name, n in lay.pieces:
+            got[name] = packed[at:at + n]
+            at += n
+        o = self.orders[slot]
+        dense = None
+        if lay.dense and o.u is not None:
+            ids = got["dense_ids"].astype(np.int64)
+            masses = got["dense"].reshape(DENSE_BLOCKS, BLOCK)
+            dense = {int(b): masses[j] for j, b in enumerate(ids)}
+        raw = lay.raw and o.raw
+        return Preselected(
+            order=o, ids=got["ids"].astype(np.int32), vals=got["vals"], top=float(got["top"][0]),
+            blocks=got["blocks"], dense=dense,
+            raw_max=float(got["raw_max"][0]) if raw else None,
+            raw_mass=float(got["raw_mass"][0]) if raw else None,
+            raw_ids=got["raw_ids"].astype(np.int32) if raw and lay.raw_top else None,
+            raw_vals=got["raw_vals"] if raw and lay.raw_top else None,
+            touched=got["touched"][:o.touched.size] if lay.n_touched else np.empty(0, np.float32))
+
+    def full_row(self, row: int, n_outputs: int) -> np.ndarray | None:
+        """The whole raw row of a pre-selected output row (valid until the next decode),
+        or None where it was not kept (a GPU build: `bind`)."""
+        if not self.keep_rows:
+            return None
+        lib, ffi = self.nat.lib, self.nat.ffi
+        i = row - n_outputs
+        if lib.llama_get_sampled_probs_count_ith(self._ctx, i) != self.n_vocab:
+            return None
+        ptr = lib.llama_get_sampled_probs_ith(self._ctx, i)
+        return np.frombuffer(ffi.buffer(ptr, self.n_vocab * 4), np.float32)
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _cb_name(self, smpl: Any) -> Any:
+        return self._name
+
+    def _cb_apply_host(self, smpl: Any, cur_p: Any) -> None:
+        """The CPU-side apply llama.cpp requires of every sampler: ours is never asked to
+        sample on the host (the engine samples), so it leaves the candidates alone."""
+
+    def _cb_init(self, smpl: Any, buft: Any, n_outputs_max_per_seq: int) -> bool:
+        return True
+
+    def _cb_reset(self, smpl: Any) -> None:
+        # called for every sampler before a sampling graph is built
+        self._shared = None
+        self._graph = None
+        self._rows = {}
+        self._set = False
+
+    def _cb_apply(self, smpl: Any, ctx: Any, gf: Any, data: Any) -> None:
+        try:
+            slot = self._slot_of[int(self.nat.ffi.cast("uintptr_t", smpl))]
+            o = self.orders.get(slot)
+            if o is None:
+                return  # the row passes through whole
+            view = data.logits
+            src = view.view_src
+            row = int(view.view_offs) // int(src.nb[1])
+            if self._graph != ctx or self._shared is None:
+                self._graph = ctx
+                self._shared = self._build(ctx, src)
+            sh = self._shared
+            j = sh["slots"].index(slot)
+            self._rows[slot] = row
+            pack = sh["pack"]
+            data.logits = self.nat.lib.ggml_view_1d(ctx, pack, sh["layout"].size, j * int(pack.nb[1]))
+            self._layouts[slot] = sh["layout"]
+            if self.keep_rows:
+                data.probs = view  # the whole row, copied beside the pack (bind)
+        except Exception:  # noqa: BLE001 - a C caller: the row passes through, the host path takes it
+            self.failures += 1
+            traceback.print_exc(file=sys.stderr)
+
+    def _cb_set_input(self, smpl: Any) -> None:
+        if self._set or self._shared is None:
+            return
+        try:
+            self._set = True
+            self._fill(self._shared)
+        except Exception:  # noqa: BLE001
+            self.failures += 1
+            traceback.print_exc(file=sys.stderr)
+
+    # ------------------------------------------------------------------ the ops
+
+    def _build(self, ctx: Any, logits_t: Any) -> dict[str, Any]:
+        """The shared ops over every ordered slot's row (see the module doc)."""
+        lib = self.nat.lib
+        V, nb = self.n_vocab, self.n_blocks
+        slots = sorted(self.orders)
+        orders = [self.orders[s] for s in slots]
+        n = len(slots)
+        k = min(V, max(o.k for o in orders))
+        n_touched = max(o.touched.size for o in orders)
+        masked = any(o.mask is not None for o in orders)
+        dense = any(o.u is not None for o in orders)
+        raw = any(o.raw for o in orders)
+        layout = Layout(k, nb, n_touched, dense, raw, raw_top=raw and masked)
+        F32, I32 = lib.GGML_TYPE_F32, lib.GGML_TYPE_I32
+
+        def inp(t, name):
+            lib.ggml_set_input(t)
+            lib.ggml_set_name(t, name)
+            return t
+
+        rows = inp(lib.ggml_new_tensor_1d(ctx, I32, n), b"cp_rows")
+        x = lib.ggml_get_rows(ctx, logits_t, rows)                                 # [V, n]
+        y = x
+        table = mask_bytes = None
+        if masked:
+            nbytes = -(-V // 8)
+            table = inp(lib.ggml_new_tensor_2d(ctx, F32, 8, 256), b"cp_mask_table")
+            mask_bytes = inp(lib.ggml_new_tensor_1d(ctx, I32, nbytes * n), b"cp_mask_bytes")
+            bias = lib.ggml_get_rows(ctx, table, mask_bytes)                       # [8, nbytes * n]
+            bias = lib.ggml_reshape_2d(ctx, bias, nbytes * 8, n)
+            if nbytes * 8 != V:
+                bias = lib.ggml_view_2d(ctx, bias, V, n, int(bias.nb[1]), 0)
+            y = lib.ggml_add(ctx, x, bias)
+        y3 = lib.ggml_reshape_3d(ctx, y, 1, V, n)
+        top_ids = lib.ggml_top_k(ctx, y, k)                                        # [k, n] i32
+        vals = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, y3, top_ids), k, n)
+        arg = lib.ggml_reshape_2d(ctx, lib.ggml_argmax(ctx, y), 1, n)
+        top = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, y3, arg), 1, n)      # [1, n]
+        inv_tau = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_inv_tau")
+        e = lib.ggml_exp(ctx, lib.ggml_mul(ctx, lib.ggml_sub(ctx, y, top), inv_tau))  # [V, n]
+        if nb * BLOCK != V:
+            e = lib.ggml_pad(ctx, e, nb * BLOCK - V, 0, 0, 0)
+        e3 = lib.ggml_reshape_3d(ctx, e, BLOCK, nb, n)
+        blocks = lib.ggml_reshape_2d(ctx, lib.ggml_sum_rows(ctx, e3), nb, n)       # [nb, n]
+        pieces = [vals, lib.ggml_cast(ctx, top_ids, F32), top, blocks]
+        u = None
+        if dense:
+            u = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_u")
+            cum = lib.ggml_cumsum(ctx, blocks)                                     # [nb, n]
+            total = lib.ggml_view_2d(ctx, cum, 1, n, int(cum.nb[1]), (nb - 1) * 4)
+            target = lib.ggml_mul(ctx, total, u)                                   # [1, n]
+            below = lib.ggml_step(ctx, lib.ggml_neg(ctx, lib.ggml_sub(ctx, cum, target)))
+            b = lib.ggml_sum_rows(ctx, below)                                      # [1, n]: blocks below
+            around = lib.ggml_arange(ctx, -1.0, float(DENSE_BLOCKS - 1), 1.0)       # [3]
+            trio = lib.ggml_add(ctx, lib.ggml_repeat(ctx, b, lib.ggml_new_tensor_2d(ctx, F32, DENSE_BLOCKS, n)),
+                                around)
+            trio = lib.ggml_clamp(ctx, trio, 0.0, float(nb - 1))
+            trio_i = lib.ggml_cast(ctx, trio, I32)                                 # [3, n]
+            masses = lib.ggml_get_rows(ctx, e3, trio_i)                            # [BLOCK, 3, n]
+            pieces += [lib.ggml_cont(ctx, trio), lib.ggml_reshape_2d(ctx, masses, DENSE_BLOCKS * BLOCK, n)]
+        if raw:
+            x3 = lib.ggml_reshape_3d(ctx, x, 1, V, n)
+            rarg = lib.ggml_reshape_2d(ctx, lib.ggml_argmax(ctx, x), 1, n)
+            rmax = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, x3, rarg), 1, n)
+            rmass = lib.ggml_sum_rows(ctx, lib.ggml_exp(ctx, lib.ggml_sub(ctx, x, rmax)))
+            pieces += [rmax, rmass]
+            if layout.raw_top:
+                rids = lib.ggml_top_k(ctx, x, k)
+                rvals = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, x3, rids), k, n)
+                pieces += [rvals, lib.ggml_cast(ctx, rids, F32)]
+        touched = None
+        if n_touched:
+            touched = inp(lib.ggml_new_tensor_2d(ctx, I32, n_touched, n), b"cp_touched")
+            x3 = lib.ggml_reshape_3d(ctx, x, 1, V, n)
+            pieces.append(lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, x3, touched), n_touched, n))
+        pack = pieces[0]
+        for p in pieces[1:]:
+            pack = lib.ggml_concat(ctx, pack, p, 0)
+        lib.ggml_set_name(pack, b"cp_pack")
+        return {"slots": slots, "orders": orders, "layout": layout, "pack": pack, "rows": rows,
+                "table": table, "mask_bytes": mask_bytes, "inv_tau": inv_tau, "u": u, "touched": touched}
+
+    def _fill(self, sh: dict[str, Any]) -> None:
+        """Upload the inputs of the shared ops (once per micro-batch)."""
+        lib, ffi = self.nat.lib, self.nat.ffi
+        slots, orders, lay = sh["slots"], sh["orders"], sh["layout"]
+        n = len(slots)
+
+        def put(t, arr):
+            arr = np.ascontiguousarray(arr)
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+
+        # a slot this micro-batch does not sample reads row 0 (its results are not used)
+        put(sh["rows"], np.array([self._rows.get(s, 0) for s in slots], np.int32))
+        put(sh["inv_tau"], np.array([o.inv_tau for o in orders], np.float32))
+        if sh["table"] is not None:
+            put(sh["table"], self._table)
+            nbytes = -(-self.n_vocab // 8)
+            b = np.full((n, nbytes), 255, np.int32)
+            for j, o in enumerate(orders):
+                if o.mask is not None:
+                    b[j, :] = o.mask[:nbytes]
+            put(sh["mask_bytes"], b)
+        if sh["u"] is not None:
+            put(sh["u"], np.array([0.5 if o.u is None else o.u for o in orders], np.float32))
+        if sh["touched"] is not None:
+            t = np.zeros((n, lay.n_touched), np.int32)
+            for j, o in enumerate(orders):
+                t[j, :o.touched.size] = o.touched
+            put(sh["touched"], t)

@@ -1,0 +1,303 @@
+"""The sampler chain on the values the decode pre-selected (llama/presample.py).
+
+Two halves, before and after the decode:
+
+- `route(sampler, grammar)`: whether a sequence's chain can run on pre-selected values
+  (None) or must take the host path (the reason, a short string). Every active step's
+  registry row says whether it can (``Step.preselected``); trace, user-defined steps,
+  DRY, typical-p, XTC, dynamic temperature, mirostat and top-n-sigma need the whole row.
+  `order(sampler, mask)` then says what the graph must hand back (`RowOrder`).
+- `sample(sampler, pre, words)`: the token, from the K best values, the touched tokens'
+  raw values, the block masses and (for a draw over the whole set) the masses of the
+  blocks around the draw, or None when those cannot decide exactly, and the whole row
+  is needed (the caller runs the host path on it then; `FastStats` counts why).
+
+Why it is exact up to rounding (tests/test_sampling_fastpath.py checks it against the
+host path, ``chain.SequenceSampler.sample``): every token outside the K best has a
+value at most the K-th (``Preselected.floor``); the elementwise steps before the first
+truncation change only the touched tokens, whose raw values come back; a positive
+temperature keeps the order. So a truncation that keeps an upper set, run over the K
+best plus the touched tokens, keeps exactly what it keeps over the whole row when every
+value it keeps lies strictly above floor / tau (checked; otherwise None). Top-p gets the
+mass left out from the block masses minus the K best's own. From the first truncation
+on the set is explicit and the steps run as on the host. With no truncation (a draw
+over every allowed token), the draw walks the float64 cumulative block masses and then
+the masses of the block it lands in, as the host does. The contract: the same token
+except within rounding of a boundary (a logit tie, or the draw at a cumulative edge),
+log-probabilities within 1e-5 nats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import registry as R
+from .bitmask import allows, count_allowed
+from .candidates import Candidates
+from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run
+from .registry import ELEMENTWISE, StepContext
+from .steps import FORCE
+from .table import LOGIT_BIAS, TEMPERATURE
+from . import steps as S
+from ..llama.presample import BLOCK, Preselected, RowOrder
+
+__all__ = ["FastStats", "K_MIN", "K_MAX", "order", "route", "sample"]
+
+#: the fewest best ids asked for (covers nProbs up to 64 and a top-p nucleus of a few dozen)
+K_MIN = 64
+#: the most: beyond it the host path is as cheap as the graph's selection
+K_MAX = 1024
+#: the reason a truncation needs the whole row (the sequence asks for twice K next time)
+PAST_K = "truncation reaches past the K best"
+
+
+@dataclass
+class FastStats:
+    """Per sequence: tokens decided on pre-selected values, and why others were not."""
+
+    graph: int = 0
+    host: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    k: int = K_MIN  # the K this sequence asks for (raised when a truncation needed more)
+
+    def took(self, path: str) -> None:
+        """Count a token by its SampleResult.path: "graph", or "host: <why>"."""
+        if path == "graph":
+            self.graph += 1
+            return
+        self.host += 1
+        why = path.partition(": ")[2] or "host"
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+
+    def as_event(self) -> dict:
+        return {"graph": self.graph, "host": self.host, "reasons": dict(self.reasons)}
+
+
+def _plan(s: SequenceSampler, n_allowed: int):
+    p = s.params
+    has_hist = p.penalties_active and s.penalty_window()[0].size > 0
+    active, first = _steps_to_run(p, has_hist, n_allowed)
+    return p, has_hist, active, first
+
+
+def route(s: SequenceSampler, grammar: bool) -> str | None:
+    """None when the sequence's chain can run on pre-selected values, else why not."""
+    p = s.params
+    if p.trace:
+        return "trace"
+    _, _, active, first = _plan(s, s.n_vocab)
+    for step in active:
+        if not step.preselected:
+            return step.name
+    prefix = active if first is None else active[:first]
+    if first is None and any(st.touches is not None for st in prefix):
+        return "dense draw with touched tokens"
+    return None
+
+
+def _touched(s: SequenceSampler, prefix) -> np.ndarray:
+    ctx = StepContext(s.penalty_window() if s.params.penalties_active else _NO_HIST)
+    sets = [st.touches(s.params, ctx) for st in prefix if st.touches is not None]
+    if not sets:
+        return np.empty(0, np.int32)
+    return np.unique(np.concatenate(sets)).astype(np.int32)
+
+
+def order(s: SequenceSampler, mask_bytes: np.ndarray | None, k: int = K_MIN) -> RowOrder:
+    """What the graph must hand back for this sequence's next token (route() said yes).
+    ``mask_bytes``: the grammar bitmask as uint8 bytes, or None."""
+    p, _, active, first = _plan(s, s.n_vocab)
+    prefix = active if first is None else active[:first]
+    tau = p.temperature if TEMPERATURE in prefix else 1.0
+    touched = _touched(s, prefix)
+    need = max(k, p.n_probs, p.top_k if p.top_k > 0 else 0) + touched.size
+    u = s.peek() if first is None else None
+    raw = p.n_probs > 0 and (mask_bytes is not None or tau != 1.0)
+    return RowOrder(k=min(need, K_MAX, s.n_vocab), inv_tau=1.0 / tau, touched=touched, u=u, raw=raw,
+                    mask=mask_bytes)
+
+
+def _gather(pre: Preselected, ids: np.ndarray, tau: float) -> np.ndarray:
+    """float64 raw values of ids (each in pre.ids or pre.order.touched) / tau."""
+    if not ids.size:
+        return np.empty(0, np.float64)
+    keys = np.concatenate((pre.ids, pre.order.touched))
+    vals = np.concatenate((pre.vals, pre.touched))
+    o = np.argsort(keys, kind="stable")
+    at = np.searchsorted(keys[o], ids)
+    v = np.fmax(vals[o][at], -np.inf, dtype=np.float64)
+    return v / tau if tau != 1.0 else v
+
+
+def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | str:
+    """The next token from pre-selected values, or the reason the whole row is needed
+    (then nothing was drawn: the caller runs ``s.sample`` on the row)."""
+    p = s.params
+    n = s.n_vocab
+    if not (math.isfinite(pre.top) and np.isfinite(pre.blocks).all()):
+        return "non-finite row"
+    n_allowed = count_allowed(words, n) if words is not None else n
+    if n_allowed == 0:
+        return "grammar allows nothing"
+    _, has_hist, active, first = _plan(s, n_allowed)
+    prefix = active if first is None else active[:first]
+    tail = () if first is None else active[first:]
+    tau = p.temperature if TEMPERATURE in prefix else 1.0
+    hist = s.penalty_window() if p.penalties_active else _NO_HIST
+    ctx = StepContext(hist, s._history, s._vocab, s._states, s._streams, s.seed, n)
+
+    ids, vals = pre.ids, pre.vals
+    finite = vals > -np.inf
+    floor = pre.floor if finite.all() else -np.inf  # fewer than K allowed: all of them are here
+    ids = ids[finite]
+    touched = pre.order.touched
+    t_ids = touched[allows(words, touched)] if words is not None and touched.size else touched
+    t_logits = _gather(pre, t_ids, 1.0)
+    for step in prefix:
+        t_ids, t_logits = step.run(t_ids, t_logits, p, ctx)
+    if LOGIT_BIAS in prefix:
+        bias_ids, bias = p.bias_arrays
+        forced = bias_ids[bias >= FORCE]
+        if forced.size and (words is None or allows(words, forced).any()):
+            return _finish(s, pre, _run(tail, t_ids, t_logits, p, ctx))
+    if first is None:
+        if t_ids.size:
+            return "dense draw with touched tokens"
+        return _dense(s, pre, words, n_allowed, tau)
+    # the explicit set: the K best outside the touched ones, and the touched ones
+    untouched = ids[~np.isin(ids, touched)] if touched.size else ids
+    u_ids = np.concatenate((untouched, t_ids)).astype(np.int32)
+    u_logits = np.concatenate((_gather(pre, untouched, tau), t_logits))
+    head = tail[0]
+    if head.name == "top_p":
+        ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
+    ids1, logits1 = head.run(u_ids, u_logits, p, ctx)
+    ctx.rest_mass = 0.0
+    if ids1.size and floor > -np.inf and not float(logits1.min()) > floor / tau:
+        return PAST_K
+    if ids1.size == 0:
+        return _finish(s, pre, Candidates(ids1, logits1, head.name))
+    return _finish(s, pre, _run(tail[1:], ids1, logits1, p, ctx))
+
+
+def _run(steps, ids, logits, p, ctx) -> Candidates:
+    for step in steps:
+        ids, logits = step.run(ids, logits, p, ctx)
+        if ids.size == 0:
+            return Candidates(ids, logits, step.name)
+    return Candidates(ids, logits)
+
+
+def _rest_mass(pre: Preselected, untouched: np.ndarray, u_logits: np.ndarray, tau: float,
+               words: np.ndarray | None, touched: np.ndarray) -> float:
+    """Mass exp(v - max(u_logits)) of the allowed untouched tokens outside the K best: the
+    block masses' total minus the K best's and the touched tokens' own (those the
+    grammar allows), rescaled from the graph's reference (the top) to the chain's."""
+    ref = float(u_logits.max()) if u_logits.size else -math.inf
+    if not ref > -math.inf:
+        return 0.0
+    inv = pre.order.inv_tau
+    total = float(np.add.reduce(pre.blocks, dtype=np.float64))
+    inside = np.concatenate((untouched, touched[allows(words, touched)] if words is not None else touched))
+    if inside.size:
+        raw = _gather(pre, np.unique(inside), 1.0)
+        total -= float(np.exp((raw - pre.top) * inv).sum())
+    return max(total, 0.0) * math.exp(pre.top * inv - ref)
+
+
+def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleResult | str:
+    """Draw from an explicit candidate set, then the log-probabilities (nProbs). The
+    sequence's one uniform is taken (``draw``) only once the answer is certain, so a
+    None-reason leaves the stream where the host path expects it."""
+    p = s.params
+    if cand.empty_step is not None:
+        s.draw()
+        return SampleResult(-1, True, _reason(cand.empty_step), path="graph")
+    tok = cand.sample(s.peek())
+    if tok < 0:
+        s.draw()
+        return SampleResult(-1, True, _reason("sample"), path="graph")
+    if p.n_probs <= 0:
+        s.draw()
+        return SampleResult(tok, n_candidates=cand.size, path="graph")
+    raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs)
+    if isinstance(raw, str):
+        return raw
+    s.draw()
+    lp, top = raw
+    return SampleResult(tok, False, None, cand.size, lp, top, cand.logprob(tok), cand.top(p.n_probs),
+                        path="graph")
+
+
+def _raw_value(pre: Preselected, tok: int) -> float:
+    """The raw logit of a token of the explicit set (one of the K best, or touched)."""
+    hit = np.flatnonzero(pre.ids == tok)
+    if hit.size:
+        return float(pre.vals[hit[0]])
+    return float(pre.touched[np.flatnonzero(pre.order.touched == tok)[0]])
+
+
+def _raw_logprobs(pre: Preselected, v: float, n: int):
+    """(logprob of the token whose raw logit is v, n best) under the raw row's
+    log-softmax, or why the n best cannot be had from the K best."""
+    if pre.raw_max is not None:
+        lse = pre.raw_max + math.log(pre.raw_mass)
+    else:  # y is the raw row and the masses are at tau 1
+        lse = pre.top + math.log(float(np.add.reduce(pre.blocks, dtype=np.float64)))
+    ids, vals = (pre.raw_ids, pre.raw_vals) if pre.raw_ids is not None else (pre.ids, pre.vals)
+    finite = vals > -np.inf
+    b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), n)
+    if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
+        return "nProbs reach past the K best"
+    return v - lse, tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
+
+
+def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
+    """A draw over every allowed token (no truncation, nothing touched)."""
+    p = s.params
+    blocks = pre.blocks.astype(np.float64)
+    cb = np.add.accumulate(blocks)
+    total = float(cb[-1])
+    if not total > 0:
+        return "no mass"
+    u = s.peek()
+    target = u * total
+    b = min(int(np.searchsorted(cb, target, side="right")), cb.size - 1)
+    while blocks[b] <= 0:
+        b -= 1
+    chunk = None if pre.dense is None else pre.dense.get(b)
+    if chunk is None:
+        return "draw outside the blocks handed back"
+    within = np.add.accumulate(chunk, dtype=np.float64)
+    within += float(cb[b - 1]) if b else 0.0
+    j = int(np.searchsorted(within, target, side="right"))
+    if j >= chunk.size:
+        j = int(np.flatnonzero(chunk > 0)[-1])
+    tok = b * BLOCK + j
+    if p.n_probs <= 0:
+        s.draw()
+        return SampleResult(tok, n_candidates=n_allowed, path="graph")
+    log_total = math.log(total)
+    inv = pre.order.inv_tau
+    hit = np.flatnonzero(pre.ids == tok)
+    if hit.size:
+        x_tok = float(pre.vals[hit[0]])
+        steered = (x_tok - pre.top) * inv - log_total
+    else:  # from its mass: exp((x - top) * inv) in float32, ~1e-7 relative
+        m = float(chunk[j])
+        steered = math.log(m) - log_total
+        x_tok = pre.top + math.log(m) / inv
+    ids, vals = pre.ids, pre.vals
+    finite = vals > -np.inf
+    b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), p.n_probs)
+    if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
+        return "nProbs reach past the K best"
+    raw = _raw_logprobs(pre, x_tok, p.n_probs)
+    if isinstance(raw, str):
+        return raw
+    s.draw()
+    steered_top = tuple((int(i), (float(x) - pre.top) * inv - log_total) for i, x in zip(b_ids, b_v))
+    return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
