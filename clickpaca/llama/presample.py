@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table"]
+__all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table", "reference"]
 
 #: tokens per mass block (the host path's dense draw uses the same: sampling/candidates.py)
 BLOCK = 1024
@@ -437,3 +437,43 @@ class Presampler:
             for j, o in enumerate(orders):
                 t[j, :o.touched.size] = o.touched
             put(sh["touched"], t)
+
+
+def reference(row: np.ndarray, o: RowOrder, k: int | None = None) -> Preselected:
+    """What the graph's ops hand back for one row, computed with numpy: the exact
+    reference of `Presampler._build` (tests/test_presample.py holds the graph to it, and
+    the fast path's property tests run on it without a model). ``k``: the micro-batch's
+    K (the largest order's), default the order's own. Ties at the K-th value are broken
+    by the smaller id here; the graph may pick any of the tied ids."""
+    x = np.asarray(row, np.float32)
+    V = x.size
+    k = min(V, k or o.k)
+    y = x
+    if o.mask is not None:
+        bits = np.unpackbits(np.asarray(o.mask, np.uint8), bitorder="little")[:V]
+        y = np.where(bits == 1, x, np.float32(-np.inf)).astype(np.float32)
+    ids = np.argsort(-y, kind="stable")[:k].astype(np.int32)
+    top = np.float32(y[int(np.argmax(y))])
+    e = np.exp((y - top) * np.float32(o.inv_tau)).astype(np.float32)
+    nb = -(-V // BLOCK)
+    ep = np.zeros(nb * BLOCK, np.float32)
+    ep[:V] = e
+    blocks = ep.reshape(nb, BLOCK).sum(axis=1, dtype=np.float64).astype(np.float32)
+    dense = None
+    if o.u is not None:
+        cum = np.cumsum(blocks, dtype=np.float32)
+        b = int((cum < np.float32(cum[-1] * np.float32(o.u))).sum())
+        dense = {}
+        for d in range(-1, DENSE_BLOCKS - 1):
+            bb = min(max(b + d, 0), nb - 1)
+            dense[bb] = ep[bb * BLOCK:(bb + 1) * BLOCK].copy()
+    raw_max = raw_mass = raw_ids = raw_vals = None
+    if o.raw:
+        raw_max = float(x.max())
+        raw_mass = float(np.exp(x - np.float32(raw_max)).astype(np.float32).sum(dtype=np.float64))
+        if o.mask is not None:
+            raw_ids = np.argsort(-x, kind="stable")[:k].astype(np.int32)
+            raw_vals = x[raw_ids]
+    return Preselected(order=o, ids=ids, vals=y[ids], top=float(top), blocks=blocks, dense=dense,
+                       raw_max=raw_max, raw_mass=raw_mass, raw_ids=raw_ids, raw_vals=raw_vals,
+                       touched=x[o.touched] if o.touched.size else np.empty(0, np.float32))
