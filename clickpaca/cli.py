@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="decode, batch: also a server in deterministic mode, in the same alternating rounds "
                         "(docs/DETERMINISM.md)")
+    p.add_argument("--preselect", action="store_true",
+                   help="batch: also a server with init preselect (the decode pre-selects each sampled row's "
+                        "values), in the same alternating rounds (docs/BENCHMARKS.md)")
     p.add_argument("--chain", default=None,
                    help="batch: every sequence's sampler chain: greedy (default) or a bench sampler scenario "
                         "without a grammar (default, n_probs_5, temperature_only, top_p_only, bias_penalties)")

@@ -38,7 +38,7 @@ from .cut import _default_cols
 from .params import SamplerParams
 from .workers import run_all
 
-__all__ = ["sample_tick", "batch_plan", "thread_safe", "KMAX"]
+__all__ = ["sample_tick", "batch_plan", "thread_safe", "topk_draw", "KMAX"]
 
 #: The largest top-k run batched (the [n, k] matrices stay small).
 KMAX = 256
@@ -127,7 +127,8 @@ def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: S
     if greedy:
         _greedy(samplers, logits, rows, greedy, g, out)
     for (k, top_p, temp), js in topk.items():
-        _topk(samplers, logits, rows, js, k, top_p, temp, parts[(k, top_p, temp)], out)
+        topk_draw(samplers, js, k, top_p, temp, parts[(k, top_p, temp)], out,
+                  lambda j: samplers[j].sample(logits[rows[j]]))
     return out  # type: ignore[return-value]
 
 
@@ -195,8 +196,11 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
-def _topk(samplers, logits, rows, js, k, top_p, temp, parts, out) -> None:
-    """The draw of each top-k row from its candidates (``_topk_tasks``), on [m, k] matrices."""
+def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host") -> None:
+    """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
+    is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
+    the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
+    k candidates, a non-finite top) gets ``fallback(j)``."""
     m = len(js)
     thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
     seq = np.concatenate([np.full(ids.size, a, np.intp) for a, (_, ids, _) in enumerate(parts)])
@@ -204,7 +208,7 @@ def _topk(samplers, logits, rows, js, k, top_p, temp, parts, out) -> None:
     vals = [v for _, _, v in parts]
     if seq.size == 0:
         for j in js:
-            out[j] = samplers[j].sample(logits[rows[j]])
+            out[j] = fallback(j)
         return
     v = np.fmax(np.concatenate(vals), _NEG_INF, dtype=np.float64)  # as candidates.gather
     order = np.lexsort((ids, -v, seq))  # per row: canonical order
@@ -241,7 +245,7 @@ def _topk(samplers, logits, rows, js, k, top_p, temp, parts, out) -> None:
     for a, j in enumerate(js):
         s = samplers[j]
         if bad[a] or not lmax[a] < np.inf:
-            out[j] = s.sample(logits[rows[j]])
+            out[j] = fallback(j)
             continue
         u = s.draw()
         if size[a] == 1:
@@ -250,4 +254,4 @@ def _topk(samplers, logits, rows, js, k, top_p, temp, parts, out) -> None:
             row_c = c[a]
             jj = int(np.searchsorted(row_c, u * row_c[-1], side="right"))
             tok = int(top_ids[a, min(jj, int(last[a]))])
-        out[j] = SampleResult(tok, n_candidates=int(size[a]))
+        out[j] = SampleResult(tok, n_candidates=int(size[a]), path=path)

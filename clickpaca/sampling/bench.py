@@ -66,8 +66,37 @@ def _tick_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int) -> float
     return best
 
 
+def _preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
+                    mask: np.ndarray | None) -> tuple[float, int]:
+    """(us per row, rows the values could not decide) of the host's work on the
+    pre-selection path for a tick of 64 forks of ``s``: each row's order before the
+    decode (fastpath.order) and the draw from its pre-selected values after it
+    (fastpath.sample_tick). What the graph computes (presample.reference stands in for
+    it here) is the decode's work, not timed. A row whose values cannot decide would
+    take the host path on its whole row: counted, not timed."""
+    from ..llama.presample import reference
+    from . import fastpath
+
+    mask_bytes = None if mask is None else mask.view(np.uint8)
+    best, missed = float("inf"), 0
+    for _ in range(rounds + 1):  # the first round warms up
+        forks = [s.fork() for _ in range(TICK_ROWS)]
+        t0 = time.thread_time_ns()
+        orders = [fastpath.order(f, mask_bytes) for f in forks]
+        t_order = time.thread_time_ns() - t0
+        k = max(o.k for o in orders)
+        pres = [reference(rows[i & 7], o, k) for i, o in enumerate(orders)]
+        t0 = time.thread_time_ns()
+        res = fastpath.sample_tick(forks, pres, [mask] * TICK_ROWS)
+        t_sample = time.thread_time_ns() - t0
+        best = min(best, (t_order + t_sample) / TICK_ROWS / 1e3)
+        missed = sum(isinstance(r, str) for r in res)
+    return best, missed
+
+
 def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed: int = 0,
-               scenarios: dict | None = None, batched: bool = True) -> dict[str, dict[str, float]]:
+               scenarios: dict | None = None, batched: bool = True,
+               preselect: bool = True) -> dict[str, dict[str, float]]:
     """{scenario: {"chain": us per token, <stage>: us per token, ...}}.
 
     "chain" is a whole ``SequenceSampler.sample`` call (the best round); the stages come
@@ -75,7 +104,10 @@ def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed
     candidates in the full row, one entry per step, sample, probs = logprobs).
     "calibration" times one np.max and one np.exp over a row: on a shared machine, read
     the chain as a multiple of those. "batched" (scenarios without a grammar): us per row
-    of one ``batch.sample_tick`` over 64 rows (a tick of 64 sequences)."""
+    of one ``batch.sample_tick`` over 64 rows (a tick of 64 sequences). "preselect":
+    us per row of the host's work when the decode pre-selects each row's values
+    (``_preselect_cost``), or why the chain takes the host path; "preselect_whole_rows":
+    the rows of that tick whose values could not decide (they take the whole row)."""
     rng = np.random.default_rng(seed)
     rows = [synthetic_row(rng, n_vocab) for _ in range(8)]
     history = rng.integers(0, n_vocab, 64).tolist()
@@ -108,6 +140,15 @@ def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed
         res.update({k: round(v / repeats / 1e3, 1) for k, v in timings.items()})
         if batched and mask is None:
             res["batched"] = round(_tick_cost(s, rows, rounds), 1)
+        if preselect:
+            from . import fastpath
+            why = fastpath.route(s, mask is not None)
+            if why is None:
+                cost, missed = _preselect_cost(s, rows, rounds, mask)
+                res["preselect"] = round(cost, 1)
+                res["preselect_whole_rows"] = missed
+            else:
+                res["preselect"] = f"host path: {why}"
         out[name] = res
     return out
 
@@ -119,7 +160,8 @@ def format_bench(results: dict[str, dict[str, float]]) -> str:
         if "chain" not in r:
             lines.append(f"{name:<18} " + "  ".join(f"{k}={v:g} us" for k, v in r.items()))
             continue
-        stages = "  ".join(f"{k}={v:g}" for k, v in r.items() if k != "chain")
+        stages = "  ".join(f"{k}={v:g}" if not isinstance(v, str) else f"{k}=({v})"
+                           for k, v in r.items() if k != "chain")
         lines.append(f"{name:<18} {r['chain']:>8.1f} us/token   {stages}")
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import registry as R
+from .batch import batch_plan, topk_draw
 from .bitmask import allows, count_allowed
 from .candidates import Candidates
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run
@@ -44,7 +45,7 @@ from .table import LOGIT_BIAS, TEMPERATURE
 from . import steps as S
 from ..llama.presample import BLOCK, Preselected, RowOrder
 
-__all__ = ["FastStats", "K_MIN", "K_MAX", "order", "route", "sample"]
+__all__ = ["FastStats", "K_MIN", "K_MAX", "PAST_K", "order", "route", "sample", "sample_tick"]
 
 #: the fewest best ids asked for (covers nProbs up to 64 and a top-p nucleus of a few dozen)
 K_MIN = 64
@@ -113,7 +114,8 @@ def order(s: SequenceSampler, mask_bytes: np.ndarray | None, k: int = K_MIN) -> 
     prefix = active if first is None else active[:first]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
     touched = _touched(s, prefix)
-    need = max(k, p.n_probs, p.top_k if p.top_k > 0 else 0) + touched.size
+    # one more than top_k and nProbs: their last value must lie above the K-th (sample)
+    need = max(k, p.n_probs + 1, p.top_k + 1 if p.top_k > 0 else 0) + touched.size
     u = s.peek() if first is None else None
     raw = p.n_probs > 0 and (mask_bytes is not None or tau != 1.0)
     return RowOrder(k=min(need, K_MAX, s.n_vocab), inv_tau=1.0 / tau, touched=touched, u=u, raw=raw,
@@ -301,3 +303,57 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     s.draw()
     steered_top = tuple((int(i), (float(x) - pre.top) * inv - log_total) for i, x in zip(b_ids, b_v))
     return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
+
+
+def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
+                masks: list[np.ndarray | None]) -> list[SampleResult | str]:
+    """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
+    greedy and top-k chains on [m, K] matrices at once (``batch.batch_plan``'s two
+    plans, the same arithmetic as the host path's batched rows): a reason string where
+    the values cannot decide, as ``sample`` gives."""
+    out: list = [None] * len(samplers)
+    greedy, topk, rest = [], {}, []
+    for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
+        p = s.params
+        plan = None
+        if mask is None and not pre.order.touched.size:
+            has_hist = p.penalties_active and s.penalty_window()[0].size > 0
+            plan = batch_plan(p, has_hist, s.n_vocab)
+        if plan is None:
+            rest.append(j)
+        elif plan[0] == "greedy":
+            greedy.append(j)
+        else:
+            topk.setdefault(plan[1:], []).append(j)
+    if greedy:
+        ids = np.stack([pres[j].ids for j in greedy])
+        vals = np.stack([pres[j].vals for j in greedy])
+        vmax = vals.max(axis=1)
+        # the canonical first: the largest value, the smallest id among ties
+        tok = np.where(vals == vmax[:, None], ids, np.iinfo(np.int32).max).min(axis=1)
+        # exact when it beats every token left out (all <= the K-th value)
+        ok = (vmax > vals.min(axis=1)) & np.isfinite(vmax)
+        for a, j in enumerate(greedy):
+            if ok[a]:
+                samplers[j].draw()  # the draw sample() makes (the stream stays aligned)
+                out[j] = SampleResult(int(tok[a]), n_candidates=1, path="graph")
+            else:
+                out[j] = sample(samplers[j], pres[j], None)
+    for (k, top_p, temp), js in topk.items():
+        vals = np.stack([pres[j].vals for j in js])
+        K = vals.shape[1]
+        floor = vals.min(axis=1)
+        # the k kept lie strictly above everything left out (<= the K-th value)
+        fine = (np.partition(vals, K - k, axis=1)[:, K - k] > floor).tolist() if k < K else [False] * len(js)
+        parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
+        ok_js = [j for j, f in zip(js, fine) if f]
+        for j, f in zip(js, fine):
+            if not f:
+                out[j] = sample(samplers[j], pres[j], None)
+        if ok_js:
+            ok_parts = [pt for pt, f in zip(parts, fine) if f]
+            topk_draw(samplers, ok_js, k, top_p, temp, ok_parts, out,
+                      lambda j: sample(samplers[j], pres[j], None), path="graph")
+    for j in rest:
+        out[j] = sample(samplers[j], pres[j], masks[j])
+    return out

@@ -74,6 +74,8 @@ def measure(args: Any) -> dict[str, Any]:
     server = Server(server_init(model, args.build, t, max(seqs), p, g))
     det = Server(server_init(model, args.build, t, max(seqs), p, g, deterministic=True)) \
         if getattr(args, "deterministic", False) else None
+    pre = Server(server_init(model, args.build, t, max(seqs), p, g, preselect=True)) \
+        if getattr(args, "preselect", False) else None
     chain = getattr(args, "chain", None) or "greedy"
     params = chain_params(chain, server.ban_eog())
     rows = []
@@ -85,6 +87,8 @@ def measure(args: Any) -> dict[str, Any]:
             }
             if det is not None:
                 sides["deterministic"] = lambda r, n=n: run_server_group(det, n, p, g, params)
+            if pre is not None:
+                sides["preselect"] = lambda r, n=n: run_server_group(pre, n, p, g, params)
             res = alternate(sides, args.repeats, f"batch N={n}")
             srv, nat = res["server"], res["llama-batched-bench"]
             s_wall = [x["wall_tps"] for x in srv]
@@ -107,12 +111,20 @@ def measure(args: Any) -> dict[str, Any]:
                 row.update({"det_wall_tps": summary(d_wall), "det_ratio_to_default": ratio(median(d_wall), median(s_wall)),
                             "det_paired_ratios": [round(a / b, 4) for a, b in zip(d_wall, s_wall) if a and b],
                             "det_tokens": [x["tokens"] for x in res["deterministic"]]})
+            if pre is not None:
+                q_wall = [x["wall_tps"] for x in res["preselect"]]
+                row.update({"pre_wall_tps": summary(q_wall), "pre_ratio_to_default": ratio(median(q_wall), median(s_wall)),
+                            "pre_ratio_to_native": ratio(median(q_wall), median(n_tg)),
+                            "pre_paired_ratios": [round(a / b, 4) for a, b in zip(q_wall, s_wall) if a and b],
+                            "pre_tokens": [x["tokens"] for x in res["preselect"]]})
             rows.append(row)
             progress(f"batch N={n}: server {median(s_wall)} tok/s, native {median(n_tg)} tok/s")
     finally:
         server.close()
         if det is not None:
             det.close()
+        if pre is not None:
+            pre.close()
     notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
              "span tok/s also counts ticks where some prompts were still being processed",
              "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
@@ -126,7 +138,8 @@ def measure(args: Any) -> dict[str, Any]:
             notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
                        "repeats": args.repeats, "build": args.build, "model": model,
-                       "deterministic": det is not None, "chain": chain, "infer_fields": params},
+                       "deterministic": det is not None, "preselect": pre is not None, "chain": chain,
+                       "infer_fields": params},
             "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
             "server_problems": server.problems}
 
@@ -144,6 +157,12 @@ def table(out: dict[str, Any]) -> str:
     if det:
         text += "\n\n" + markdown(["seqs", "deterministic tok/s", "default tok/s", "ratio of medians",
                                     "per-round ratios"], det)
+    pre = [(r["seqs"], r["pre_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
+            r["pre_ratio_to_default"], r["pre_ratio_to_native"], ", ".join(f"{x:.3f}" for x in r["pre_paired_ratios"]))
+           for r in out["rows"] if "pre_wall_tps" in r]
+    if pre:
+        text += "\n\n" + markdown(["seqs", "preselect tok/s", "host-path tok/s", "batched-bench S_TG",
+                                    "preselect / host", "preselect / native", "per-round ratios (vs host)"], pre)
     return text
 
 
