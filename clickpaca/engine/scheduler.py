@@ -258,37 +258,55 @@ class Scheduler:
             self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
 
     def _sample_preselected(self, tick: Tick, ps: Any, draws: list, mask_rows: list) -> tuple[list, list]:
-        """Sample the rows the decode pre-selected and hand each job its token; return the
-        other draws (their rows came back whole) for the batched host path."""
-        rest, rest_masks = [], []
+        """Sample the rows the decode pre-selected (fastpath.sample_tick: the plain greedy
+        and top-k chains together, the others one at a time) and hand each job its token;
+        a row whose values cannot decide takes the host path on its whole row. Return
+        the other draws (their rows came back whole) for the batched host path."""
+        rest, rest_masks, fast = [], [], []
         n_out = self.rt.ctx.n_outputs
         for d, mask in zip(draws, mask_rows):
-            seq, row, sampler = d
-            if seq.slot not in ps.orders:
+            seq, row, _ = d
+            pre = ps.read(seq.slot, row, n_out) if seq.slot in ps.orders else None
+            if pre is None:  # not ordered, or its row came back whole
                 rest.append(d)
                 rest_masks.append(mask)
+                if seq.slot in ps.orders:
+                    self._host_why[seq] = "the row came back whole"
+            else:
+                fast.append((d, mask, pre))
+        if not fast:
+            return rest, rest_masks
+        try:
+            for (seq, _, _), _, _ in fast:  # the tests' way to fail the batched call (faults.py)
+                faults.hit("sampling", seq.seq_id)
+            results = fastpath.sample_tick([d[2] for d, _, _ in fast], [p for _, _, p in fast],
+                                           [m for _, m, _ in fast])
+        except Exception as e:  # noqa: BLE001 - one row at a time, to find whose it is
+            if not isinstance(e, faults.StageFailed):
+                traceback.print_exc(file=sys.stderr)
+            results = [self._guard(d[0], "sampling", fastpath.sample, d[2], p, m) for d, m, p in fast]
+        for (d, mask, _), res in zip(fast, results):
+            seq, row, sampler = d
+            if res is _FAILED:
                 continue
-            res = self._guard(seq, "sampling", self._preselected_one, tick, ps, seq, row, sampler, mask, n_out)
-            if res is not _FAILED:
-                self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
+            if isinstance(res, str):
+                res = self._guard(seq, "sampling", self._whole_row, ps, seq, row, sampler, mask, res, n_out)
+                if res is _FAILED:
+                    continue
+            self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
         return rest, rest_masks
 
     @staticmethod
-    def _preselected_one(tick: Tick, ps: Any, seq: Sequence, row: int, sampler: Any, mask: Any,
-                         n_out: int) -> Any:
-        """One pre-selected row's token; the host path on its whole row when the
-        pre-selected values cannot decide (the result's `path` says why)."""
-        pre = ps.read(seq.slot, row, n_out)
-        res = fastpath.sample(sampler, pre, mask) if pre is not None else "the row came back whole"
-        if not isinstance(res, str):
-            return res
-        full = tick.logits[row] if pre is None else ps.full_row(row, n_out)
+    def _whole_row(ps: Any, seq: Sequence, row: int, sampler: Any, mask: Any, why: str, n_out: int) -> Any:
+        """The host path on a pre-selected row's whole row, when its values could not
+        decide (`why`: the result's `path` says it)."""
+        full = ps.full_row(row, n_out)
         if full is None:
-            raise RuntimeError(f"the whole row is needed ({res}) and this build does not keep it")
+            raise RuntimeError(f"the whole row is needed ({why}) and this build does not keep it")
         paths = getattr(seq.job, "paths", None)
-        if paths is not None and res == fastpath.PAST_K:
+        if paths is not None and why == fastpath.PAST_K:
             paths.k = min(paths.k * 2, fastpath.K_MAX)  # ask for more next time
-        return dataclasses.replace(sampler.sample(full, mask), path=f"host: {res}")
+        return dataclasses.replace(sampler.sample(full, mask), path=f"host: {why}")
 
     @staticmethod
     def _sample_one(seq: Sequence, sampler: Any, logits: Any, mask: Any) -> Any:
