@@ -55,6 +55,17 @@ class Tick:
     now: float
     captured: dict = field(default_factory=dict)  # sequence -> its captured rows or CaptureError (readout.py)
     draws: list = field(default_factory=list)  # (sequence, row, sampler) to sample, in plan order
+    preselected: set = field(default_factory=set)  # rows that hold pre-selected values (presample.py)
+
+    def row(self, i: int) -> np.ndarray:
+        """The whole raw logits row i: `logits[i]`, or for a pre-selected row the copy
+        the presampler kept (presample.Presampler.full_row)."""
+        if i in self.preselected:
+            full = self.rt.ctx.presampler.full_row(i, self.rt.ctx.n_outputs)
+            if full is None:
+                raise RuntimeError("the whole row is needed and this build does not keep pre-selected rows")
+            return full
+        return self.logits[i]
 
     def draw(self, seq: "Sequence", row: int, sampler: "SequenceSampler") -> None:
         """Sample a token for `seq` from logits row `row` with its sampler, together with
@@ -202,7 +213,7 @@ class InferJob(Job):
             if res.empty and mask is not None:
                 wider = self.matcher.widen_forced(mask)
                 if wider is not None:
-                    res = self.sampler.sample(tick.logits[row], wider)
+                    res = self.sampler.sample(tick.row(row), wider)
         except StepFailed as e:  # a user-defined step raised: this sequence ends, the others go on
             tick.seqs.fail(seq, str(e))
             return

@@ -41,6 +41,7 @@ from .runtime import Runtime
 from .sequences import Sequence, Sequences
 
 _FAILED = object()  # what `_guard` returns for a stage that failed
+_GRAMMAR = object()  # `_order`: pre-selected once its grammar mask is made
 
 
 class Scheduler:
@@ -51,6 +52,7 @@ class Scheduler:
         # one per sequence); those past it are given back once no decode needs them
         self._keep_rows = max(64, rt.ctx.n_seq_max)
         self._host_why: dict = {}  # with a presampler: why a sampled row came back whole
+        self._grammar_wait: list = []  # with a presampler: rows to order once their masks are made
 
     def tick(self) -> None:
         """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
@@ -64,6 +66,7 @@ class Scheduler:
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
+            self._grammar_orders(job)
             while plan:
                 for f in plan:  # the tests' way to fail the tick itself (faults.py)
                     faults.hit("decode", f.key.seq_id)
@@ -73,6 +76,7 @@ class Scheduler:
                 job.wait()  # the matchers must be idle before any sequence ends
                 plan = self._recover(plan, rc)
                 job = self._start_masks(plan)
+                self._grammar_orders(job)
         finally:
             job.wait()
         if plan:
@@ -152,7 +156,7 @@ class Scheduler:
         ps = self.rt.ctx.presampler
         if ps is None:
             return
-        orders, self._host_why = {}, {}
+        orders, self._host_why, self._grammar_wait = {}, {}, []
         for f in plan:
             if not f.samples:
                 continue
@@ -160,23 +164,53 @@ class Scheduler:
             got = self._guard(seq, "prepare", self._order, seq, f)
             if isinstance(got, str):
                 self._host_why[seq] = got
+            elif got is _GRAMMAR:
+                self._grammar_wait.append(seq)
             elif got is not _FAILED:
                 orders[seq.slot] = got
         ps.order(orders)
+
+    def _grammar_orders(self, job: MaskJob) -> None:
+        """The pre-selected rows with a grammar need their mask before the decode (the
+        graph applies it before selecting): wait for the tick's masks, then order them.
+        A mask that failed leaves its row whole (its error comes at the sampling)."""
+        if not self._grammar_wait or self.rt.ctx.presampler is None:
+            return
+        ps = self.rt.ctx.presampler
+        job.wait()
+        orders = dict(ps.orders)
+        for seq in self._grammar_wait:
+            if seq.job is None:
+                continue
+            try:
+                mask = job.row(seq)
+            except Exception:  # noqa: BLE001 - reported when its row is sampled
+                self._host_why[seq] = "grammar mask failed"
+                continue
+            got = self._guard(seq, "prepare", fastpath.order, seq.job.drawer(), mask, self._k(seq))
+            if got is not _FAILED:
+                orders[seq.slot] = got
+        self._grammar_wait = []
+        ps.order(orders)
+
+    @staticmethod
+    def _k(seq: Sequence) -> int:
+        paths = getattr(seq.job, "paths", None)
+        return paths.k if paths is not None else fastpath.K_MIN
 
     @staticmethod
     def _order(seq: Sequence, f: Feed) -> Any:
         """The sequence's RowOrder, or why its row comes back whole."""
         if len(f.rows) != 1:
             return "more than one row"  # a capture asked for logits rows beside the sampled one
-        if seq.job.grammar() is not None:
-            return "grammar"  # its mask is made while the decode runs (mask_ahead.py)
         sampler = seq.job.drawer()
-        why = fastpath.route(sampler, grammar=False)
+        grammar = seq.job.grammar() is not None
+        why = fastpath.route(sampler, grammar=grammar)
         if why is not None:
             return why
-        paths = getattr(seq.job, "paths", None)
-        return fastpath.order(sampler, None, k=paths.k if paths is not None else fastpath.K_MIN)
+        if grammar:  # ordered once its mask is made (_grammar_orders)
+            return _GRAMMAR
+        return fastpath.order(sampler, None, k=Scheduler._k(seq))
 
     def _recover(self, plan: list[Feed], rc: int) -> list[Feed]:
         """The decode failed: end only the sequences concerned, rebuild, and retry."""
@@ -274,6 +308,7 @@ class Scheduler:
                     self._host_why[seq] = "the row came back whole"
             else:
                 fast.append((d, mask, pre))
+                tick.preselected.add(row)
         if not fast:
             return rest, rest_masks
         try:

@@ -77,12 +77,11 @@ def _preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
     from ..llama.presample import reference
     from . import fastpath
 
-    mask_bytes = None if mask is None else mask.view(np.uint8)
     best, missed = float("inf"), 0
     for _ in range(rounds + 1):  # the first round warms up
         forks = [s.fork() for _ in range(TICK_ROWS)]
         t0 = time.thread_time_ns()
-        orders = [fastpath.order(f, mask_bytes) for f in forks]
+        orders = [fastpath.order(f, mask) for f in forks]
         t_order = time.thread_time_ns() - t0
         k = max(o.k for o in orders)
         pres = [reference(rows[i & 7], o, k) for i, o in enumerate(orders)]

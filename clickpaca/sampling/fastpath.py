@@ -36,7 +36,7 @@ import numpy as np
 
 from . import registry as R
 from .batch import batch_plan, topk_draw
-from .bitmask import allows, count_allowed
+from .bitmask import allows, as_words, count_allowed
 from .candidates import Candidates
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run
 from .registry import ELEMENTWISE, StepContext
@@ -107,10 +107,16 @@ def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     return np.unique(np.concatenate(sets)).astype(np.int32)
 
 
-def order(s: SequenceSampler, mask_bytes: np.ndarray | None, k: int = K_MIN) -> RowOrder:
+def order(s: SequenceSampler, words: np.ndarray | None, k: int = K_MIN) -> RowOrder:
     """What the graph must hand back for this sequence's next token (route() said yes).
-    ``mask_bytes``: the grammar bitmask as uint8 bytes, or None."""
-    p, _, active, first = _plan(s, s.n_vocab)
+    ``words``: the grammar's bitmask (int32 words, ``bitmask.as_words``), or None."""
+    mask_bytes = None
+    n_allowed = s.n_vocab
+    if words is not None:
+        words = as_words(words, s.n_vocab)
+        mask_bytes = words.view(np.uint8)
+        n_allowed = count_allowed(words, s.n_vocab)
+    p, _, active, first = _plan(s, n_allowed)
     prefix = active if first is None else active[:first]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
     touched = _touched(s, prefix)
