@@ -433,31 +433,55 @@ class Context(_Owned):
         been read (rows past `keep_rows` read zero after it); only on a host-only build.
         Returns the bytes given back."""
         keep = keep_rows
-        if not self._releasable or self._rows_touched <= keep:
+        if not self._releasable:
             return 0
-        touched, self._rows_touched = self._rows_touched, keep
+        regions = self._sampling_regions(keep) if self.presampler is not None else None
+        if regions is None:
+            if self._rows_touched <= keep:
+                return 0
+            ptr = self.nat.lib.llama_get_logits(self.ptr)
+            if ptr == self.nat.ffi.NULL:
+                return 0
+            base = int(self.nat.ffi.cast("uintptr_t", ptr))
+            regions = [(base + keep * self.n_vocab * 4, base + self._rows_touched * self.n_vocab * 4)]
+        self._rows_touched = keep
         freed = 0
         page = os.sysconf("SC_PAGE_SIZE")
-        for ptr in self._row_blocks():
-            base = int(self.nat.ffi.cast("uintptr_t", ptr))
-            lo = -(-(base + keep * self.n_vocab * 4) // page) * page  # whole pages inside the rows
-            hi = (base + touched * self.n_vocab * 4) // page * page
+        for a, b in regions:
+            lo, hi = -(-a // page) * page, b // page * page  # whole pages inside
             if hi > lo and _madvise_dontneed(lo, hi - lo):
                 freed += hi - lo
         return freed
 
-    def _row_blocks(self) -> list[Any]:
-        """Base pointers of the [rows, n_vocab] float blocks decodes write: the logits, or
-        with a presampler llama.cpp's sampled-logits and sampled-probs blocks."""
-        lib, null = self.nat.lib, self.nat.ffi.NULL
-        if self.presampler is None:
-            ptrs = [lib.llama_get_logits(self.ptr)]
-        elif self._n_outputs:  # row 0 of the last decode (every output row has a sampler)
-            ptrs = [lib.llama_get_sampled_logits_ith(self.ptr, -self._n_outputs),
-                    lib.llama_get_sampled_probs_ith(self.ptr, -self._n_outputs)]
-        else:
-            ptrs = []
-        return [p for p in ptrs if p != null]
+    def _sampling_regions(self, keep: int) -> list[tuple[int, int]] | None:
+        """With a presampler, llama.cpp's output buffer holds (b11312's output_reserve)
+        the raw logits, then the sampled logits, probs, tokens and candidates, each
+        [capacity, n_vocab]; it zeroes the whole buffer whenever it grows it. Rows reach
+        only the sampled logits (every row) and probs (pre-selected rows' whole copies):
+        the raw logits and candidates are never written again, so after a growth all of
+        them go back, and the two used blocks past `keep` rows once decodes wrote there.
+        The capacity is read from the distance between the first two blocks. [] when
+        nothing is to be given back; None when the layout is not as expected."""
+        lib, ffi = self.nat.lib, self.nat.ffi
+        if not self._n_outputs:
+            return []
+        raw = lib.llama_get_logits(self.ptr)
+        sl = lib.llama_get_sampled_logits_ith(self.ptr, -self._n_outputs)
+        if raw == ffi.NULL or sl == ffi.NULL:
+            return None
+        raw_b, sl_b = (int(ffi.cast("uintptr_t", p)) for p in (raw, sl))
+        row = self.n_vocab * 4
+        if sl_b <= raw_b or (sl_b - raw_b) % row:
+            return None
+        cap = (sl_b - raw_b) // row
+        grown = cap != getattr(self, "_out_capacity", None)
+        if not grown and self._rows_touched <= keep:
+            return []
+        self._out_capacity = cap
+        pb = sl_b + cap * row  # probs, then cap tokens, then the candidates
+        cb = pb + cap * row + cap * 4
+        used = [(sl_b + keep * row, sl_b + cap * row), (pb + keep * row, pb + cap * row)]
+        return used + ([(raw_b, sl_b), (cb, cb + cap * row)] if grown else [])
 
     def logits(self) -> np.ndarray:
         """[n_outputs, n_vocab] float32 view of the last decode's logits (see module doc)."""

@@ -199,6 +199,9 @@ class Presampler:
         graph reuse off for the context about to be made (read once, at its creation)."""
         params.samplers = self._configs
         params.n_samplers = len(self.chains)
+        # every row of a sequence may be an output (a score's): llama.cpp's default of one
+        # output per sequence with a backend sampler would refuse those decodes
+        params.n_outputs_max_per_seq = 0
         self._env_before = os.environ.get(_REUSE_ENV)
         os.environ[_REUSE_ENV] = "1"
 
@@ -299,6 +302,8 @@ class Presampler:
                 return  # the row passes through whole
             view = data.logits
             src = view.view_src
+            if src == self.nat.ffi.NULL:  # llama.cpp probing the sampler's graph size: nothing to add
+                return
             row = int(view.view_offs) // int(src.nb[1])
             if self._graph != ctx or self._shared is None:
                 self._graph = ctx
