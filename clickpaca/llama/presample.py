@@ -60,7 +60,10 @@ _REUSE_ENV = "LLAMA_GRAPH_REUSE_DISABLE"
 class RowOrder:
     """What one sampled row asks of the graph.
 
-    k: top ids wanted (the graph gives the tick's largest k to every row);
+    k: top ids wanted (the graph gives the tick's largest k to every row); when the
+      largest is 1, the one id is ggml's argmax (the first of equal maxima: the canonical
+      first token), not a top-k;
+    mass: the block masses (and the max they are taken from) are wanted;
     inv_tau: 1/temperature for the masses (1.0 when no temperature applies);
     touched: int32 ids whose raw logits the host adjusts (bias, penalties);
     u: the uniform of a draw over the whole set (None: no dense draw);
@@ -68,6 +71,7 @@ class RowOrder:
     mask: the grammar's bitmask as uint8 bytes (None: no grammar)."""
 
     k: int
+    mass: bool = True
     inv_tau: float = 1.0
     touched: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     u: float | None = None
@@ -85,10 +89,13 @@ class Layout:
     dense: bool
     raw: bool
     raw_top: bool
+    mass: bool = True
 
     @property
     def pieces(self) -> list[tuple[str, int]]:
-        out = [("vals", self.k), ("ids", self.k), ("top", 1), ("blocks", self.n_blocks)]
+        out = [("vals", self.k), ("ids", self.k)]
+        if self.mass:
+            out += [("top", 1), ("blocks", self.n_blocks)]
         if self.dense:
             out += [("dense_ids", DENSE_BLOCKS), ("dense", DENSE_BLOCKS * BLOCK)]
         if self.raw:
@@ -120,7 +127,7 @@ class Preselected:
     ids: np.ndarray
     vals: np.ndarray
     top: float
-    blocks: np.ndarray
+    blocks: np.ndarray | None
     dense: dict[int, np.ndarray] | None
     raw_max: float | None
     raw_mass: float | None
@@ -133,6 +140,12 @@ class Preselected:
         """Every token outside ``ids`` has y <= this (the K-th best value): a decision is
         exact when what it keeps lies strictly above it."""
         return float(self.vals.min()) if self.vals.size else np.inf
+
+    @property
+    def first(self) -> bool:
+        """``ids`` is argmax's one id: the canonical first token itself (the largest
+        value, the smallest id among equal ones), exact whatever ties."""
+        return self.ids.size == 1
 
 
 def mask_table() -> np.ndarray:
@@ -254,9 +267,11 @@ class Presampler:
             masses = got["dense"].reshape(DENSE_BLOCKS, BLOCK)
             dense = {int(b): masses[j] for j, b in enumerate(ids)}
         raw = lay.raw and o.raw
+        vals = got["vals"]
         return Preselected(
-            order=o, ids=got["ids"].astype(np.int32), vals=got["vals"], top=float(got["top"][0]),
-            blocks=got["blocks"], dense=dense,
+            order=o, ids=got["ids"].astype(np.int32), vals=vals,
+            top=float(got["top"][0]) if lay.mass else float(vals.max()),
+            blocks=got["blocks"] if lay.mass else None, dense=dense,
             raw_max=float(got["raw_max"][0]) if raw else None,
             raw_mass=float(got["raw_mass"][0]) if raw else None,
             raw_ids=got["raw_ids"].astype(np.int32) if raw and lay.raw_top else None,
@@ -344,7 +359,8 @@ class Presampler:
         masked = any(o.mask is not None for o in orders)
         dense = any(o.u is not None for o in orders)
         raw = any(o.raw for o in orders)
-        layout = Layout(k, nb, n_touched, dense, raw, raw_top=raw and masked)
+        mass = dense or any(o.mass for o in orders)
+        layout = Layout(k, nb, n_touched, dense, raw, raw_top=raw and masked, mass=mass)
         F32, I32 = lib.GGML_TYPE_F32, lib.GGML_TYPE_I32
 
         def inp(t, name):
@@ -366,18 +382,23 @@ class Presampler:
                 bias = lib.ggml_view_2d(ctx, bias, V, n, int(bias.nb[1]), 0)
             y = lib.ggml_add(ctx, x, bias)
         y3 = lib.ggml_reshape_3d(ctx, y, 1, V, n)
-        top_ids = lib.ggml_top_k(ctx, y, k)                                        # [k, n] i32
-        vals = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, y3, top_ids), k, n)
-        arg = lib.ggml_reshape_2d(ctx, lib.ggml_argmax(ctx, y), 1, n)
+        arg = lib.ggml_reshape_2d(ctx, lib.ggml_argmax(ctx, y), 1, n)              # [1, n] i32
         top = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, y3, arg), 1, n)      # [1, n]
-        inv_tau = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_inv_tau")
-        e = lib.ggml_exp(ctx, lib.ggml_mul(ctx, lib.ggml_sub(ctx, y, top), inv_tau))  # [V, n]
-        if nb * BLOCK != V:
-            e = lib.ggml_pad(ctx, e, nb * BLOCK - V, 0, 0, 0)
-        e3 = lib.ggml_reshape_3d(ctx, e, BLOCK, nb, n)
-        blocks = lib.ggml_reshape_2d(ctx, lib.ggml_sum_rows(ctx, e3), nb, n)       # [nb, n]
-        pieces = [vals, lib.ggml_cast(ctx, top_ids, F32), top, blocks]
-        u = None
+        if k == 1:  # greedy rows only: the canonical first is argmax's, no top-k pass
+            top_ids, vals = arg, top
+        else:
+            top_ids = lib.ggml_top_k(ctx, y, k)                                    # [k, n] i32
+            vals = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, y3, top_ids), k, n)
+        pieces = [vals, lib.ggml_cast(ctx, top_ids, F32)]
+        inv_tau = u = e3 = blocks = None
+        if mass:
+            inv_tau = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_inv_tau")
+            e = lib.ggml_exp(ctx, lib.ggml_mul(ctx, lib.ggml_sub(ctx, y, top), inv_tau))  # [V, n]
+            if nb * BLOCK != V:
+                e = lib.ggml_pad(ctx, e, nb * BLOCK - V, 0, 0, 0)
+            e3 = lib.ggml_reshape_3d(ctx, e, BLOCK, nb, n)
+            blocks = lib.ggml_reshape_2d(ctx, lib.ggml_sum_rows(ctx, e3), nb, n)   # [nb, n]
+            pieces += [top, blocks]
         if dense:
             u = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_u")
             cum = lib.ggml_cumsum(ctx, blocks)                                     # [nb, n]
@@ -426,7 +447,8 @@ class Presampler:
 
         # a slot this micro-batch does not sample reads row 0 (its results are not used)
         put(sh["rows"], np.array([self._rows.get(s, 0) for s in slots], np.int32))
-        put(sh["inv_tau"], np.array([o.inv_tau for o in orders], np.float32))
+        if sh["inv_tau"] is not None:
+            put(sh["inv_tau"], np.array([o.inv_tau for o in orders], np.float32))
         if sh["table"] is not None:
             put(sh["table"], self._table)
             nbytes = -(-self.n_vocab // 8)
@@ -457,13 +479,15 @@ def reference(row: np.ndarray, o: RowOrder, k: int | None = None) -> Preselected
     if o.mask is not None:
         bits = np.unpackbits(np.asarray(o.mask, np.uint8), bitorder="little")[:V]
         y = np.where(bits == 1, x, np.float32(-np.inf)).astype(np.float32)
-    ids = np.argsort(-y, kind="stable")[:k].astype(np.int32)
     top = np.float32(y[int(np.argmax(y))])
+    ids = (np.array([np.argmax(y)]) if k == 1 else np.argsort(-y, kind="stable")[:k]).astype(np.int32)
     e = np.exp((y - top) * np.float32(o.inv_tau)).astype(np.float32)
     nb = -(-V // BLOCK)
     ep = np.zeros(nb * BLOCK, np.float32)
     ep[:V] = e
     blocks = ep.reshape(nb, BLOCK).sum(axis=1, dtype=np.float64).astype(np.float32)
+    if not (o.mass or o.u is not None):
+        blocks = None
     dense = None
     if o.u is not None:
         cum = np.cumsum(blocks, dtype=np.float32)

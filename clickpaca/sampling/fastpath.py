@@ -38,7 +38,7 @@ from . import registry as R
 from .batch import batch_plan, topk_draw
 from .bitmask import allows, as_words, count_allowed
 from .candidates import Candidates
-from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run
+from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
@@ -124,8 +124,12 @@ def order(s: SequenceSampler, words: np.ndarray | None, k: int = K_MIN) -> RowOr
     need = max(k, p.n_probs + 1, p.top_k + 1 if p.top_k > 0 else 0) + touched.size
     u = s.peek() if first is None else None
     raw = p.n_probs > 0 and (mask_bytes is not None or tau != 1.0)
-    return RowOrder(k=min(need, K_MAX, s.n_vocab), inv_tau=1.0 / tau, touched=touched, u=u, raw=raw,
-                    mask=mask_bytes)
+    # masses: for a draw over the whole set, top-p's mass left out, or nProbs' normaliser
+    mass = first is None or active[first].name == "top_p" or (p.n_probs > 0 and not raw)
+    if p.n_probs <= 0 and not touched.size and greedy_tail(p, False, n_allowed) is not None:
+        need = 1  # greedy: argmax's id is the canonical first token
+    return RowOrder(k=min(need, K_MAX, s.n_vocab), mass=mass, inv_tau=1.0 / tau, touched=touched, u=u,
+                    raw=raw, mask=mask_bytes)
 
 
 def _gather(pre: Preselected, ids: np.ndarray, tau: float) -> np.ndarray:
@@ -145,7 +149,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     (then nothing was drawn: the caller runs ``s.sample`` on the row)."""
     p = s.params
     n = s.n_vocab
-    if not (math.isfinite(pre.top) and np.isfinite(pre.blocks).all()):
+    if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
         return "non-finite row"
     n_allowed = count_allowed(words, n) if words is not None else n
     if n_allowed == 0:
@@ -184,7 +188,8 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
         ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
     ids1, logits1 = head.run(u_ids, u_logits, p, ctx)
     ctx.rest_mass = 0.0
-    if ids1.size and floor > -np.inf and not float(logits1.min()) > floor / tau:
+    if (ids1.size and floor > -np.inf and not float(logits1.min()) > floor / tau
+            and not (pre.first and ids1.size == 1 and ids1[0] == pre.ids[0])):
         return PAST_K
     if ids1.size == 0:
         return _finish(s, pre, Candidates(ids1, logits1, head.name))
@@ -338,7 +343,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         # the canonical first: the largest value, the smallest id among ties
         tok = np.where(vals == vmax[:, None], ids, np.iinfo(np.int32).max).min(axis=1)
         # exact when it beats every token left out (all <= the K-th value)
-        ok = (vmax > vals.min(axis=1)) & np.isfinite(vmax)
+        ok = ((vmax > vals.min(axis=1)) | (vals.shape[1] == 1)) & np.isfinite(vmax)
         for a, j in enumerate(greedy):
             if ok[a]:
                 samplers[j].draw()  # the draw sample() makes (the stream stays aligned)
