@@ -38,6 +38,7 @@ from . import registry as R
 from .batch import batch_plan, topk_draw
 from .bitmask import allows, as_words, count_allowed
 from .candidates import Candidates
+from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
@@ -163,11 +164,17 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
 
     ids, vals = pre.ids, pre.vals
     finite = vals > -np.inf
-    floor = pre.floor if finite.all() else -np.inf  # fewer than K allowed: all of them are here
-    ids = ids[finite]
+    if finite.all():
+        floor = pre.floor
+    else:  # fewer than K allowed: all of them are here
+        floor, ids, vals = -np.inf, ids[finite], vals[finite]
     touched = pre.order.touched
-    t_ids = touched[allows(words, touched)] if words is not None and touched.size else touched
-    t_logits = _gather(pre, t_ids, 1.0)
+    t_logits = np.fmax(pre.touched, -np.inf, dtype=np.float64)  # as candidates.gather: NaN -> -inf
+    if words is not None and touched.size:
+        ok = allows(words, touched)
+        t_ids, t_logits = touched[ok], t_logits[ok]
+    else:
+        t_ids = touched
     for step in prefix:
         t_ids, t_logits = step.run(t_ids, t_logits, p, ctx)
     if LOGIT_BIAS in prefix:
@@ -180,9 +187,16 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
             return "dense draw with touched tokens"
         return _dense(s, pre, words, n_allowed, tau)
     # the explicit set: the K best outside the touched ones, and the touched ones
-    untouched = ids[~np.isin(ids, touched)] if touched.size else ids
-    u_ids = np.concatenate((untouched, t_ids)).astype(np.int32)
-    u_logits = np.concatenate((_gather(pre, untouched, tau), t_logits))
+    if touched.size:
+        out = ~isin_sorted(ids, touched)
+        untouched, u_vals = ids[out], vals[out]
+    else:
+        untouched, u_vals = ids, vals
+    u_vals = np.fmax(u_vals, -np.inf, dtype=np.float64)
+    if tau != 1.0:
+        u_vals = u_vals / tau
+    u_ids = np.concatenate((untouched, t_ids)).astype(np.int32) if t_ids.size else untouched
+    u_logits = np.concatenate((u_vals, t_logits)) if t_ids.size else u_vals
     head = tail[0]
     if head.name == "top_p":
         ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
