@@ -75,6 +75,7 @@ class Runtime:
             swaFull=bool(req.swaFull),
             flashAttn=req.flashAttn,
             deterministic=self.deterministic,
+            preselect=ctx.presampler is not None,
             kernels=kernels(model, ctx),
             cpu=cpu_report(model),
             stateDir=str(self.states.root),
@@ -265,7 +266,6 @@ def kernels(model: core.Model, ctx: core.Context) -> dict[str, Any]:
     return {"flashAttn": ctx.flash_attn, "repack": model.repack,
             "extraBufferTypes": extra_buffer_types(model.load_log),
             "kvLayout": "unified" if ctx.kv_unified else "per-sequence",
-            "preselect": ctx.presampler is not None,
             "tiledMatmul": deterministic.tiled_matmul()}
 
 
