@@ -66,7 +66,7 @@ def _tick_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int) -> float
     return best
 
 
-def _preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
+def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
                     mask: np.ndarray | None) -> tuple[float, int]:
     """(us per row, rows the values could not decide) of the host's work on the
     pre-selection path for a tick of 64 forks of ``s``: each row's order before the
@@ -105,7 +105,7 @@ def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed
     the chain as a multiple of those. "batched" (scenarios without a grammar): us per row
     of one ``batch.sample_tick`` over 64 rows (a tick of 64 sequences). "preselect":
     us per row of the host's work when the decode pre-selects each row's values
-    (``_preselect_cost``), or why the chain takes the host path; "preselect_whole_rows":
+    (``preselect_cost``), or why the chain takes the host path; "preselect_whole_rows":
     the rows of that tick whose values could not decide (they take the whole row)."""
     rng = np.random.default_rng(seed)
     rows = [synthetic_row(rng, n_vocab) for _ in range(8)]
@@ -143,7 +143,7 @@ def microbench(n_vocab: int = 262_144, repeats: int = 200, rounds: int = 3, seed
             from . import fastpath
             why = fastpath.route(s, mask is not None)
             if why is None:
-                cost, missed = _preselect_cost(s, rows, rounds, mask)
+                cost, missed = preselect_cost(s, rows, rounds, mask)
                 res["preselect"] = round(cost, 1)
                 res["preselect_whole_rows"] = missed
             else:

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ...sampling import SequenceSampler
-from ...sampling.bench import SCENARIOS, microbench, random_mask
+from ...sampling import fastpath
+from ...sampling.bench import SCENARIOS, microbench, preselect_cost, random_mask
 from ...sampling.registry import CONSTRAINT, ELEMENTWISE, SCALE, TRUNCATION, steps as registered_steps
 from ..common import out_dir, png, with_defaults
 from .sampler_steps import step_costs
@@ -81,6 +82,9 @@ def on_rows(rows: np.ndarray, hist: np.ndarray, rounds: int) -> dict[str, dict[s
             cpu = min(cpu, (time.thread_time_ns() - c0) / len(rows) / 1e3)
             wall = min(wall, (time.perf_counter_ns() - w0) / len(rows) / 1e3)
         out[name] = {"chain_cpu": round(cpu, 1), "chain_wall": round(wall, 1)}
+        if fastpath.route(s, mask is not None) is None:  # the host's work with the decode's pre-selection
+            cost, missed = preselect_cost(s, list(rows), rounds, mask)
+            out[name].update({"preselect_cpu": round(cost, 1), "preselect_whole_rows": missed})
     return out
 
 
@@ -99,7 +103,10 @@ def measure(args: Any) -> dict[str, Any]:
         r = synth.get(name, {})
         results.append({"scenario": name, "params": params.to_request(), "mask_density": density,
                         "us_per_token": r.get("chain"), "us_per_token_batched64": r.get("batched"),
-                        "steps_us": {k: v for k, v in r.items() if k not in ("chain", "batched")},
+                        "us_per_token_preselect64": r.get("preselect"),
+                        "preselect_whole_rows": r.get("preselect_whole_rows"),
+                        "steps_us": {k: v for k, v in r.items()
+                                     if k not in ("chain", "batched", "preselect", "preselect_whole_rows")},
                         "real_rows": real_res.get(name)})
     return {"params": {"n_vocab": N_VOCAB, "rounds": rounds, "synthetic_repeats": SYNTH_REPEATS,
                        "real_rows": 0 if real is None else len(real[0])},
@@ -115,7 +122,12 @@ def measure(args: Any) -> dict[str, Any]:
                       "figure includes filling its array, 'net' subtracts the fill; chain = one sample "
                       "call of a chain of just that step (superset hook used where the row has one, "
                       "plus the draw)",
-                      "trace: the default chain with trace on (its 'trace' stage is the trace's cost)"]}
+                      "trace: the default chain with trace on (its 'trace' stage is the trace's cost)",
+                      "preselect: thread CPU per row of the host's work when the decode pre-selects the "
+                      "values (init preselect): fastpath.order before the decode and fastpath.sample_tick "
+                      "after it, for a tick of 64 rows; the graph's own work is part of the decode (bench "
+                      "batch --preselect measures it); 'whole rows': rows of that tick whose values could "
+                      "not decide (they take the host path on the whole row, not timed here)"]}
 
 
 def table(out: dict[str, Any]) -> str:
@@ -125,9 +137,12 @@ def table(out: dict[str, Any]) -> str:
     rows = []
     for r in out["results"]:
         real = r.get("real_rows") or {}
-        rows.append([r["scenario"], r["us_per_token"], r.get("us_per_token_batched64"), real.get("chain_cpu"),
-                     real.get("chain_wall")] + [r["steps_us"].get(k) for k in steps])
-    return markdown(["scenario", "us/token (synthetic, CPU)", "batched, 64 rows", "real rows CPU", "real rows wall"]
+        rows.append([r["scenario"], r["us_per_token"], r.get("us_per_token_batched64"),
+                     r.get("us_per_token_preselect64"), real.get("chain_cpu"), real.get("chain_wall"),
+                     real.get("preselect_cpu"), real.get("preselect_whole_rows")]
+                    + [r["steps_us"].get(k) for k in steps])
+    return markdown(["scenario", "us/token (synthetic, CPU)", "batched, 64 rows", "preselect, 64 rows",
+                     "real rows CPU", "real rows wall", "real rows preselect", "preselect whole rows (of 64)"]
                     + [f"{k}" for k in steps], rows)
 
 
