@@ -196,11 +196,16 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
-def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host") -> None:
+def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
+              rest: np.ndarray | None = None, floor: np.ndarray | None = None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
-    k candidates, a non-finite top) gets ``fallback(j)``."""
+    k candidates, a non-finite top) gets ``fallback(j)``. The pre-selection's top-p
+    chains pass ``rest`` (per row, the mass exp(v - max) of the tokens outside the
+    candidates, which top-p's total includes) and ``floor`` (per row, a value every
+    token outside is at most): a row whose top-p keeps a value not above it gets
+    ``fallback(j)`` too."""
     m = len(js)
     thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
     seq = np.concatenate([np.full(ids.size, a, np.intp) for a, (_, ids, _) in enumerate(parts)])
@@ -226,12 +231,14 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     if top_p is not None and top_p < 1.0:
         with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
             e = np.exp(top_v - vmax[:, None])
-        target = top_p * (np.add.reduce(e, axis=1) + 0.0)
+        target = top_p * (np.add.reduce(e, axis=1) + (0.0 if rest is None else rest))
         corder = np.lexsort((top_ids, -top_v), axis=1)  # canonical order within each row
         cum = np.add.accumulate(np.take_along_axis(e, corder, 1), axis=1)
         cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
         keep = np.zeros((m, k), bool)
         np.put_along_axis(keep, corder, np.arange(k)[None, :] <= cut[:, None], 1)
+    if floor is not None:  # what top-p keeps must lie above every token left out
+        bad = bad | ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
     lg = np.where(keep, top_v, _NEG_INF)
     if temp is not None:
         with np.errstate(over="ignore"):

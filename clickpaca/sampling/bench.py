@@ -78,10 +78,11 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
     from . import fastpath
 
     best, missed = float("inf"), 0
-    for _ in range(rounds + 1):  # the first round warms up
+    ks = [fastpath.K_MIN] * TICK_ROWS  # each sequence's K, doubled after a miss as the engine does
+    for _ in range(rounds + 1):  # the first round warms up (and lets K adapt)
         forks = [s.fork() for _ in range(TICK_ROWS)]
         t0 = time.thread_time_ns()
-        orders = [fastpath.order(f, mask) for f in forks]
+        orders = [fastpath.order(f, mask, k) for f, k in zip(forks, ks)]
         t_order = time.thread_time_ns() - t0
         k = max(o.k for o in orders)
         pres = [reference(rows[i & 7], o, k) for i, o in enumerate(orders)]
@@ -90,6 +91,7 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
         t_sample = time.thread_time_ns() - t0
         best = min(best, (t_order + t_sample) / TICK_ROWS / 1e3)
         missed = sum(isinstance(r, str) for r in res)
+        ks = [min(2 * k, fastpath.K_MAX) if r == fastpath.PAST_K else k for k, r in zip(ks, res)]
     return best, missed
 
 

@@ -330,6 +330,46 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
 
 
+def _nucleus_plan(s: SequenceSampler) -> tuple | None:
+    """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
+    temperature before it), then at most a positive temperature, without nProbs or
+    trace; None otherwise."""
+    p = s.params
+    if p.trace or p.n_probs:
+        return None
+    has_hist = p.penalties_active and s.penalty_window()[0].size > 0
+    active, first = _steps_to_run(p, has_hist, s.n_vocab)
+    names = [st.name for st in active]
+    if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
+        return None
+    if "temperature" in names and p.temperature <= 0:
+        return None
+    return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
+
+
+def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
+    """Top-p-first rows on [m, K] matrices (batch.topk_draw with k = K): the rest mass
+    from the block masses less the K best's own, and the floor check on what it keeps."""
+    vals = np.stack([pres[j].vals for j in js])
+    K = vals.shape[1]
+    ok = np.isfinite(vals).all(axis=1)
+    for j, good in zip(js, ok.tolist()):
+        if not good:
+            out[j] = sample(samplers[j], pres[j], None)
+    js = [j for j, good in zip(js, ok.tolist()) if good]
+    if not js:
+        return
+    vals = vals[ok]
+    top = np.array([pres[j].top for j in js])
+    total = np.array([float(np.add.reduce(pres[j].blocks, dtype=np.float64)) for j in js])
+    inside = np.add.reduce(np.exp(vals.astype(np.float64) - top[:, None]), axis=1)
+    rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
+    floor = vals.min(axis=1).astype(np.float64)
+    parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
+    topk_draw(samplers, js, K, top_p, temp, parts, out, lambda j: sample(samplers[j], pres[j], None),
+              path="graph", rest=rest, floor=floor)
+
+
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | str]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
@@ -341,9 +381,15 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
-        if mask is None and not pre.order.touched.size:
+        # a grammar's mask is in the values already (the graph applied it): with all K
+        # values finite, more than K tokens are allowed, so top-k and greedy cut as
+        # without it; top-p's mass left out would need the mask's count: per row
+        plain = mask is None or bool(np.isfinite(pre.vals).all())
+        if plain and not pre.order.touched.size:
             has_hist = p.penalties_active and s.penalty_window()[0].size > 0
             plan = batch_plan(p, has_hist, s.n_vocab)
+        if plan is None and mask is None and not pre.order.touched.size and pre.blocks is not None:
+            plan = _nucleus_plan(s)
         if plan is None:
             rest.append(j)
         elif plan[0] == "greedy":
@@ -365,6 +411,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             else:
                 out[j] = sample(samplers[j], pres[j], None)
     for (k, top_p, temp), js in topk.items():
+        if k is None:  # top-p first: the whole pre-selected set, top-p with the mass left out
+            _nucleus_tick(samplers, pres, js, top_p, temp, out)
+            continue
         vals = np.stack([pres[j].vals for j in js])
         K = vals.shape[1]
         floor = vals.min(axis=1)
