@@ -28,6 +28,7 @@ with its decode's thread count (docs/BENCHMARKS.md, "Sampler host cost").
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import numpy as np
@@ -197,7 +198,8 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
 
 
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
-              rest: np.ndarray | None = None, floor: np.ndarray | None = None) -> None:
+              rest: np.ndarray | None = None, floor: np.ndarray | None = None,
+              n_probs: int = 0, raw_lse: np.ndarray | None = None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -205,7 +207,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     chains pass ``rest`` (per row, the mass exp(v - max) of the tokens outside the
     candidates, which top-p's total includes) and ``floor`` (per row, a value every
     token outside is at most): a row whose top-p keeps a value not above it gets
-    ``fallback(j)`` too."""
+    ``fallback(j)`` too; with ``n_probs`` (at most k) and ``raw_lse`` (per row, the raw
+    row's log-normaliser) the results carry the log-probabilities, as
+    ``SequenceSampler.sample`` computes them from the same candidates."""
     m = len(js)
     thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
     seq = np.concatenate([np.full(ids.size, a, np.intp) for a, (_, ids, _) in enumerate(parts)])
@@ -228,11 +232,11 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     vmax = top_v.max(axis=1)
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)
+    corder = np.lexsort((top_ids, -top_v), axis=1) if n_probs or (top_p is not None and top_p < 1.0) else None
     if top_p is not None and top_p < 1.0:
         with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
             e = np.exp(top_v - vmax[:, None])
         target = top_p * (np.add.reduce(e, axis=1) + (0.0 if rest is None else rest))
-        corder = np.lexsort((top_ids, -top_v), axis=1)  # canonical order within each row
         cum = np.add.accumulate(np.take_along_axis(e, corder, 1), axis=1)
         cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
         keep = np.zeros((m, k), bool)
@@ -261,4 +265,17 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
             row_c = c[a]
             jj = int(np.searchsorted(row_c, u * row_c[-1], side="right"))
             tok = int(top_ids[a, min(jj, int(last[a]))])
-        out[j] = SampleResult(tok, n_candidates=int(size[a]), path=path)
+        if not n_probs:
+            out[j] = SampleResult(tok, n_candidates=int(size[a]), path=path)
+            continue
+        # log-probabilities: raw over the row (its top n are the k's first n, canonical),
+        # steered over the kept set (a canonical prefix: temperature keeps the order)
+        pos = int(np.searchsorted(top_ids[a], tok))
+        lse_st = float(lmax[a]) + math.log(float(c[a, -1]))
+        lse = float(raw_lse[a])
+        first = corder[a, :n_probs]
+        top = tuple((int(top_ids[a, i]), float(top_v[a, i]) - lse) for i in first)
+        st = tuple((int(top_ids[a, i]), float(lg[a, i]) - lse_st) for i in first[:int(size[a])]
+                   if lg[a, i] > _NEG_INF)
+        out[j] = SampleResult(tok, False, None, int(size[a]), float(top_v[a, pos]) - lse, top,
+                              float(lg[a, pos]) - lse_st, st, path=path)

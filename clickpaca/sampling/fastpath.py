@@ -29,6 +29,7 @@ log-probabilities within 1e-5 nats.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -330,6 +331,15 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
 
 
+@functools.lru_cache(maxsize=1024)
+def _without_probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    """batch_plan of the same chain without nProbs (the candidates do not depend on it)."""
+    return batch_plan(p.replace(n_probs=0), has_hist, n_vocab)
+
+
+R.on_change(_without_probs.cache_clear)
+
+
 def _nucleus_plan(s: SequenceSampler) -> tuple | None:
     """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
     temperature before it), then at most a positive temperature, without nProbs or
@@ -387,7 +397,13 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         plain = mask is None or bool(np.isfinite(pre.vals).all())
         if plain and not pre.order.touched.size:
             has_hist = p.penalties_active and s.penalty_window()[0].size > 0
-            plan = batch_plan(p, has_hist, s.n_vocab)
+            if not p.n_probs:
+                plan = batch_plan(p, has_hist, s.n_vocab)
+            elif mask is None and pre.blocks is not None and pre.raw_max is None:
+                # nProbs from the same candidates (the raw normaliser from the masses)
+                plan = _without_probs(p, has_hist, s.n_vocab)
+                plan = plan + (p.n_probs,) if plan is not None and plan[0] == "topk" and p.n_probs <= plan[1] \
+                    else None
         if plan is None and mask is None and not pre.order.touched.size and pre.blocks is not None:
             plan = _nucleus_plan(s)
         if plan is None:
@@ -410,7 +426,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = SampleResult(int(tok[a]), n_candidates=1, path="graph")
             else:
                 out[j] = sample(samplers[j], pres[j], None)
-    for (k, top_p, temp), js in topk.items():
+    for key, js in topk.items():
+        k, top_p, temp = key[:3]
+        n_probs = key[3] if len(key) > 3 else 0
         if k is None:  # top-p first: the whole pre-selected set, top-p with the mass left out
             _nucleus_tick(samplers, pres, js, top_p, temp, out)
             continue
@@ -426,8 +444,11 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
             ok_parts = [pt for pt, f in zip(parts, fine) if f]
+            raw_lse = np.array([pres[j].top + math.log(float(np.add.reduce(pres[j].blocks, dtype=np.float64)))
+                                for j in ok_js]) if n_probs else None
             topk_draw(samplers, ok_js, k, top_p, temp, ok_parts, out,
-                      lambda j: sample(samplers[j], pres[j], None), path="graph")
+                      lambda j: sample(samplers[j], pres[j], None), path="graph", n_probs=n_probs,
+                      raw_lse=raw_lse)
     for j in rest:
         out[j] = sample(samplers[j], pres[j], masks[j])
     return out
