@@ -54,6 +54,9 @@ BLOCK = 1024
 #: blocks handed back around the one where a dense draw lands
 DENSE_BLOCKS = 3
 _REUSE_ENV = "LLAMA_GRAPH_REUSE_DISABLE"
+#: graph nodes each sampler reports when llama.cpp probes it (its view, its share of the
+#: ~60 shared ops at one row, with room): llama.cpp adds them to the graph's node budget
+PROBE_NODES = 64
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,11 @@ class Presampler:
                 return  # the row passes through whole
             view = data.logits
             src = view.view_src
-            if src == self.nat.ffi.NULL:  # llama.cpp probing the sampler's graph size: nothing to add
+            if src == self.nat.ffi.NULL:
+                # llama.cpp probing how many graph nodes the sampler adds (it sizes the
+                # graph by that): a share of the shared ops, counted as tensors of its context
+                for _ in range(PROBE_NODES):
+                    self.nat.lib.ggml_new_tensor_1d(ctx, self.nat.lib.GGML_TYPE_F32, 1)
                 return
             row = int(view.view_offs) // int(src.nb[1])
             if self._graph != ctx or self._shared is None:
