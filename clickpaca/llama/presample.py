@@ -19,7 +19,8 @@ tensor, so ggml spreads the rows over its threads), not once per sequence:
              through a 256 x 8 table: ``get_rows``), when some row has a grammar
     ids    = top_k(y, K), vals = y[ids]                        [K, n]
     top    = y[argmax(y)]                                      [1, n]
-    blocks = sum over 1,024-token blocks of exp((y - top) / tau) [V/1024, n]
+    blocks = sum over 1,024-token blocks of softmax(y / tau), and the top's own
+             probability (the host divides by it: exp((y - top) / tau))  [V/1024, n]
     dense  = (when some row draws from the whole set) the 3 blocks around the one where
              u x total lands (cumsum of the blocks) and their 3,072 masses
     raw    = (when some row needs raw log-probabilities and its y is not the raw row at
@@ -98,11 +99,11 @@ class Layout:
     def pieces(self) -> list[tuple[str, int]]:
         out = [("vals", self.k), ("ids", self.k)]
         if self.mass:
-            out += [("top", 1), ("blocks", self.n_blocks)]
+            out += [("top", 1), ("p_top", 1), ("blocks", self.n_blocks)]
         if self.dense:
             out += [("dense_ids", DENSE_BLOCKS), ("dense", DENSE_BLOCKS * BLOCK)]
         if self.raw:
-            out += [("raw_max", 1), ("raw_mass", 1)]
+            out += [("raw_max", 1), ("raw_p_max", 1)]
             if self.raw_top:
                 out += [("raw_vals", self.k), ("raw_ids", self.k)]
         if self.n_touched:
@@ -119,9 +120,10 @@ class Preselected:
     """One row's pre-selection, decoded from its packed floats (see the module doc).
 
     ids/vals: the K best of y (the row with the grammar applied): disallowed tokens
-    may appear with -inf when fewer than K are allowed. top: y's max. blocks: float32
-    masses exp((y - top) * inv_tau) summed per BLOCK tokens (float64 inside each block,
-    ggml's sum_rows). dense: {block id: its BLOCK float32 masses} around the draw.
+    may appear with -inf when fewer than K are allowed. top: y's max. blocks: the
+    masses exp((y - top) * inv_tau) summed per BLOCK tokens (ggml's softmax in float32,
+    summed in float64 per block, over the top's probability; None when not ordered).
+    dense: {block id: its BLOCK masses} around the draw.
     raw_max/raw_mass: the raw row's max and sum exp(x - max) (None: y is x and inv_tau 1,
     so top/blocks serve). raw_ids/raw_vals: x's own K best (None: ids/vals serve).
     touched: x at the order's touched ids."""
@@ -264,19 +266,21 @@ class Presampler:
             got[name] = packed[at:at + n]
             at += n
         o = self.orders[slot]
+        # the graph's masses are softmax probabilities: over the top's they are exp((y - top) / tau)
+        z = 1.0 / float(got["p_top"][0]) if lay.mass else 1.0
         dense = None
         if lay.dense and o.u is not None:
             ids = got["dense_ids"].astype(np.int64)
-            masses = got["dense"].reshape(DENSE_BLOCKS, BLOCK)
+            masses = got["dense"].reshape(DENSE_BLOCKS, BLOCK) * z
             dense = {int(b): masses[j] for j, b in enumerate(ids)}
         raw = lay.raw and o.raw
         vals = got["vals"]
         return Preselected(
             order=o, ids=got["ids"].astype(np.int32), vals=vals,
             top=float(got["top"][0]) if lay.mass else float(vals.max()),
-            blocks=got["blocks"] if lay.mass else None, dense=dense,
+            blocks=got["blocks"] * z if lay.mass else None, dense=dense,
             raw_max=float(got["raw_max"][0]) if raw else None,
-            raw_mass=float(got["raw_mass"][0]) if raw else None,
+            raw_mass=1.0 / float(got["raw_p_max"][0]) if raw else None,
             raw_ids=got["raw_ids"].astype(np.int32) if raw and lay.raw_top else None,
             raw_vals=got["raw_vals"] if raw and lay.raw_top else None,
             touched=got["touched"][:o.touched.size] if lay.n_touched else np.empty(0, np.float32))
@@ -399,13 +403,20 @@ class Presampler:
         pieces = [vals, lib.ggml_cast(ctx, top_ids, F32)]
         inv_tau = u = e3 = blocks = None
         if mass:
-            inv_tau = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_inv_tau")
-            e = lib.ggml_exp(ctx, lib.ggml_mul(ctx, lib.ggml_sub(ctx, y, top), inv_tau))  # [V, n]
+            # softmax(y / tau): ggml's vectorised exp (its plain exp op is scalar, 10x slower
+            # here); the host divides by the top's probability to get exp((y - top) / tau)
+            scales = {o.inv_tau for o in orders}
+            if len(scales) == 1:  # one temperature for all rows: softmax's own scale, no extra pass
+                e = lib.ggml_soft_max_ext(ctx, y, self.nat.ffi.NULL, float(scales.pop()), 0.0)
+            else:
+                inv_tau = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_inv_tau")
+                e = lib.ggml_soft_max(ctx, lib.ggml_mul(ctx, y, inv_tau))          # [V, n]
+            p_top = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, e, 1, V, n), arg), 1, n)
             if nb * BLOCK != V:
                 e = lib.ggml_pad(ctx, e, nb * BLOCK - V, 0, 0, 0)
             e3 = lib.ggml_reshape_3d(ctx, e, BLOCK, nb, n)
             blocks = lib.ggml_reshape_2d(ctx, lib.ggml_sum_rows(ctx, e3), nb, n)   # [nb, n]
-            pieces += [top, blocks]
+            pieces += [top, p_top, blocks]
         if dense:
             u = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_u")
             cum = lib.ggml_cumsum(ctx, blocks)                                     # [nb, n]
@@ -424,8 +435,8 @@ class Presampler:
             x3 = lib.ggml_reshape_3d(ctx, x, 1, V, n)
             rarg = lib.ggml_reshape_2d(ctx, lib.ggml_argmax(ctx, x), 1, n)
             rmax = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, x3, rarg), 1, n)
-            rmass = lib.ggml_sum_rows(ctx, lib.ggml_exp(ctx, lib.ggml_sub(ctx, x, rmax)))
-            pieces += [rmax, rmass]
+            rp = lib.ggml_reshape_3d(ctx, lib.ggml_soft_max(ctx, x), 1, V, n)
+            pieces += [rmax, lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, rp, rarg), 1, n)]
             if layout.raw_top:
                 rids = lib.ggml_top_k(ctx, x, k)
                 rvals = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, x3, rids), k, n)
@@ -488,16 +499,17 @@ def reference(row: np.ndarray, o: RowOrder, k: int | None = None) -> Preselected
         y = np.where(bits == 1, x, np.float32(-np.inf)).astype(np.float32)
     top = np.float32(y[int(np.argmax(y))])
     ids = (np.array([np.argmax(y)]) if k == 1 else np.argsort(-y, kind="stable")[:k]).astype(np.int32)
-    e = np.exp((y - top) * np.float32(o.inv_tau)).astype(np.float32)
+    e, z = _softmax(y * np.float32(o.inv_tau))
+    e = e * z  # over the top's probability, as `read` does
     nb = -(-V // BLOCK)
-    ep = np.zeros(nb * BLOCK, np.float32)
+    ep = np.zeros(nb * BLOCK, np.float64)
     ep[:V] = e
-    blocks = ep.reshape(nb, BLOCK).sum(axis=1, dtype=np.float64).astype(np.float32)
+    blocks = ep.reshape(nb, BLOCK).sum(axis=1)
     if not (o.mass or o.u is not None):
         blocks = None
     dense = None
     if o.u is not None:
-        cum = np.cumsum(blocks, dtype=np.float32)
+        cum = np.cumsum(blocks.astype(np.float32), dtype=np.float32)
         b = int((cum < np.float32(cum[-1] * np.float32(o.u))).sum())
         dense = {}
         for d in range(-1, DENSE_BLOCKS - 1):
@@ -506,10 +518,20 @@ def reference(row: np.ndarray, o: RowOrder, k: int | None = None) -> Preselected
     raw_max = raw_mass = raw_ids = raw_vals = None
     if o.raw:
         raw_max = float(x.max())
-        raw_mass = float(np.exp(x - np.float32(raw_max)).astype(np.float32).sum(dtype=np.float64))
+        raw_mass = _softmax(x)[1]
         if o.mask is not None:
             raw_ids = np.argsort(-x, kind="stable")[:k].astype(np.int32)
             raw_vals = x[raw_ids]
     return Preselected(order=o, ids=ids, vals=y[ids], top=float(top), blocks=blocks, dense=dense,
                        raw_max=raw_max, raw_mass=raw_mass, raw_ids=raw_ids, raw_vals=raw_vals,
                        touched=x[o.touched] if o.touched.size else np.empty(0, np.float32))
+
+
+def _softmax(v: np.ndarray) -> tuple[np.ndarray, float]:
+    """ggml's soft_max of a row, and the sum it divided by relative to the max (1 / the
+    top's probability): float32 exp(v - max), summed in float64, scaled by 1/sum."""
+    m = np.float32(v.max())
+    e = np.exp(v - m).astype(np.float32)
+    total = float(e.sum(dtype=np.float64))
+    p = (e * np.float32(1.0 / total)).astype(np.float32)
+    return p, 1.0 / float(p[int(np.argmax(v))])
