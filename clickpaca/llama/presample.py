@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,9 @@ class Presampler:
         self._env_before: str | None = None
         self.keep_rows = False
         self.failures = 0  # callbacks that raised (their rows passed through whole)
+        # per decode (reset by `order`): thread CPU ns in our callbacks, bytes uploaded to
+        # the graph's inputs and bytes of packed rows it hands back
+        self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
 
     # ------------------------------------------------------------------ context
 
@@ -235,6 +239,7 @@ class Presampler:
         """The rows to pre-select in the next decode, by slot (one output row each)."""
         self.orders = dict(orders)
         self._layouts = {}
+        self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
 
     def bind(self, ctx_ptr: Any, keep_rows: bool) -> None:
         """The context it serves. ``keep_rows`` (host-only builds): every pre-selected
@@ -317,6 +322,7 @@ class Presampler:
         self._set = False
 
     def _cb_apply(self, smpl: Any, ctx: Any, gf: Any, data: Any) -> None:
+        t0 = time.thread_time_ns()
         try:
             slot = self._slot_of[int(self.nat.ffi.cast("uintptr_t", smpl))]
             o = self.orders.get(slot)
@@ -340,21 +346,27 @@ class Presampler:
             pack = sh["pack"]
             data.logits = self.nat.lib.ggml_view_1d(ctx, pack, sh["layout"].size, j * int(pack.nb[1]))
             self._layouts[slot] = sh["layout"]
+            self.cost["down_bytes"] += 4 * sh["layout"].size
             if self.keep_rows:
                 data.probs = view  # the whole row, copied beside the pack (bind)
         except Exception:  # noqa: BLE001 - a C caller: the row passes through, the host path takes it
             self.failures += 1
             traceback.print_exc(file=sys.stderr)
+        finally:
+            self.cost["callback_ns"] += time.thread_time_ns() - t0
 
     def _cb_set_input(self, smpl: Any) -> None:
         if self._set or self._shared is None:
             return
+        t0 = time.thread_time_ns()
         try:
             self._set = True
             self._fill(self._shared)
         except Exception:  # noqa: BLE001
             self.failures += 1
             traceback.print_exc(file=sys.stderr)
+        finally:
+            self.cost["callback_ns"] += time.thread_time_ns() - t0
 
     # ------------------------------------------------------------------ the ops
 
@@ -462,6 +474,7 @@ class Presampler:
         def put(t, arr):
             arr = np.ascontiguousarray(arr)
             lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+            self.cost["up_bytes"] += arr.nbytes
 
         # a slot this micro-batch does not sample reads row 0 (its results are not used)
         put(sh["rows"], np.array([self._rows.get(s, 0) for s in slots], np.int32))

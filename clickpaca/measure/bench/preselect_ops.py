@@ -70,6 +70,7 @@ def measure(seqs: list[int], rounds: int, threads: int, chains: list[str]) -> li
             masks = {c: random_mask(rng, model.n_vocab, SCENARIOS[c][1]) if SCENARIOS[c][1] else None
                      for c in chains}
             times: dict[str, list[float]] = {k: [] for k in ["plain", "pass-through", *chains]}
+            costs: dict[str, dict] = {}
             for ctx in (with_ps, plain):
                 _prefill(ctx, core.Batch(nat, max(512, n * len(toks))), toks, n)
             batch = core.Batch(nat, max(512, n))
@@ -85,10 +86,15 @@ def measure(seqs: list[int], rounds: int, threads: int, chains: list[str]) -> li
                     pos[id(ctx)] += 1
                     if r:
                         times[side].append(ms)
+                        if side in chains:
+                            costs[side] = dict(ps.cost)
             base = statistics.median(times["pass-through"])
             row = {"seqs": n, **{k: round(statistics.median(v), 2) for k, v in times.items()}}
             row["ops_ms"] = {c: round(statistics.median(times[c]) - base, 2) for c in chains}
             row["ops_per_row_us"] = {c: round(1000 * row["ops_ms"][c] / n, 1) for c in chains}
+            row["callback_us_per_row"] = {c: round(costs[c]["callback_ns"] / 1000 / n, 1) for c in chains}
+            row["bytes_per_row"] = {c: {"up": costs[c]["up_bytes"] // n, "down": costs[c]["down_bytes"] // n}
+                                    for c in chains}
             out.append(row)
     finally:
         with_ps.close()
@@ -111,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(markdown(["seqs"] + [f"{c}: ops per row us" for c in chains],
                    [[r["seqs"]] + [r["ops_per_row_us"][c] for c in chains] for r in rows]))
+    print()
+    print(markdown(["seqs", "chain", "callbacks us per row (host)", "bytes up per row", "bytes down per row"],
+                   [[r["seqs"], c, r["callback_us_per_row"][c], r["bytes_per_row"][c]["up"],
+                     r["bytes_per_row"][c]["down"]] for r in rows for c in chains]))
 
 
 if __name__ == "__main__":
