@@ -154,6 +154,18 @@ class Preselected:
         return self.ids.size == 1
 
 
+def _own_best(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The row's own k best of the micro-batch's K (ids as int32), by value then id: the
+    graph gives every row the largest K of the rows it serves, and what a row hands the
+    chain must not depend on what else is in its batch (deterministic mode: with a larger
+    K the fast path decides where alone it takes the host path, and rounds differently).
+    At k = 1 this is argmax's id (the smallest of equal maxima), as when the graph took
+    argmax for a micro-batch of greedy rows."""
+    ids = ids.astype(np.int32)
+    keep = np.lexsort((ids, -vals))[:k]
+    return ids[keep], vals[keep]
+
+
 def mask_table() -> np.ndarray:
     """[256, 8] float32: row b, column j = 0 when bit j of byte b is set, else -inf (the
     grammar bias of the 8 tokens one bitmask byte covers, little-endian bit order)."""
@@ -256,7 +268,9 @@ class Presampler:
     def read(self, slot: int, row: int, n_outputs: int) -> Preselected | None:
         """Decode slot's packed row (output ``row`` of the last decode, which had
         ``n_outputs`` rows); None when the row came back whole (a callback failed: the
-        host path takes it)."""
+        host path takes it). Only what the slot's own order asked for, whatever the
+        others of its micro-batch asked: its own k best (not the micro-batch's K), the
+        masses only if it wanted them, x's own best only under its own mask."""
         lay = self._layouts.get(slot)
         if lay is None:
             return None
@@ -279,15 +293,19 @@ class Presampler:
             masses = got["dense"].reshape(DENSE_BLOCKS, BLOCK) * z
             dense = {int(b): masses[j] for j, b in enumerate(ids)}
         raw = lay.raw and o.raw
-        vals = got["vals"]
+        # only what this row's order asked for: the micro-batch's layout serves every row
+        ids, vals = _own_best(got["ids"], got["vals"], o.k)
+        raw_ids = raw_vals = None
+        if raw and lay.raw_top and o.mask is not None:
+            raw_ids, raw_vals = _own_best(got["raw_ids"], got["raw_vals"], o.k)
+        mass = lay.mass and (o.mass or o.u is not None)
         return Preselected(
-            order=o, ids=got["ids"].astype(np.int32), vals=vals,
+            order=o, ids=ids, vals=vals,
             top=float(got["top"][0]) if lay.mass else float(vals.max()),
-            blocks=got["blocks"] * z if lay.mass else None, dense=dense,
+            blocks=got["blocks"] * z if mass else None, dense=dense,
             raw_max=float(got["raw_max"][0]) if raw else None,
             raw_mass=1.0 / float(got["raw_p_max"][0]) if raw else None,
-            raw_ids=got["raw_ids"].astype(np.int32) if raw and lay.raw_top else None,
-            raw_vals=got["raw_vals"] if raw and lay.raw_top else None,
+            raw_ids=raw_ids, raw_vals=raw_vals,
             touched=got["touched"][:o.touched.size] if lay.n_touched else np.empty(0, np.float32))
 
     def full_row(self, row: int, n_outputs: int) -> np.ndarray | None:
@@ -500,9 +518,11 @@ class Presampler:
 def reference(row: np.ndarray, o: RowOrder, k: int | None = None) -> Preselected:
     """What the graph's ops hand back for one row, computed with numpy: the exact
     reference of `Presampler._build` (tests/test_presample.py holds the graph to it, and
-    the fast path's property tests run on it without a model). ``k``: the micro-batch's
-    K (the largest order's), default the order's own. Ties at the K-th value are broken
-    by the smaller id here; the graph may pick any of the tied ids."""
+    the fast path's property tests run on it without a model). ``k``: default the
+    order's own, which is what `Presampler.read` hands back; the micro-batch's K (the
+    largest order's) gives what the graph's ops computed, before `read` keeps the row's
+    own. Ties at the K-th value are broken by the smaller id here; the graph may pick
+    any of the tied ids."""
     x = np.asarray(row, np.float32)
     V = x.size
     k = min(V, k or o.k)

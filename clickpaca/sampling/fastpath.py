@@ -387,7 +387,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     plans, the same arithmetic as the host path's batched rows): a reason string where
     the values cannot decide, as ``sample`` gives."""
     out: list = [None] * len(samplers)
-    greedy, topk, rest = [], {}, []
+    # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
+    greedies, topk, rest = {}, {}, []
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
@@ -409,10 +410,10 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         if plan is None:
             rest.append(j)
         elif plan[0] == "greedy":
-            greedy.append(j)
+            greedies.setdefault(pre.vals.size, []).append(j)
         else:
-            topk.setdefault(plan[1:], []).append(j)
-    if greedy:
+            topk.setdefault((*plan[1:], pre.vals.size), []).append(j)
+    for greedy in greedies.values():
         ids = np.stack([pres[j].ids for j in greedy])
         vals = np.stack([pres[j].vals for j in greedy])
         vmax = vals.max(axis=1)
@@ -428,7 +429,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = sample(samplers[j], pres[j], None)
     for key, js in topk.items():
         k, top_p, temp = key[:3]
-        n_probs = key[3] if len(key) > 3 else 0
+        n_probs = key[3] if len(key) > 4 else 0
         if k is None:  # top-p first: the whole pre-selected set, top-p with the mass left out
             _nucleus_tick(samplers, pres, js, top_p, temp, out)
             continue
