@@ -8,6 +8,10 @@ same whatever nSeqMax and batch composition. Every comparison here is `==` on th
 events' numbers. Sequences stay inside the default model's 512-position sliding window
 (past it the claim is measured once but not tested: docs/DETERMINISM.md).
 
+Every test of the mode runs on both sampling paths (the `preselect` fixture: init
+preselect false, and true: the chains run on the values the decode pre-selects,
+llama/presample.py), so the claim holds on the fast path too.
+
 The cache is f16 whatever CLICKPACA_TEST_CACHE_* say: the mode turns flash attention
 off, and llama.cpp needs it for a quantized V cache (refused, tested below).
 """
@@ -55,7 +59,18 @@ def greedy(c: Client, seq_id: int, prompt: str, n: int = N_GEN, **params) -> tup
     c.infer(seq_id, prompt, maxTokens=n, temperature=0, nProbs=N_TOP, **params)
     toks, done = c.collect(seq_id)
     assert done["type"] == "done", done
+    on_graph(c, done)
     return run_of(toks), done
+
+
+def on_graph(c: Client, done: dict) -> None:
+    """With preselect every greedy token is decided on the pre-selected values (the
+    claim is then the fast path's); without, done says nothing of paths."""
+    if c.ready["preselect"]:
+        n = done["tokens_predicted"]
+        assert done["samplingPath"] == {"graph": n, "host": 0, "reasons": {}}, done
+    else:
+        assert "samplingPath" not in done, done
 
 
 def run_of(toks: list[dict]) -> list:
@@ -71,13 +86,20 @@ def all_at_once(c: Client, prompts: dict[int, str], n: int = N_GEN) -> dict[int,
     for s in prompts:
         toks, done = c.collect(s)
         assert done["type"] == "done", done
+        on_graph(c, done)
         out[s] = run_of(toks)
     return out
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["host", "preselect"])
+def preselect(request) -> bool:
+    """init preselect of every server a test of the mode spawns."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def det():
-    c = spawn("--allow-any-path")
+def det(preselect):
+    c = spawn("--allow-any-path", preselect=preselect)
     yield c
     c.close()
 
@@ -92,9 +114,9 @@ def cold(det):
 # ------------------------------------------------------------------ ready and refusals
 
 
-def test_ready_reports_the_mode_and_the_kernel_paths(det):
+def test_ready_reports_the_mode_and_the_kernel_paths(det, preselect):
     r = det.ready
-    assert r["deterministic"] is True
+    assert r["deterministic"] is True and r["preselect"] is preselect
     assert r["kernels"] == {"flashAttn": False, "repack": False, "extraBufferTypes": [],
                             "kvLayout": "per-sequence", "tiledMatmul": False}
     assert r["flashAttn"] == "off" and r["kvUnified"] is False
@@ -136,10 +158,10 @@ def test_arrival_order_does_not_matter(det, cold):
     assert second[0] == cold
 
 
-def test_prompt_chunking_does_not_matter(cold):
+def test_prompt_chunking_does_not_matter(cold, preselect):
     """nBatch 16 splits the prompt in many chunks (and interleaves them with other
     sequences' tokens); the result is the one-chunk result of nBatch 512."""
-    c = spawn(nBatch=16)
+    c = spawn(nBatch=16, preselect=preselect)
     try:
         assert greedy(c, 0, DOC + Q)[0] == cold
         runs = all_at_once(c, {0: DOC + Q, 1: OTHERS[0], 2: OTHERS[1]})
@@ -173,18 +195,19 @@ def test_fork_equals_cold(det, cold):
     assert greedy(det, 1, Q)[0] == cold
 
 
-def test_state_loaded_in_the_same_and_a_new_process_equals_cold(det, cold, tmp_path):
+def test_state_loaded_in_the_same_and_a_new_process_equals_cold(det, cold, tmp_path, preselect):
     path = str(tmp_path / "doc.kv")
     req(det, "prefill", 1, prompt=DOC)
     req(det, "save", 1, path=path)
     req(det, "free", 1)
     req(det, "load", 4, path=path)
     assert greedy(det, 4, Q)[0] == cold
-    other = spawn("--allow-any-path", nBatch=64)  # the same streams (nSeqMax): llama.cpp's condition
+    # the same streams (nSeqMax): llama.cpp's condition
+    other = spawn("--allow-any-path", nBatch=64, preselect=preselect)
     try:
         req(other, "load", 2, path=path)
         assert greedy(other, 2, Q)[0] == cold
-        c = spawn("--allow-any-path", nSeqMax=4, nCtx=1024)
+        c = spawn("--allow-any-path", nSeqMax=4, nCtx=1024, preselect=preselect)
         try:
             ev = c.request({"type": "load", "seq_id": 0, "path": path}, timeout=300)
         except ServerError as e:
@@ -198,7 +221,7 @@ def test_state_loaded_in_the_same_and_a_new_process_equals_cold(det, cold, tmp_p
 # ------------------------------------------------------------------ score
 
 
-def test_score_is_the_same_whatever_nseqmax_and_company(det):
+def test_score_is_the_same_whatever_nseqmax_and_company(det, preselect):
     text = DOC * 3  # windows of 128
     alone = det.score(7, text, window=128, perToken=True)
     assert alone["windows"] >= 2
@@ -208,7 +231,7 @@ def test_score_is_the_same_whatever_nseqmax_and_company(det):
     det.collect(1)
     det.collect(2)
     assert busy["token_nll"] == alone["token_nll"]
-    c = spawn(nSeqMax=1, nCtx=512, nBatch=64)
+    c = spawn(nSeqMax=1, nCtx=512, nBatch=64, preselect=preselect)
     try:
         assert c.score(0, text, window=128, perToken=True)["token_nll"] == alone["token_nll"]
     finally:
