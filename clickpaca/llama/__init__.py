@@ -6,4 +6,5 @@ files and tok.py is `clickpaca tok`; cachetypes.py is the table of KV cache type
 deterministic.py deterministic mode's settings, gpu.py what a GPU build lists and refuses,
 turboquant.py the turbo types' codebooks
 and numpy reference; opdump.py and opdiff.py find which graph node depends on batch
-shape. Nothing here imports a layer above it (sampling, grammar, wire, engine, ...)."""
+shape; presample.py the backend sampler whose ggml ops pre-select each sampled row's
+values inside the decode (and their numpy reference). Nothing here imports a layer above it (sampling, grammar, wire, engine, ...)."""

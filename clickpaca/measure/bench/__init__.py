@@ -8,6 +8,7 @@ One module per job:
   sampler_steps, sampler_ticks   parts of `bench sampler`: each step beside llama.cpp's,
            the host's sampling time per tick
   sampler_against  an earlier commit's sampler chain against this tree's (python -m)
+  preselect_ops  what the pre-selection's graph ops add to a decode (python -m)
   decode_against   an earlier commit's whole server against this tree's: decode tok/s at 1, 8, 64 sequences (python -m)
   builds   two builds of one source against each other (llama-bench, alternating)
   rpc      `bench decode|batch --rpc`: local, one worker and two, in one run
