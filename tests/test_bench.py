@@ -399,11 +399,34 @@ def test_ppl_no_server_takes_ppl_from_the_in_process_windows_only(tmp_path):
     a = build_parser().parse_args(["ppl", "--cache", "f16,q8_0", "--ctx", "64", "--chunks", "1", "--no-server",
                                    "--out", str(tmp_path)])
     out = measure(a)
-    assert out["params"]["server"] is False and not out["server_problems"]
+    assert out["params"]["server"] is False and not out["server_problems"] and not out["problems"]
     for r in out["rows"]:
         assert "ppl_server" not in r and "error_server" not in r
         assert r["ppl_inproc"] > 1 and r["tokens_inproc"] == 31
     assert "--no-server" in " ".join(out["notes"]) and "q8_0" in table(out)
+
+
+def test_problems_are_labelled_by_their_source(tmp_path, capsys):
+    """A spawned server's problem is a SERVER PROBLEM; one met in this process (ppl's KL pass,
+    with or without --no-server) or by llama-perplexity says so, not SERVER; each once."""
+    import json
+
+    from clickpaca.results.report import IN_PROCESS, emit, problem, problem_lines
+
+    data = {"server_problems": ["llama-server exited with 1", "llama-server exited with 1"],
+            "problems": [problem(IN_PROCESS, "KL / top-1 failed: boom"), problem(IN_PROCESS, "KL / top-1 failed: boom"),
+                         problem("llama-perplexity", "not run")]}
+    assert problem_lines(dict(data)) == ["SERVER PROBLEM: llama-server exited with 1",
+                                         "PROBLEM (in-process run): KL / top-1 failed: boom",
+                                         "PROBLEM (llama-perplexity): not run"]
+    assert problem_lines({"server_problems": []}) == []
+    emit(str(tmp_path), "ppl", {"params": {}, "rows": [], "server_problems": [],
+                                "problems": [problem(IN_PROCESS, "KL / top-1 failed: boom")]}, "| t |", "t")
+    printed = capsys.readouterr().out
+    assert "- PROBLEM (in-process run): KL / top-1 failed: boom" in printed and "SERVER PROBLEM" not in printed
+    exported = json.loads((tmp_path / "ppl.json").read_text())
+    assert exported["problems"] == [{"source": IN_PROCESS, "message": "KL / top-1 failed: boom"}]
+    assert exported["server_problems"] == []
 
 
 def test_ppl_table_names_its_second_kl_reference():

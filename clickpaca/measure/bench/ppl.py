@@ -30,7 +30,7 @@ from ...wire.scoring import check_score_last
 from .cachetypes import bits_per_value, pair_bpv
 from ..kl import compare_variants
 from ..common import model_path, out_dir, png
-from ...results.report import emit, machine, plot_points
+from ...results.report import IN_PROCESS, emit, machine, plot_points, problem
 from .serve import Server
 from ...results.stats import parse_list, progress
 from ...results.table import markdown
@@ -92,7 +92,8 @@ def measure(args: Any) -> dict[str, Any]:
     progress(f"ppl: {chunks} windows of {args.ctx} tokens from {text_path} ({n_tok} tokens kept)")
     rows: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, Any]] = {}  # per-token series for the results store
-    problems: list[str] = []
+    problems: list[str] = []  # the servers' (SERVER PROBLEM in the report)
+    other: list[dict[str, str]] = []  # the rest, by source (report.problem)
     for k, v in pairs:
         name = pair_name(k, v)
         build = build_for(k, v)
@@ -154,9 +155,9 @@ def measure(args: Any) -> dict[str, Any]:
                     dppl = r["ppl_inproc"] - recs[0]["ppl"]
                     r["above_noise"] = r["kl_mean"] > floor_kl and abs(dppl) > floor_dppl
     except Exception as e:  # noqa: BLE001
-        problems.append(f"in-process KL failed: {e}")
+        other.append(problem(IN_PROCESS, f"KL / top-1 failed: {e}"))
     if args.native and score_last:
-        problems.append("--native: llama-perplexity cannot score a window's tail only; not run")
+        other.append(problem("llama-perplexity", "--native: it cannot score a window's tail only; not run"))
     elif args.native:
         for k, v in pairs:
             name = pair_name(k, v)
@@ -200,7 +201,8 @@ def measure(args: Any) -> dict[str, Any]:
                        "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
                        "tokens_sha256": hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()},
             "samples": samples,
-            "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems}
+            "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems,
+            "problems": other}
 
 
 def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
