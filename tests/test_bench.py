@@ -399,11 +399,92 @@ def test_ppl_no_server_takes_ppl_from_the_in_process_windows_only(tmp_path):
     a = build_parser().parse_args(["ppl", "--cache", "f16,q8_0", "--ctx", "64", "--chunks", "1", "--no-server",
                                    "--out", str(tmp_path)])
     out = measure(a)
-    assert out["params"]["server"] is False and not out["server_problems"]
+    assert out["params"]["server"] is False and not out["server_problems"] and not out["problems"]
     for r in out["rows"]:
         assert "ppl_server" not in r and "error_server" not in r
         assert r["ppl_inproc"] > 1 and r["tokens_inproc"] == 31
     assert "--no-server" in " ".join(out["notes"]) and "q8_0" in table(out)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cache,server", [("f16,f32/q8_0,q8_0", False), ("f32/q8_0,f16,q8_0", False),
+                                          ("f16,f32/q8_0,q8_0", True)])
+def test_ppl_a_refused_type_gets_its_error_and_the_others_are_measured(tmp_path, capsys, cache, server):
+    """llama.cpp refuses a context for f32/q8_0 (attention() turns flash attention off for the
+    f32 K, and a quantized V needs it), as it refuses turbo types where the head size is no
+    multiple of their block: that type's row carries the refusal, an in-process problem names
+    it, and the other types are measured as usual, against the first type when it was measured
+    (the second case: the reference itself refused, so no KL, but each PPL). With the server's
+    pass, its server refuses it too: that one is a SERVER PROBLEM, the in-process one is not."""
+    from clickpaca.measure.bench.ppl import measure, table
+    from clickpaca.results.report import IN_PROCESS, emit
+
+    a = build_parser().parse_args(["ppl", "--cache", cache, "--ctx", "64", "--chunks", "1", "--out", str(tmp_path)]
+                                  + ([] if server else ["--no-server"]))
+    out = measure(a)
+    rows = {r["cache"]: r for r in out["rows"]}
+    bad = rows["f32/q8_0"]
+    assert "quantized V cache requires flash_attn" in bad["error_inproc"] and "ppl_inproc" not in bad
+    if server:
+        assert "ppl_server" not in bad and bad["error_server"]
+        assert out["server_problems"] and all(p.startswith("score with f32/q8_0: ") for p in out["server_problems"])
+        for name in ("f16", "q8_0"):
+            assert rows[name]["ppl_server"] == pytest.approx(rows[name]["ppl_inproc"], rel=0.02)
+    else:
+        assert out["server_problems"] == []
+    [p] = out["problems"]
+    assert p["source"] == IN_PROCESS and "f32/q8_0" in p["message"] and "requires flash_attn" in p["message"]
+    for name in ("f16", "q8_0"):
+        assert rows[name]["ppl_inproc"] > 1 and rows[name]["tokens_inproc"] == 31
+    if cache.startswith("f16"):
+        assert rows["f16"]["kl_mean"] == 0.0 and rows["q8_0"]["kl_ref"] == "f16"
+        assert 0 <= rows["q8_0"]["kl_mean"] < 0.1 and rows["q8_0"]["top1_agreement"] > 0.5
+    else:  # the reference was refused: no KL against it, not a KL of 0
+        assert rows["f16"]["kl_mean"] is None and rows["q8_0"]["kl_mean"] is None
+        assert rows["q8_0"]["kl_ref"] is None
+    t = table(out)
+    assert "refused" in next(line for line in t.splitlines() if line.startswith("| f32/q8_0"))
+    emit(str(tmp_path), "ppl", out, t, "ppl")
+    printed = capsys.readouterr().out
+    assert "- PROBLEM (in-process run): refused: f32/q8_0" in printed
+    assert ("- SERVER PROBLEM: score with f32/q8_0" in printed) == server
+    assert ("SERVER PROBLEM" in printed) == server
+
+
+@pytest.mark.model
+def test_compare_variants_raises_a_refusal_unless_told_to_keep_it(model_path):
+    """Without keep_refused (the kv-sim study, kl.compare), a refused context stops the
+    comparison as before, before anything is decoded."""
+    from clickpaca.llama.core import ContextError
+    from clickpaca.measure.kl import Variant, compare_variants
+
+    bad = Variant("f32/q8_0", "f32", "q8_0", flash_attn="off")
+    with pytest.raises(ContextError, match="quantized V cache requires flash_attn"):
+        compare_variants(str(model_path), [Variant("f16"), bad], [0], np.arange(2, 200, dtype=np.int32), 64,
+                         threads=2)
+
+
+def test_problems_are_labelled_by_their_source(tmp_path, capsys):
+    """A spawned server's problem is a SERVER PROBLEM; one met in this process (ppl's KL pass,
+    with or without --no-server) or by llama-perplexity says so, not SERVER; each once."""
+    import json
+
+    from clickpaca.results.report import IN_PROCESS, emit, problem, problem_lines
+
+    data = {"server_problems": ["llama-server exited with 1", "llama-server exited with 1"],
+            "problems": [problem(IN_PROCESS, "KL / top-1 failed: boom"), problem(IN_PROCESS, "KL / top-1 failed: boom"),
+                         problem("llama-perplexity", "not run")]}
+    assert problem_lines(dict(data)) == ["SERVER PROBLEM: llama-server exited with 1",
+                                         "PROBLEM (in-process run): KL / top-1 failed: boom",
+                                         "PROBLEM (llama-perplexity): not run"]
+    assert problem_lines({"server_problems": []}) == []
+    emit(str(tmp_path), "ppl", {"params": {}, "rows": [], "server_problems": [],
+                                "problems": [problem(IN_PROCESS, "KL / top-1 failed: boom")]}, "| t |", "t")
+    printed = capsys.readouterr().out
+    assert "- PROBLEM (in-process run): KL / top-1 failed: boom" in printed and "SERVER PROBLEM" not in printed
+    exported = json.loads((tmp_path / "ppl.json").read_text())
+    assert exported["problems"] == [{"source": IN_PROCESS, "message": "KL / top-1 failed: boom"}]
+    assert exported["server_problems"] == []
 
 
 def test_ppl_table_names_its_second_kl_reference():

@@ -123,25 +123,38 @@ class _Runner:
 
 def compare_variants(model_path: str, variants: list[Variant], refs: list[int], tokens: np.ndarray,
                      window: int, build: str = "mainline",
-                     threads: int | None = None, score_last: int | None = None) -> list[dict[str, Any]]:
+                     threads: int | None = None, score_last: int | None = None,
+                     keep_refused: bool = False) -> list[dict[str, Any]]:
     """Per variant: ppl, nll, per-position NLL, and against each reference variant (indices
     into `variants`) KL statistics and top-1 agreement, under "vs" keyed by its name.
-    score_last: score each window's last positions only (scoring.windows_for)."""
+    score_last: score each window's last positions only (scoring.windows_for).
+    keep_refused: a variant whose context llama.cpp refuses (core.ContextError: a cache type
+    the model's shapes or the attention cannot take) gets a record of its own with "error"
+    (the refusal, naming its types) and no values, and the others are measured as usual
+    (against the references that were not refused); without it, the refusal is raised."""
     models: dict[bool, core.Model] = {}
-    runners: list[_Runner] = []
+    runners: dict[int, _Runner] = {}
+    refused: dict[int, str] = {}
     try:
-        for v in variants:
+        for i, v in enumerate(variants):
             if v.repack not in models:
                 models[v.repack] = core.Model(model_path, build=build, repack=v.repack)
-            runners.append(_Runner(models[v.repack], v, window, threads))
+            try:
+                runners[i] = _Runner(models[v.repack], v, window, threads)
+            except core.ContextError as e:
+                if not keep_refused:
+                    raise
+                refused[i] = f"{v.name} (K {v.type_k}, V {v.type_v}, flash attention {v.flash_attn}): {e}"
+                progress(f"kl: {refused[i]}")
         m = next(iter(models.values()))
         wins = windows_for(tokens, window, m.bos if m.add_bos else None, score_last)
-        order = refs + [i for i in range(len(variants)) if i not in refs]
+        refs = [r for r in refs if r not in refused]
+        order = refs + [i for i in range(len(variants)) if i not in refs and i not in refused]
         # each variant against every reference computed before it (a reference: the ones before it)
         before = {i: refs[:refs.index(i)] if i in refs else refs for i in order}
         nll: list[list[float]] = [[] for _ in variants]
-        kl = [{r: [] for r in before[i]} for i in range(len(variants))]
-        top1 = [{r: [] for r in before[i]} for i in range(len(variants))]
+        kl = [{r: [] for r in before.get(i, [])} for i in range(len(variants))]
+        top1 = [{r: [] for r in before.get(i, [])} for i in range(len(variants))]
         for wi in range(len(wins)):
             progress(f"kl: window {wi + 1}/{len(wins)}")
             toks, first = wins[wi]
@@ -159,12 +172,16 @@ def compare_variants(model_path: str, variants: list[Variant], refs: list[int], 
                     if i in refs:
                         kept[i][pos - first:pos - first + n] = logp
     finally:
-        for r in runners:
+        for r in runners.values():
             r.close()
         for model in models.values():
             model.close()
     out = []
     for i, v in enumerate(variants):
+        if i in refused:
+            out.append({"variant": v.name, "cache_k": v.type_k, "cache_v": v.type_v, "flash_attn": v.flash_attn,
+                        "error": refused[i], "vs": {}})
+            continue
         n = np.asarray(nll[i])
         rec: dict[str, Any] = {"variant": v.name, "cache_k": v.type_k, "cache_v": v.type_v,
                                "flash_attn": v.flash_attn, "tokens": len(n), "nll": float(n.mean()),

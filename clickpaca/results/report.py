@@ -34,13 +34,36 @@ def emit(out_dir: str, name: str, data: dict[str, Any], table: str, title: str) 
     notes = data.get("notes") or []
     for n in notes:
         print(f"\n- {n}")
-    problems = list(dict.fromkeys(data.get("server_problems") or []))  # once each, in order
-    data["server_problems"] = problems
-    for p in problems:
-        print(f"\n- SERVER PROBLEM: {p}")
+    for line in problem_lines(data):
+        print(f"\n- {line}")
     print()
     data["results_run"] = attach(name, data)
     write_json(out_dir, name, {k: v for k, v in data.items() if k != "samples"})
+
+
+def problem(source: str, message: str) -> dict[str, str]:
+    """A problem that is not a server's (those go to "server_problems" as plain strings), under
+    "problems": ``source`` says where it happened, e.g. IN_PROCESS."""
+    return {"source": source, "message": message}
+
+
+#: The source of a problem met in this process (clickpaca.llama.core, not a spawned server).
+IN_PROCESS = "in-process run"
+
+
+def problem_lines(data: dict[str, Any]) -> list[str]:
+    """The report's lines for the problems in ``data``, each labelled by its source: the
+    spawned servers' ("server_problems", strings) as SERVER PROBLEM, the others ("problems",
+    made by ``problem``) as PROBLEM (their source). Each is kept once, in order, and ``data``
+    is left holding the deduplicated lists."""
+    server = list(dict.fromkeys(data.get("server_problems") or []))  # once each, in order
+    data["server_problems"] = server
+    lines = [f"SERVER PROBLEM: {p}" for p in server]
+    if "problems" in data:
+        other = list({(p["source"], p["message"]): p for p in data["problems"] or []}.values())
+        data["problems"] = other
+        lines += [f"PROBLEM ({p['source']}): {p['message']}" for p in other]
+    return lines
 
 
 def _pyplot():

@@ -30,7 +30,7 @@ from ...wire.scoring import check_score_last
 from .cachetypes import bits_per_value, pair_bpv
 from ..kl import compare_variants
 from ..common import model_path, out_dir, png
-from ...results.report import emit, machine, plot_points
+from ...results.report import IN_PROCESS, emit, machine, plot_points, problem
 from .serve import Server
 from ...results.stats import parse_list, progress
 from ...results.table import markdown
@@ -92,7 +92,8 @@ def measure(args: Any) -> dict[str, Any]:
     progress(f"ppl: {chunks} windows of {args.ctx} tokens from {text_path} ({n_tok} tokens kept)")
     rows: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, Any]] = {}  # per-token series for the results store
-    problems: list[str] = []
+    problems: list[str] = []  # the servers' (SERVER PROBLEM in the report)
+    other: list[dict[str, str]] = []  # the rest, by source (report.problem)
     for k, v in pairs:
         name = pair_name(k, v)
         build = build_for(k, v)
@@ -120,27 +121,38 @@ def measure(args: Any) -> dict[str, Any]:
     try:
         noise_of = parse_pair(getattr(args, "noise_of", None) or DEFAULT)
         variants, refs, noise_at = plan_variants(pairs, ref, bool(getattr(args, "noise", False)), noise_of)
+        # a variant llama.cpp refuses (a type the model's head size cannot take, a quantized V
+        # without flash attention) gets its error and the others are measured as usual
         recs = compare_variants(model, variants, refs, tokens, args.ctx, build=kl_build, threads=threads,
-                                score_last=score_last)
+                                score_last=score_last, keep_refused=True)
+        for c in recs:
+            if "error" in c:
+                other.append(problem(IN_PROCESS, f"refused: {c['error']}"))
         primary, second = variants[refs[0]].name, (variants[refs[1]].name if len(refs) > 1 else None)
-        for (k, v), c in zip(pairs, recs):
-            vs = c["vs"].get(primary) or {"kl_mean": 0.0, "top1_agreement": 1.0}
+        for i, ((k, v), c) in enumerate(zip(pairs, recs)):
             rec = rows[pair_name(k, v)]
-            rec.update({"ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"], "kl_ref": primary,
+            if "error" in c:
+                rec["error_inproc"] = c["error"]
+                continue
+            # against itself a reference has KL 0; against a refused reference, nothing
+            vs = {"kl_mean": 0.0, "top1_agreement": 1.0} if i == refs[0] else c["vs"].get(primary, {})
+            rec.update({"ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"], "kl_ref": primary if vs else None,
                         **{x: vs.get(x) for x in ("kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement")}})
             if second is not None:
                 rec["kl_ref2"] = second
-                rec["kl_mean_ref2"] = (c["vs"].get(second) or {"kl_mean": 0.0})["kl_mean"]
+                rec["kl_mean_ref2"] = 0.0 if i == refs[1] else c["vs"].get(second, {}).get("kl_mean")
             samples.setdefault(pair_name(k, v), {}).update(
                 {"token_nll_inproc": c["token_nll"], "token_kl": vs.get("token_kl"),
                  "token_top1": vs.get("token_top1")})
-        if ref == EXACT:
+        if ref == EXACT and "error" not in recs[refs[0]]:
             c = recs[refs[0]]
             rows[f"{EXACT} ref"] = {"cache": f"{EXACT} ref", "cache_k": EXACT, "cache_v": EXACT, "build": kl_build,
                                "ppl_inproc": c["ppl"], "tokens_inproc": c["tokens"], "kl_ref": primary,
                                "kl_mean": 0.0, "top1_agreement": 1.0, "flash_attn": "off"}
-        base = variants[noise_at[0]].name if noise_at else None
-        for i in noise_at[1:]:
+        base = variants[noise_at[0]].name if noise_at and "error" not in recs[noise_at[0]] else None
+        for i in noise_at[1:] if base else []:
+            if "error" in recs[i]:
+                continue
             vs = recs[i]["vs"][base]
             noise_rows.append({"source": variants[i].name, "ppl": recs[i]["ppl"], "dppl": vs["dppl"],
                                "kl_mean": vs["kl_mean"], "kl_p99": vs["kl_p99"], "kl_max": vs["kl_max"],
@@ -151,12 +163,13 @@ def measure(args: Any) -> dict[str, Any]:
             for r in rows.values():
                 if r.get("kl_mean") is not None and r.get("cache") != pair_name(*pairs[0]) and "ref" not in r["cache"]:
                     r["kl_over_floor"] = r["kl_mean"] / floor_kl if floor_kl > 0 else None
-                    dppl = r["ppl_inproc"] - recs[0]["ppl"]
-                    r["above_noise"] = r["kl_mean"] > floor_kl and abs(dppl) > floor_dppl
+                    if "ppl" in recs[0]:  # dPPL against the first type, when it was measured
+                        dppl = r["ppl_inproc"] - recs[0]["ppl"]
+                        r["above_noise"] = r["kl_mean"] > floor_kl and abs(dppl) > floor_dppl
     except Exception as e:  # noqa: BLE001
-        problems.append(f"in-process KL failed: {e}")
+        other.append(problem(IN_PROCESS, f"KL / top-1 failed: {e}"))
     if args.native and score_last:
-        problems.append("--native: llama-perplexity cannot score a window's tail only; not run")
+        other.append(problem("llama-perplexity", "--native: it cannot score a window's tail only; not run"))
     elif args.native:
         for k, v in pairs:
             name = pair_name(k, v)
@@ -200,7 +213,8 @@ def measure(args: Any) -> dict[str, Any]:
                        "text_sha256": hashlib.sha256(cut.encode("utf-8")).hexdigest(),
                        "tokens_sha256": hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()},
             "samples": samples,
-            "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems}
+            "machine_start": m0, "rows": list(rows.values()), "notes": notes, "server_problems": problems,
+            "problems": other}
 
 
 def plan_variants(pairs: list[tuple[str, str]], ref: str, noise: bool,
@@ -261,7 +275,9 @@ def table(out: dict[str, Any]) -> str:
     head += ["KL / noise floor", "above noise"] if floor else []
     rows = []
     for r in out["rows"]:
-        row = [r["cache"], r["build"], r.get("bpv"), r.get("ppl_server"), r.get("ppl_inproc"),
+        # a type whose server or context failed says so in its cell (the problem lines say why)
+        row = [r["cache"], r["build"], r.get("bpv"), r.get("ppl_server", "error" if r.get("error_server") else None),
+               r.get("ppl_inproc", "refused" if r.get("error_inproc") else None),
                r.get("ppl_native"), r.get("kl_mean"), r.get("kl_p99"), r.get("top1_agreement")]
         row += [r.get("kl_mean_ref2")] if two else []
         row += [r.get("kl_over_floor"), r.get("above_noise")] if floor else []
