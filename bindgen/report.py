@@ -142,12 +142,17 @@ def render_text(rep: dict[str, Any], full: bool = False) -> str:
     if rep["api"] is None:
         return head + "\n  no previous manifest to compare with"
     c = rep["checked"]
-    lines = [head, f"clickpaca/ uses {c['functions']} functions, {c['enum values']} enum values, "
-             f"{c['records']} records, {c['fields']} fields: "
-             + (f"{len(rep['ours'])} affected, {sum(o['handled'] for o in rep['ours'])} of them handled"
-                if rep["ours"] else "nothing affected")]
+    lines = [head, *textwrap.wrap(
+        f"clickpaca/ uses {c['functions']} functions, {c['enum values']} enum values, "
+        f"{c['records']} records, {c['fields']} fields: "
+        + (f"{len(rep['ours'])} affected, {sum(o['handled'] for o in rep['ours'])} of them handled"
+           if rep["ours"] else "nothing affected"), WIDTH, subsequent_indent="  ")]
+    # one entry per (status, action): a feature's many names share one line of handling
+    groups: dict[tuple, list[str]] = {}
     for o in sorted(rep["ours"], key=lambda o: o["handled"]):  # what needs doing first
-        lines += textwrap.wrap(f"{'=' if o['handled'] else '!'} {o['name']}: {o['status']} -> {o['action']}",
+        groups.setdefault((o["handled"], o["status"], o["action"]), []).append(o["name"])
+    for (handled, status, action), names in groups.items():
+        lines += textwrap.wrap(f"{'=' if handled else '!'} {', '.join(names)}: {status} -> {action}",
                                WIDTH, initial_indent="  ", subsequent_indent="      ",
                                break_on_hyphens=False)
     lines += feature_table.render_pair(rep["features"], rep["from"], rep["to"])

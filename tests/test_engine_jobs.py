@@ -39,6 +39,7 @@ class Model:
 
 class Context:
     n_seq_max, n_threads = 2, 1
+    presampler = None  # the host path (pre-selection: tests/test_server_preselect.py)
 
     def seq_rm(self, slot: int, p0: int, p1: int) -> None:
         pass
