@@ -318,7 +318,9 @@ def top_n_sigma(ids: np.ndarray, logits: np.ndarray, n: float):
 def dynatemp(ids: np.ndarray, logits: np.ndarray, t: float, delta: float, exponent: float):
     """Dynamic temperature: t' = max(0, t - delta) + 2 delta' (H / log n)^exponent between
     max(0, t - delta) and t + delta, H the entropy of the set; then temperature t'
-    (t' <= 0: greedy). delta <= 0 is plain temperature t."""
+    (t' <= 0: greedy). delta <= 0 is plain temperature t. In float64: for a peaked set
+    t' may be ~1e-43, where llama.cpp's float32 goes greedy or overflows to +-inf; here
+    every candidate stays and all the mass is on the top token (docs/PROTOCOL.md)."""
     if delta <= 0:
         return temperature(ids, logits, t)
     if ids.size <= 1:
