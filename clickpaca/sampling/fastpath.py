@@ -148,9 +148,12 @@ def _gather(pre: Preselected, ids: np.ndarray, tau: float) -> np.ndarray:
 
 def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | str:
     """The next token from pre-selected values, or the reason the whole row is needed
-    (then nothing was drawn: the caller runs ``s.sample`` on the row)."""
+    (then nothing was drawn: the caller runs ``s.sample`` on the row). ``words``: the
+    grammar's bitmask words as ``s.sample`` takes them (int32 or uint32), or None."""
     p = s.params
     n = s.n_vocab
+    if words is not None:
+        words = as_words(words, n)  # uint32: popcounts of int32 words count the sign wrong
     if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
         return "non-finite row"
     n_allowed = count_allowed(words, n) if words is not None else n
