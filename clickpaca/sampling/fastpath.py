@@ -254,7 +254,7 @@ def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleRes
     if p.n_probs <= 0:
         s.draw()
         return SampleResult(tok, n_candidates=cand.size, path="graph")
-    raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs)
+    raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs, s.n_vocab)
     if isinstance(raw, str):
         return raw
     s.draw()
@@ -271,7 +271,7 @@ def _raw_value(pre: Preselected, tok: int) -> float:
     return float(pre.touched[np.flatnonzero(pre.order.touched == tok)[0]])
 
 
-def _raw_logprobs(pre: Preselected, v: float, n: int):
+def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     """(logprob of the token whose raw logit is v, n best) under the raw row's
     log-softmax, or why the n best cannot be had from the K best."""
     if pre.raw_max is not None:
@@ -283,7 +283,17 @@ def _raw_logprobs(pre: Preselected, v: float, n: int):
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), n)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
         return "nProbs reach past the K best"
-    return v - lse, tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
+    top = tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
+    if b_ids.size < n and not finite.all():
+        # Fewer than n finite raw values, all among the K best: the rest of the n best
+        # are -inf tokens, as the host lists them (raw_logprobs: canonical order, so the
+        # smallest ids outside the finite ones; the graph's own tie-break among -inf
+        # values may differ, so they are not read from it).
+        known = ids[finite]
+        pool = np.arange(min(n_vocab, n + known.size), dtype=np.int32)
+        pool = pool[~np.isin(pool, known)][: n - b_ids.size]
+        top += tuple((int(i), -math.inf) for i in pool)
+    return v - lse, top
 
 
 def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
@@ -326,7 +336,7 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), p.n_probs)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
         return "nProbs reach past the K best"
-    raw = _raw_logprobs(pre, x_tok, p.n_probs)
+    raw = _raw_logprobs(pre, x_tok, p.n_probs, s.n_vocab)
     if isinstance(raw, str):
         return raw
     s.draw()
