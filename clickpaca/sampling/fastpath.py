@@ -275,6 +275,8 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     """(logprob of the token whose raw logit is v, n best) under the raw row's
     log-softmax, or why the n best cannot be had from the K best."""
     if pre.raw_max is not None:
+        if not (math.isfinite(pre.raw_max) and pre.raw_mass > 0 and math.isfinite(pre.raw_mass)):
+            return "non-finite row"  # NaN where the grammar masks it (y was finite): the host maps it to -inf
         lse = pre.raw_max + math.log(pre.raw_mass)
     else:  # y is the raw row and the masses are at tau 1
         lse = pre.top + math.log(float(np.add.reduce(pre.blocks, dtype=np.float64)))
