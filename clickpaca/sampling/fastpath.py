@@ -18,7 +18,8 @@ value at most the K-th (``Preselected.floor``); the elementwise steps before the
 truncation change only the touched tokens, whose raw values come back; a positive
 temperature keeps the order. So a truncation that keeps an upper set, run over the K
 best plus the touched tokens, keeps exactly what it keeps over the whole row when every
-value it keeps lies strictly above floor / tau (checked; otherwise None). Top-p gets the
+value it keeps lies strictly above the smallest untouched one of the K best (at least
+floor / tau: checked; otherwise PAST_K). Top-p gets the
 mass left out from the block masses minus the K best's own. From the first truncation
 on the set is explicit and the steps run as on the host. With no truncation (a draw
 over every allowed token), the draw walks the float64 cumulative block masses and then
@@ -199,6 +200,12 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     u_vals = np.fmax(u_vals, -np.inf, dtype=np.float64)
     if tau != 1.0:
         u_vals = u_vals / tau
+    # The truncation is exact when it drops the smallest untouched value handed back: every
+    # untouched token left out is at most the K-th value, so at most that one. (Not the
+    # K-th value itself: when the K-th token is touched, banned say, a truncation that
+    # keeps every candidate keeps values above it, yet would keep the tokens left out.)
+    if floor > -np.inf:
+        floor = float(u_vals.min()) if u_vals.size else math.inf
     u_ids = np.concatenate((untouched, t_ids)).astype(np.int32) if t_ids.size else untouched
     u_logits = np.concatenate((u_vals, t_logits)) if t_ids.size else u_vals
     head = tail[0]
@@ -206,7 +213,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
         ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
     ids1, logits1 = head.run(u_ids, u_logits, p, ctx)
     ctx.rest_mass = 0.0
-    if (ids1.size and floor > -np.inf and not float(logits1.min()) > floor / tau
+    if (ids1.size and floor > -np.inf and not float(logits1.min()) > floor
             and not (pre.first and ids1.size == 1 and ids1[0] == pre.ids[0])):
         return PAST_K
     if ids1.size == 0:
