@@ -38,7 +38,7 @@ import numpy as np
 
 from . import registry as R
 from .batch import batch_plan, topk_draw
-from .bitmask import allows, as_words, count_allowed
+from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
@@ -209,6 +209,13 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     u_ids = np.concatenate((untouched, t_ids)).astype(np.int32) if t_ids.size else untouched
     u_logits = np.concatenate((u_vals, t_logits)) if t_ids.size else u_vals
     head = tail[0]
+    if head.name == "top_k" and floor == -np.inf and u_ids.size < p.top_k:
+        # Fewer finite values allowed than top-k keeps: the host's top-k keeps -inf tokens
+        # too (the smallest allowed ids outside the candidates, in canonical order), and a
+        # step after it may force one of them (or the set is empty only after the draw).
+        fill = _first_allowed(words, n, np.concatenate((u_ids, touched)), p.top_k - u_ids.size)
+        u_ids = np.concatenate((u_ids, fill))
+        u_logits = np.concatenate((u_logits, np.full(fill.size, -np.inf)))
     if head.name == "top_p":
         ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
     ids1, logits1 = head.run(u_ids, u_logits, p, ctx)
@@ -219,6 +226,13 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     if ids1.size == 0:
         return _finish(s, pre, Candidates(ids1, logits1, head.name))
     return _finish(s, pre, _run(tail[1:], ids1, logits1, p, ctx))
+
+
+def _first_allowed(words: np.ndarray | None, n: int, exclude: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` smallest allowed ids outside ``exclude`` (int32)."""
+    ids = allowed_ids(words, n) if words is not None else np.arange(min(n, count + exclude.size), dtype=np.int32)
+    ids = ids[: count + exclude.size]
+    return ids[~np.isin(ids, exclude)][:count].astype(np.int32)
 
 
 def _run(steps, ids, logits, p, ctx) -> Candidates:
