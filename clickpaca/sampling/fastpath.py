@@ -167,13 +167,15 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     hist = s.penalty_window() if p.penalties_active else _NO_HIST
     ctx = StepContext(hist, s._history, s._vocab, s._states, s._streams, s.seed, n)
 
+    touched = pre.order.touched
+    if 1.0 / tau != pre.order.inv_tau or (prefix and not isin_sorted(_touched(s, prefix), touched).all()):
+        return "pre-selected for another plan"  # the order was made for other params, history or mask
     ids, vals = pre.ids, pre.vals
     finite = vals > -np.inf
     if finite.all():
         floor = pre.floor
     else:  # fewer than K allowed: all of them are here
         floor, ids, vals = -np.inf, ids[finite], vals[finite]
-    touched = pre.order.touched
     t_logits = np.fmax(pre.touched, -np.inf, dtype=np.float64)  # as candidates.gather: NaN -> -inf
     if words is not None and touched.size:
         ok = allows(words, touched)
