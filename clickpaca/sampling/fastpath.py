@@ -430,6 +430,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
+        if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
+            rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
+            continue
         # a grammar's mask is in the values already (the graph applied it): with all K
         # values finite, more than K tokens are allowed, so top-k and greedy cut as
         # without it; top-p's mass left out would need the mask's count: per row
