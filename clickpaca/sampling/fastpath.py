@@ -182,6 +182,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
         t_ids, t_logits = touched[ok], t_logits[ok]
     else:
         t_ids = touched
+    n_touched = t_ids.size  # allowed touched tokens, before a ban removes any
     for step in prefix:
         t_ids, t_logits = step.run(t_ids, t_logits, p, ctx)
     if LOGIT_BIAS in prefix:
@@ -190,7 +191,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
         if forced.size and (words is None or allows(words, forced).any()):
             return _finish(s, pre, _run(tail, t_ids, t_logits, p, ctx))
     if first is None:
-        if t_ids.size:
+        if n_touched:  # their masses are in the blocks as the raw row has them (a ban's too)
             return "dense draw with touched tokens"
         return _dense(s, pre, words, n_allowed, tau)
     # the explicit set: the K best outside the touched ones, and the touched ones
