@@ -314,6 +314,11 @@ DENSITIES = st.sampled_from([None, None, None, 0.0, 0.001, 0.02, 0.3, 0.9, 1.0])
 # 16 untouched, every one above that value, yet its nucleus holds 93 tokens
 @example(V=3000, row_seed=0, style="synthetic", density=None,
          chain=chain_of(top_p=0.99, temperature=0.3, bias=[(0, -1e9), (17, -1e9)]), k=16, ticks=1, batched=False)
+# a narrow grammar (81 allowed) under a top-k 100: no truncation, a dense draw; the bias
+# bans an allowed token, so no touched token survives, yet its mass is in the blocks
+# (n_candidates 81 for the host's 80; the draw could land on the banned token)
+@example(V=5001, row_seed=190, style="neg_inf", density=0.02,
+         chain=chain_of(top_k=100, temperature=0.3, bias=[(18, -1e9)]), k=64, ticks=2, batched=False)
 # a NaN row through sample_tick's batched top-k with nProbs: the raw normaliser from NaN
 # masses (sample() refuses such a row; the batched plans did not ask)
 @example(V=3000, row_seed=0, style="nan", density=None, chain=chain_of(top_k=2, temperature=0.3, n_probs=1),
@@ -416,6 +421,43 @@ def test_a_touched_token_at_the_edge_of_the_k_best(V, row_seed, style, density, 
     p = p.replace(logit_bias={**dict(p.logit_bias), target: bias})
     note(f"edge {at:+d}")
     fast_vs_host(p, history, [row], [words], k, batched)
+
+
+#: chains sample_tick batches (greedy, top-k, top-p first; with nProbs) and one it does not
+TICK_CHAINS = [
+    dict(temperature=0.0), dict(top_k=1), dict(top_k=40, top_p=0.95, temperature=0.7), dict(top_k=5),
+    dict(top_k=5, top_p=1.0, temperature=1.3, n_probs=3), dict(top_k=0, top_p=0.9, samplers=["top_p", "temperature"]),
+    dict(top_k=0, top_p=0.5, temperature=0.8, samplers=["top_p", "temperature"]), dict(top_k=8, n_probs=5),
+    dict(min_p=0.05, top_k=0),
+]
+
+
+@settings(max_examples=60)
+@given(V=st.sampled_from([3000, 5001]), row_seed=st.integers(0, 2**32 - 1),
+       specs=st.lists(st.tuples(st.sampled_from(range(len(TICK_CHAINS))), st.sampled_from(["synthetic", "ties", "flat"]),
+                                st.integers(0, 2**32), st.sampled_from([6, 9, 16, F.K_MIN])), min_size=2, max_size=8))
+def test_a_tick_of_several_sequences_is_each_ones_host_path(V, row_seed, specs):
+    """fastpath.sample_tick over several sequences at once (its batched plans stack rows
+    of the same plan and K): each answer is its own sequence's host path's, each reason
+    leaves its own stream untouched."""
+    rng = np.random.default_rng(row_seed)
+    rows = [make_row(rng, V, style) for _, style, _, _ in specs]
+    params = [SamplerParams(**TICK_CHAINS[c], seed=seed) for c, _, seed, _ in specs]
+    fast = [SequenceSampler(p, V) for p in params]
+    host = [SequenceSampler(p, V) for p in params]
+    us = [h.peek() for h in host]
+    pres = [reference(row, F.order(f, None, k)) for f, row, (_, _, _, k) in zip(fast, rows, specs)]
+    got = F.sample_tick(fast, pres, [None] * len(fast))
+    for g, f, h, row, p, u in zip(got, fast, host, rows, params, us):
+        want = h.sample(row)
+        if isinstance(g, str):
+            TALLY["reasons"] += 1
+            assert repr(f.sample(row)) == repr(want)
+        else:
+            TALLY["answers"] += 1
+            if check_answer(g, want, row, p, None, _NO_HIST, u) != "same":
+                TALLY["near"] += 1
+        assert f.peek() == h.peek()
 
 
 # ------------------------------------------------------------------ route and the rows
@@ -645,6 +687,26 @@ def test_a_top_k_keeping_every_allowed_token_leaves_the_bias_after_it():
     assert not isinstance(got, str) and got.token == 11, got  # not the banned 10
     assert check_answer(got, want, row, p, words, _NO_HIST, SequenceSampler(p, V).peek()) == "same"
     assert o.touched.tolist() == [10]
+
+
+def test_a_dense_draw_never_lands_on_a_banned_token():
+    """A grammar allowing 3 tokens under top-k 40: nothing truncates, the draw is over the
+    whole allowed set, and the ban on the dominant one leaves no touched token standing;
+    its mass is still in the blocks the graph summed, so the fast path must not draw
+    from them (it drew the banned token)."""
+    V = 3 * BLOCK
+    row = hand_built([20.0, 1.0, 0.5], V)
+    allowed = np.zeros(V, np.uint8)
+    allowed[[10, 11, 12]] = 1
+    words = np.packbits(allowed, bitorder="little").view(np.int32)
+    p = SamplerParams(samplers=["logit_bias", "top_k", "temperature"], top_k=40, temperature=1.0,
+                      logit_bias={10: -1e9}, seed=3)
+    s = SequenceSampler(p, V)
+    got = F.sample(s, reference(row, F.order(s, words)), words)
+    want = SequenceSampler(p, V).sample(row, words)
+    assert want.token in (11, 12)
+    assert got == "dense draw with touched tokens", got
+    assert repr(s.sample(row, words)) == repr(want)
 
 
 def test_values_pre_selected_for_another_plan_are_refused():
