@@ -605,6 +605,12 @@ def test_a_tie_at_the_kth_value_needs_the_whole_row():
                       vals=np.array([5, 4, 3, 3], np.float32), top=5.0, blocks=pre.blocks, dense=None,
                       raw_max=None, raw_mass=None, raw_ids=None, raw_vals=None, touched=pre.touched)
     assert fast(p, row, pre=alt) == F.PAST_K
+    # sample_tick's batched top-k (the plain top-k chain, with and without a temperature)
+    # refuses both too: its floor check on the [m, K] matrix
+    for q in (p, SamplerParams(samplers=["top_k", "temperature"], top_k=3, temperature=0.5, seed=7)):
+        ss = [SequenceSampler(q, row.size) for _ in range(2)]
+        assert F.sample_tick(ss, [pre, alt], [None, None]) == [F.PAST_K, F.PAST_K]
+        assert [x.peek() for x in ss] == [SequenceSampler(q, row.size).peek()] * 2
     # top-k 2 stays above the tie: answered, and the host's token, whatever the tie-break
     p2 = p.replace(top_k=2)
     pre2 = reference(row, F.order(SequenceSampler(p2, row.size), None, 4))
