@@ -18,7 +18,8 @@ value at most the K-th (``Preselected.floor``); the elementwise steps before the
 truncation change only the touched tokens, whose raw values come back; a positive
 temperature keeps the order. So a truncation that keeps an upper set, run over the K
 best plus the touched tokens, keeps exactly what it keeps over the whole row when every
-value it keeps lies strictly above floor / tau (checked; otherwise None). Top-p gets the
+value it keeps lies strictly above the smallest untouched one of the K best (at least
+floor / tau: checked; otherwise PAST_K). Top-p gets the
 mass left out from the block masses minus the K best's own. From the first truncation
 on the set is explicit and the steps run as on the host. With no truncation (a draw
 over every allowed token), the draw walks the float64 cumulative block masses and then
@@ -37,7 +38,7 @@ import numpy as np
 
 from . import registry as R
 from .batch import batch_plan, topk_draw
-from .bitmask import allows, as_words, count_allowed
+from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
@@ -148,9 +149,12 @@ def _gather(pre: Preselected, ids: np.ndarray, tau: float) -> np.ndarray:
 
 def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | str:
     """The next token from pre-selected values, or the reason the whole row is needed
-    (then nothing was drawn: the caller runs ``s.sample`` on the row)."""
+    (then nothing was drawn: the caller runs ``s.sample`` on the row). ``words``: the
+    grammar's bitmask words as ``s.sample`` takes them (int32 or uint32), or None."""
     p = s.params
     n = s.n_vocab
+    if words is not None:
+        words = as_words(words, n)  # uint32: popcounts of int32 words count the sign wrong
     if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
         return "non-finite row"
     n_allowed = count_allowed(words, n) if words is not None else n
@@ -163,19 +167,22 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     hist = s.penalty_window() if p.penalties_active else _NO_HIST
     ctx = StepContext(hist, s._history, s._vocab, s._states, s._streams, s.seed, n)
 
+    touched = pre.order.touched
+    if 1.0 / tau != pre.order.inv_tau or (prefix and not isin_sorted(_touched(s, prefix), touched).all()):
+        return "pre-selected for another plan"  # the order was made for other params, history or mask
     ids, vals = pre.ids, pre.vals
     finite = vals > -np.inf
     if finite.all():
         floor = pre.floor
     else:  # fewer than K allowed: all of them are here
         floor, ids, vals = -np.inf, ids[finite], vals[finite]
-    touched = pre.order.touched
     t_logits = np.fmax(pre.touched, -np.inf, dtype=np.float64)  # as candidates.gather: NaN -> -inf
     if words is not None and touched.size:
         ok = allows(words, touched)
         t_ids, t_logits = touched[ok], t_logits[ok]
     else:
         t_ids = touched
+    n_touched = t_ids.size  # allowed touched tokens, before a ban removes any
     for step in prefix:
         t_ids, t_logits = step.run(t_ids, t_logits, p, ctx)
     if LOGIT_BIAS in prefix:
@@ -184,7 +191,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
         if forced.size and (words is None or allows(words, forced).any()):
             return _finish(s, pre, _run(tail, t_ids, t_logits, p, ctx))
     if first is None:
-        if t_ids.size:
+        if n_touched:  # their masses are in the blocks as the raw row has them (a ban's too)
             return "dense draw with touched tokens"
         return _dense(s, pre, words, n_allowed, tau)
     # the explicit set: the K best outside the touched ones, and the touched ones
@@ -196,19 +203,39 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     u_vals = np.fmax(u_vals, -np.inf, dtype=np.float64)
     if tau != 1.0:
         u_vals = u_vals / tau
+    # The truncation is exact when it drops the smallest untouched value handed back: every
+    # untouched token left out is at most the K-th value, so at most that one. (Not the
+    # K-th value itself: when the K-th token is touched, banned say, a truncation that
+    # keeps every candidate keeps values above it, yet would keep the tokens left out.)
+    if floor > -np.inf:
+        floor = float(u_vals.min()) if u_vals.size else math.inf
     u_ids = np.concatenate((untouched, t_ids)).astype(np.int32) if t_ids.size else untouched
     u_logits = np.concatenate((u_vals, t_logits)) if t_ids.size else u_vals
     head = tail[0]
+    if head.name == "top_k" and floor == -np.inf and u_ids.size < p.top_k:
+        # Fewer finite values allowed than top-k keeps: the host's top-k keeps -inf tokens
+        # too (the smallest allowed ids outside the candidates, in canonical order), and a
+        # step after it may force one of them (or the set is empty only after the draw).
+        fill = _first_allowed(words, n, np.concatenate((u_ids, touched)), p.top_k - u_ids.size)
+        u_ids = np.concatenate((u_ids, fill))
+        u_logits = np.concatenate((u_logits, np.full(fill.size, -np.inf)))
     if head.name == "top_p":
         ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
     ids1, logits1 = head.run(u_ids, u_logits, p, ctx)
     ctx.rest_mass = 0.0
-    if (ids1.size and floor > -np.inf and not float(logits1.min()) > floor / tau
+    if (ids1.size and floor > -np.inf and not float(logits1.min()) > floor
             and not (pre.first and ids1.size == 1 and ids1[0] == pre.ids[0])):
         return PAST_K
     if ids1.size == 0:
         return _finish(s, pre, Candidates(ids1, logits1, head.name))
     return _finish(s, pre, _run(tail[1:], ids1, logits1, p, ctx))
+
+
+def _first_allowed(words: np.ndarray | None, n: int, exclude: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` smallest allowed ids outside ``exclude`` (int32)."""
+    ids = allowed_ids(words, n) if words is not None else np.arange(min(n, count + exclude.size), dtype=np.int32)
+    ids = ids[: count + exclude.size]
+    return ids[~np.isin(ids, exclude)][:count].astype(np.int32)
 
 
 def _run(steps, ids, logits, p, ctx) -> Candidates:
@@ -251,7 +278,7 @@ def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleRes
     if p.n_probs <= 0:
         s.draw()
         return SampleResult(tok, n_candidates=cand.size, path="graph")
-    raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs)
+    raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs, s.n_vocab)
     if isinstance(raw, str):
         return raw
     s.draw()
@@ -268,10 +295,12 @@ def _raw_value(pre: Preselected, tok: int) -> float:
     return float(pre.touched[np.flatnonzero(pre.order.touched == tok)[0]])
 
 
-def _raw_logprobs(pre: Preselected, v: float, n: int):
+def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     """(logprob of the token whose raw logit is v, n best) under the raw row's
     log-softmax, or why the n best cannot be had from the K best."""
     if pre.raw_max is not None:
+        if not (math.isfinite(pre.raw_max) and pre.raw_mass > 0 and math.isfinite(pre.raw_mass)):
+            return "non-finite row"  # NaN where the grammar masks it (y was finite): the host maps it to -inf
         lse = pre.raw_max + math.log(pre.raw_mass)
     else:  # y is the raw row and the masses are at tau 1
         lse = pre.top + math.log(float(np.add.reduce(pre.blocks, dtype=np.float64)))
@@ -280,7 +309,17 @@ def _raw_logprobs(pre: Preselected, v: float, n: int):
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), n)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
         return "nProbs reach past the K best"
-    return v - lse, tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
+    top = tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
+    if b_ids.size < n and not finite.all():
+        # Fewer than n finite raw values, all among the K best: the rest of the n best
+        # are -inf tokens, as the host lists them (raw_logprobs: canonical order, so the
+        # smallest ids outside the finite ones; the graph's own tie-break among -inf
+        # values may differ, so they are not read from it).
+        known = ids[finite]
+        pool = np.arange(min(n_vocab, n + known.size), dtype=np.int32)
+        pool = pool[~np.isin(pool, known)][: n - b_ids.size]
+        top += tuple((int(i), -math.inf) for i in pool)
+    return v - lse, top
 
 
 def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
@@ -323,7 +362,7 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), p.n_probs)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
         return "nProbs reach past the K best"
-    raw = _raw_logprobs(pre, x_tok, p.n_probs)
+    raw = _raw_logprobs(pre, x_tok, p.n_probs, s.n_vocab)
     if isinstance(raw, str):
         return raw
     s.draw()
@@ -392,6 +431,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
+        if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
+            rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
+            continue
         # a grammar's mask is in the values already (the graph applied it): with all K
         # values finite, more than K tokens are allowed, so top-k and greedy cut as
         # without it; top-p's mass left out would need the mask's count: per row
