@@ -403,7 +403,7 @@ class Context(_Owned):
         # build's may be pinned for transfers, and is left alone
         self._releasable = _host_only(nat)
         if presampler is not None:
-            presampler.bind(self.ptr, keep_rows=self._releasable)
+            presampler.bind(self.ptr, keep_rows=True)  # the host path may take over any row
 
     def close(self) -> None:
         super().close()

@@ -254,10 +254,13 @@ class Presampler:
         self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
 
     def bind(self, ctx_ptr: Any, keep_rows: bool) -> None:
-        """The context it serves. ``keep_rows`` (host-only builds): every pre-selected
-        row's whole raw row is copied too, into llama.cpp's sampled-probs block (a copy in
-        memory), so the host path can always take over; on a GPU build that would be the
-        transfer pre-selection avoids, so it is not done there (`full_row` is None)."""
+        """The context it serves. ``keep_rows``: every pre-selected row's whole raw row is
+        copied too, into llama.cpp's sampled-probs block, so the host path can take over
+        any token whose values cannot decide. core.Context always asks for it: on this
+        CPU build it is a copy in memory; on a GPU build it is the device-to-host
+        transfer (1 MiB a row at Gemma's vocabulary) that pre-selection exists to avoid,
+        kept for correctness until an on-demand read of the one row replaces it (not
+        built; nothing GPU-side is measured: docs/BENCHMARKS.md)."""
         self._ctx = ctx_ptr
         self.keep_rows = keep_rows
         if self._env_before is None:  # the context has read it: leave the process as it was
