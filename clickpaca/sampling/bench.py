@@ -84,7 +84,7 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
         t0 = time.thread_time_ns()
         orders = [fastpath.order(f, mask, k) for f, k in zip(forks, ks)]
         t_order = time.thread_time_ns() - t0
-        pres = [reference(rows[i & 7], o) for i, o in enumerate(orders)]  # each row's own K (read)
+        pres = [reference(rows[i % len(rows)], o) for i, o in enumerate(orders)]  # each row's own K (read)
         t0 = time.thread_time_ns()
         res = fastpath.sample_tick(forks, pres, [mask] * TICK_ROWS)
         t_sample = time.thread_time_ns() - t0
