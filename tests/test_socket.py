@@ -198,7 +198,7 @@ DIFFERENT = {"modelPath": "/nonexistent/other.gguf", "nGpuLayers": 0, "nCtx": 12
              "cacheTypeV": "q8_0" if TEST_CACHE_V != "q8_0" else "f16", "nThreads": 1,
              "build": "turboquant" if TEST_BUILD != "turboquant" else "mainline",
              "flashAttn": "off", "swaFull": False, "kvUnified": False, "stateDir": "/tmp/elsewhere",
-             "deterministic": True, "rpcServers": ["127.0.0.1:50052"], "tensorSplit": [1.0],
+             "deterministic": True, "preselect": True, "rpcServers": ["127.0.0.1:50052"], "tensorSplit": [1.0],
              "rpcTimeout": 30.0, "outputLocal": True, "capture": True, "controlVector": "/nonexistent/v.gguf",
              "controlVectorLayers": [2, 3], "controlVectorStrength": 2.0}
 #: Fields that only apply with another (the protocol refuses them alone): sent with it.
@@ -214,7 +214,7 @@ def test_client_init_is_checked_against_every_field(sock_server):
         same = {"modelPath": ready["model"]["path"], "nGpuLayers": -1, "nCtx": 4096, "nBatch": 512,
                 "nSeqMax": 64, "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V,
                 "nThreads": ready["nThreads"], "build": TEST_BUILD, "flashAttn": "auto", "swaFull": True,
-                "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False,
+                "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False, "preselect": False,
                 "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0, "outputLocal": False,
                 "capture": False, "controlVector": None}
         assert c.init(**same)["type"] == "ready"  # every field given, each as it runs
