@@ -38,6 +38,7 @@ ASKS = {
     "repack-off": {"deterministic": True},
     "kv-streams": {"kvUnified": False},
     "swa-small": {"swaFull": False},
+    "backend-sampling": {"preselect": True},
 }
 INIT = dict(nCtx=1024, nSeqMax=4, nBatch=256, nThreads=2)
 
