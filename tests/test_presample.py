@@ -189,6 +189,16 @@ def _owned(pre):
                                raw_ids=cp(pre.raw_ids), raw_vals=cp(pre.raw_vals), touched=cp(pre.touched))
 
 
+def _plain_rows(model, kw: dict, batch) -> np.ndarray:
+    """The batch's logits rows from a context without a presampler (the reference rows)."""
+    plain = core.Context(model, **kw)
+    try:
+        assert plain.decode(batch) == 0
+        return plain.logits().copy()
+    finally:
+        plain.close()
+
+
 LAYOUTS = {
     "one micro-batch": dict(n_batch=256),
     "micro-batches of 16": dict(n_batch=128, n_ubatch=16),
@@ -209,12 +219,7 @@ def test_packs_equal_the_reference_on_every_row(model, layout):
             b.add(t, 0, s, output_last=True)
         return b
 
-    plain = core.Context(model, **kw)
-    try:
-        assert plain.decode(batch()) == 0
-        x_rows = plain.logits().copy()
-    finally:
-        plain.close()
+    x_rows = _plain_rows(model, kw, batch())
     assert x_rows.shape == (len(PROMPTS), model.n_vocab)
 
     ps = Presampler(nat, model.n_vocab, len(PROMPTS))
@@ -277,12 +282,7 @@ def test_a_sequence_with_every_row_an_output_beside_ordered_rows(model, layout):
         b.add(toks[2], 0, 2, output_last=True)
         return b
 
-    plain = core.Context(model, **kw)
-    try:
-        assert plain.decode(batch()) == 0
-        x_rows = plain.logits().copy()
-    finally:
-        plain.close()
+    x_rows = _plain_rows(model, kw, batch())
     n_out = 2 + len(toks[1])
     assert x_rows.shape == (n_out, model.n_vocab)
     ps = Presampler(nat, model.n_vocab, 3)
