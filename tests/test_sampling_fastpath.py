@@ -748,3 +748,16 @@ def test_the_near_boundary_rule_excuses_rounding_only():
         assert other.token == tok
         assert not same_decision(other, host)
         assert near_boundary(other, row, p, None, _NO_HIST, u) == near
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 300_000), max_size=80), min_size=1, max_size=4))
+def test_touched_ids_are_the_union_of_each_steps_ids(sets):
+    """order's touched ids (bias and penalty ids together): sorted, unique, int32, as
+    np.unique gives them, from each step's sorted set (or any set)."""
+    arrays = [np.array(sorted(set(s)), np.int32) for s in sets]
+    got = F._union(arrays)
+    assert got.dtype == np.int32
+    assert np.array_equal(got, np.unique(np.concatenate(arrays)).astype(np.int32))
+    assert np.array_equal(F._union([np.array(s, np.int64) for s in sets]),
+                          np.unique(np.concatenate([np.array(s, np.int64) for s in sets])).astype(np.int32))
