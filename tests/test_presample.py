@@ -32,9 +32,11 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clickpaca.llama import core
-from clickpaca.llama.presample import BLOCK, Presampler, RowOrder, reference
+from clickpaca.llama.presample import BLOCK, Presampler, RowOrder, _own_best_rows, reference
 
 pytestmark = pytest.mark.model
 
@@ -243,16 +245,18 @@ def test_packs_equal_the_reference_on_every_row(model, layout):
             assert n_out == len(PROMPTS)
             assert ps.failures == 0
             L = ctx.logits()
+            together = ps.read_many(list(range(n_out)), list(range(n_out)), n_out)  # the engine's read
             for row in range(n_out):  # output rows in batch order: row s is sequence s
                 x = x_rows[row]
                 if row not in orders:
                     assert np.array_equal(L[row], x), f"pass-through row {row} differs from a plain decode"
-                    assert ps.read(row, row, n_out) is None
+                    assert ps.read(row, row, n_out) is None and together[row] is None
                     continue
                 full = ps.full_row(row, n_out)
                 assert full is not None and np.array_equal(full, x), f"row {row}'s whole row differs"
                 pre = _owned(ps.read(row, row, n_out))
                 assert pre is not None, f"row {row} came back whole"
+                _same_pack(_owned(together[row]), pre)  # read beside every other row, or alone
                 assert pre.ids.size == orders[row].k  # its own K, not the decode's largest
                 _check(pre, x, orders[row])
                 key = (row, id(orders[row]))
@@ -321,3 +325,22 @@ def test_a_context_with_a_presampler_leaves_graph_reuse_as_it_was(model, before)
         os.environ.pop(env, None)
         if old is not None:
             os.environ[env] = old
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_each_row_keeps_its_k_best_by_value_then_id(data):
+    """read's sort of a [m, K] block (one int64 key per value) orders each row as numpy's
+    lexsort by descending value, then id, orders it alone: NaN last, -0.0 tied with 0.0,
+    infinities, subnormals."""
+    m = data.draw(st.integers(1, 4))
+    K = data.draw(st.integers(1, 40))
+    pool = [0.0, -0.0, 1.5, -1.5, 3.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -1e-40, 3.4e38, -3.4e38]
+    vals = np.array(data.draw(st.lists(st.lists(st.sampled_from(pool) | st.floats(width=32), min_size=K,
+                                                max_size=K), min_size=m, max_size=m)), np.float32)
+    ids = np.stack([np.random.default_rng(j).permutation(1 << 20)[:K] for j in range(m)]).astype(np.float32)
+    got_ids, got_vals = _own_best_rows(ids, vals)
+    for j in range(m):
+        o = np.lexsort((ids[j].astype(np.int32), -vals[j]))
+        assert np.array_equal(got_ids[j], ids[j][o].astype(np.int32))
+        assert np.array_equal(got_vals[j], vals[j][o], equal_nan=True)

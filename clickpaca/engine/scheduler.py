@@ -298,9 +298,12 @@ class Scheduler:
         the other draws (their rows came back whole) for the batched host path."""
         rest, rest_masks, fast = [], [], []
         n_out = self.rt.ctx.n_outputs
+        ordered = [d for d in draws if d[0].slot in ps.orders]
+        read = dict(zip((id(d) for d in ordered),
+                        ps.read_many([d[0].slot for d in ordered], [d[1] for d in ordered], n_out)))
         for d, mask in zip(draws, mask_rows):
             seq, row, _ = d
-            pre = ps.read(seq.slot, row, n_out) if seq.slot in ps.orders else None
+            pre = read.get(id(d))
             if pre is None:  # not ordered, or its row came back whole
                 rest.append(d)
                 rest_masks.append(mask)

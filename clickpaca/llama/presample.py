@@ -40,6 +40,7 @@ with the tick's orders. The measured cost is in docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -96,7 +97,7 @@ class Layout:
     raw_top: bool
     mass: bool = True
 
-    @property
+    @functools.cached_property
     def pieces(self) -> list[tuple[str, int]]:
         out = [("vals", self.k), ("ids", self.k)]
         if self.mass:
@@ -111,7 +112,7 @@ class Layout:
             out += [("touched", self.n_touched)]
         return out
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(n for _, n in self.pieces)
 
@@ -154,16 +155,72 @@ class Preselected:
         return self.ids.size == 1
 
 
-def _own_best(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The row's own k best of the micro-batch's K (ids as int32), by value then id: the
-    graph gives every row the largest K of the rows it serves, and what a row hands the
-    chain must not depend on what else is in its batch (deterministic mode: with a larger
-    K the fast path decides where alone it takes the host path, and rounds differently).
-    At k = 1 this is argmax's id (the smallest of equal maxima), as when the graph took
-    argmax for a micro-batch of greedy rows."""
+def unpack(packed: np.ndarray, lay: Layout, orders: list[RowOrder]) -> list[Preselected]:
+    """The Preselected of each packed row ([m, lay.size] float32, one per order). The
+    graph's masses are softmax probabilities: over the top's they are exp((y - top) /
+    tau); every row is computed as it would be alone (elementwise, or per row)."""
+    at, got = 0, {}
+    for name, n in lay.pieces:
+        got[name] = packed[:, at:at + n]
+        at += n
+    m = packed.shape[0]
+    ids, vals = _own_best_rows(got["ids"], got["vals"])
+    z = None
+    if lay.mass:  # as float32(1 / p_top) times each float32 mass, the read of one row
+        z = (1.0 / got["p_top"][:, 0].astype(np.float64)).astype(np.float32)[:, None]
+    blocks = got["blocks"] * z if lay.mass else None
+    tops = got["top"][:, 0].tolist() if lay.mass else None
+    dense_ids = dense = None
+    if lay.dense:
+        dense_ids = got["dense_ids"].astype(np.int64).tolist()
+        dense = got["dense"].reshape(m, DENSE_BLOCKS, BLOCK) * z[:, :, None]
+    raw_ids = raw_vals = None
+    if lay.raw:
+        raw_max = got["raw_max"][:, 0].tolist()
+        raw_mass = (1.0 / got["raw_p_max"][:, 0].astype(np.float64)).tolist()
+        if lay.raw_top:
+            raw_ids, raw_vals = _own_best_rows(got["raw_ids"], got["raw_vals"])
+    touched = got["touched"] if lay.n_touched else None
+    if not lay.mass:  # y's max: the first of the sorted values, unless a NaN is among them
+        first = vals[:, 0].tolist()
+        nan = np.isnan(vals).any(axis=1).tolist()
+    out = []
+    for j, o in enumerate(orders):
+        k = o.k
+        v = vals[j, :k]
+        raw = lay.raw and o.raw
+        raw_top = raw and lay.raw_top and o.mask is not None
+        out.append(Preselected(
+            o, ids[j, :k], v,
+            tops[j] if lay.mass else (float(v.max()) if nan[j] else first[j]),
+            blocks[j] if lay.mass and (o.mass or o.u is not None) else None,
+            {int(b): dense[j, i] for i, b in enumerate(dense_ids[j])} if lay.dense and o.u is not None else None,
+            raw_max[j] if raw else None,
+            raw_mass[j] if raw else None,
+            raw_ids[j, :k] if raw_top else None,
+            raw_vals[j, :k] if raw_top else None,
+            touched[j, :o.touched.size] if touched is not None else _NO_FLOATS))
+    return out
+
+
+_NO_FLOATS = np.empty(0, np.float32)
+_NO_FLOATS.flags.writeable = False
+
+
+def _own_best_rows(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's K values by value then id ([m, K]; ids as int32): the first k of a row
+    are its own k best, the same whatever the others' K. At k = 1 the one id is
+    argmax's (the smallest of equal maxima), as when the graph took argmax for a
+    micro-batch of greedy rows."""
     ids = ids.astype(np.int32)
-    keep = np.lexsort((ids, -vals))[:k]
-    return ids[keep], vals[keep]
+    if ids.shape[1] == 1:
+        return ids, vals
+    # one int64 key per value: descending value (NaN last, as lexsort puts it), then id
+    bits = (vals + np.float32(0)).view(np.int32).astype(np.int64)  # -0.0 ties 0.0, as in a compare
+    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ascending with the float's order
+    desc = np.where(np.isnan(vals), 0xFFFFFFFF, 0x7FFFFFFF - key).astype(np.uint64)  # < 2^32
+    o = np.argsort((desc << np.uint64(32)) | ids.astype(np.uint64), axis=1)
+    return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)
 
 
 def mask_table() -> np.ndarray:
@@ -271,45 +328,36 @@ class Presampler:
     def read(self, slot: int, row: int, n_outputs: int) -> Preselected | None:
         """Decode slot's packed row (output ``row`` of the last decode, which had
         ``n_outputs`` rows); None when the row came back whole (a callback failed: the
-        host path takes it). Only what the slot's own order asked for, whatever the
-        others of its micro-batch asked: its own k best (not the micro-batch's K), the
-        masses only if it wanted them, x's own best only under its own mask."""
-        lay = self._layouts.get(slot)
-        if lay is None:
-            return None
+        host path takes it). One row of `read_many`."""
+        return self.read_many([slot], [row], n_outputs)[0]
+
+    def read_many(self, slots: list[int], rows: list[int], n_outputs: int) -> list[Preselected | None]:
+        """`read` for several (slot, output row) pairs at once: the rows of one layout are
+        gathered from llama.cpp's sampled-logits block and decoded as [m, size] matrices
+        (a Python pass per row costs what the fast path saves). Each row gets only what
+        its own order asked for, whatever the others of its micro-batch asked: its own k
+        best (not the micro-batch's K, by value then id), the masses only if it wanted
+        them, x's own best only under its own mask (deterministic mode: what a row hands
+        the chain must not depend on what else is in its batch)."""
+        out: list[Preselected | None] = [None] * len(slots)
         lib, ffi = self.nat.lib, self.nat.ffi
-        i = row - n_outputs  # llama.cpp's negative index: the row itself, not a batch position
-        if lib.llama_get_sampled_logits_count_ith(self._ctx, i) != lay.size:
-            return None
-        ptr = lib.llama_get_sampled_logits_ith(self._ctx, i)
-        packed = np.frombuffer(ffi.buffer(ptr, lay.size * 4), np.float32)
-        at, got = 0, {}
-        for name, n in lay.pieces:
-            got[name] = packed[at:at + n]
-            at += n
-        o = self.orders[slot]
-        # the graph's masses are softmax probabilities: over the top's they are exp((y - top) / tau)
-        z = 1.0 / float(got["p_top"][0]) if lay.mass else 1.0
-        dense = None
-        if lay.dense and o.u is not None:
-            ids = got["dense_ids"].astype(np.int64)
-            masses = got["dense"].reshape(DENSE_BLOCKS, BLOCK) * z
-            dense = {int(b): masses[j] for j, b in enumerate(ids)}
-        raw = lay.raw and o.raw
-        # only what this row's order asked for: the micro-batch's layout serves every row
-        ids, vals = _own_best(got["ids"], got["vals"], o.k)
-        raw_ids = raw_vals = None
-        if raw and lay.raw_top and o.mask is not None:
-            raw_ids, raw_vals = _own_best(got["raw_ids"], got["raw_vals"], o.k)
-        mass = lay.mass and (o.mass or o.u is not None)
-        return Preselected(
-            order=o, ids=ids, vals=vals,
-            top=float(got["top"][0]) if lay.mass else float(vals.max()),
-            blocks=got["blocks"] * z if mass else None, dense=dense,
-            raw_max=float(got["raw_max"][0]) if raw else None,
-            raw_mass=1.0 / float(got["raw_p_max"][0]) if raw else None,
-            raw_ids=raw_ids, raw_vals=raw_vals,
-            touched=got["touched"][:o.touched.size] if lay.n_touched else np.empty(0, np.float32))
+        groups: dict[Layout, list[int]] = {}
+        for a, (slot, row) in enumerate(zip(slots, rows)):
+            lay = self._layouts.get(slot)
+            # llama.cpp's negative index: the row itself, not a batch position
+            if lay is not None and lib.llama_get_sampled_logits_count_ith(self._ctx, row - n_outputs) == lay.size:
+                groups.setdefault(lay, []).append(a)
+        if not groups:
+            return out
+        ptr = lib.llama_get_sampled_logits_ith(self._ctx, -n_outputs)  # row 0: rows lie n_vocab apart
+        block = np.frombuffer(ffi.buffer(ptr, n_outputs * self.n_vocab * 4), np.float32)
+        block = block.reshape(n_outputs, self.n_vocab)
+        for lay, idx in groups.items():
+            packed = block[np.fromiter((rows[a] for a in idx), np.intp, len(idx)), :lay.size]
+            orders = [self.orders[slots[a]] for a in idx]
+            for a, pre in zip(idx, unpack(packed, lay, orders)):
+                out[a] = pre
+        return out
 
     def full_row(self, row: int, n_outputs: int) -> np.ndarray | None:
         """The whole raw row of a pre-selected output row (valid until the next decode),
