@@ -265,6 +265,13 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
         assert r["us_per_token"] > 0 and math.isfinite(r["us_per_token"])
         assert r["steps_us"]
         assert r["real_rows"]["chain_cpu"] > 0  # the model loaded: real rows were measured
+        host = r["preselect_real_decode"]  # the pre-selection's whole host share, on a real decode
+        if r["scenario"] == "trace":
+            assert host is None  # trace takes the host path
+        else:
+            assert all(host[k] > 0 for k in ("order", "callbacks", "read", "sample")), host
+            assert host["total"] == pytest.approx(host["order"] + host["callbacks"] + host["read"] + host["sample"],
+                                                  abs=0.25)
     assert (tmp_path / "sampler.png").stat().st_size > 0
     from clickpaca.sampling import registry
 

@@ -1,0 +1,94 @@
+"""The host's whole share of the pre-selection, measured on a real decode.
+
+`bench sampler`'s synthetic "preselect" column times the two halves that do not need a
+model (`fastpath.order` before the decode, `fastpath.sample_tick` after it, on numpy's
+reference of the graph's values). A real tick has two more parts on the host, both here:
+the callbacks llama.cpp makes into Python while it builds the graph (the ops are composed
+there and their inputs uploaded: `Presampler.cost["callback_ns"]`), and decoding the
+packed rows into `Preselected` values (`Presampler.read_many`). Each part is thread CPU
+time per pre-selected row, the best of the rounds, for a tick of N sequences of one
+scenario (one token each, every row an output) on the default model; the parts are
+those of the round with the least total. The decode's own
+time (the ops) is `preselect_ops`'s measurement, not this one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ...llama import core, native
+from ...llama.models import resolve_model
+from ...llama.presample import Presampler
+from ...sampling import fastpath
+from ...sampling.bench import SCENARIOS, random_mask
+from ...sampling.chain import SequenceSampler
+
+PROMPT = "The capital of France is"
+PARTS = ("order", "callbacks", "read", "sample")
+
+
+def measure(model_path: str | None = None, n: int = 64, rounds: int = 3, threads: int = 2,
+            scenarios: dict | None = None) -> dict[str, dict[str, Any]]:
+    """{scenario: {order, callbacks, read, sample, total: us per row; whole_rows: rows of
+    the last tick whose values could not decide}} for every scenario the fast path takes."""
+    nat = native.load("mainline")
+    model = core.Model(resolve_model(model_path), nat=nat)
+    scenarios = scenarios or SCENARIOS
+    toks = model.tokenize(PROMPT).tolist()
+    ps = Presampler(nat, model.n_vocab, n)
+    ticks = (rounds + 1) * len(scenarios)
+    ctx = core.Context(model, n_ctx=n * (len(toks) + ticks + 8), n_batch=max(512, n * len(toks)), n_seq_max=n,
+                       n_threads=threads, presampler=ps)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        batch = core.Batch(nat, max(512, n * len(toks)))
+        for s in range(n):
+            batch.add(toks, 0, s, output_last=True)
+        if ctx.decode(batch) != 0:
+            raise RuntimeError("prefill failed")
+        pos = len(toks)
+        rng = np.random.default_rng(0)
+        slots = list(range(n))
+        for name, (params, density) in scenarios.items():
+            mask = random_mask(rng, model.n_vocab, density) if density is not None else None
+            samplers = [SequenceSampler(params.replace(seed=i), model.n_vocab, toks) for i in range(n)]
+            if fastpath.route(samplers[0], mask is not None) is not None:
+                continue
+            ks = [fastpath.K_MIN] * n
+            best: tuple = ()
+            whole = 0
+            for r in range(rounds + 1):  # the first round warms up (and lets K adapt)
+                t0 = time.thread_time_ns()
+                ps.order({s: fastpath.order(samplers[s], mask, ks[s]) for s in slots})
+                t_order = time.thread_time_ns() - t0
+                batch.clear()
+                for s in slots:
+                    batch.add([1000 + s], pos, s, output_last=True)
+                pos += 1
+                if ctx.decode(batch) != 0:
+                    raise RuntimeError("decode failed")
+                t0 = time.thread_time_ns()
+                pres = ps.read_many(slots, slots, n)
+                t_read = time.thread_time_ns() - t0
+                t0 = time.thread_time_ns()
+                res = fastpath.sample_tick(samplers, pres, [mask] * n)
+                t_sample = time.thread_time_ns() - t0
+                parts = tuple(ns / n / 1e3 for ns in (t_order, ps.cost["callback_ns"], t_read, t_sample))
+                if r and (not best or sum(parts) < sum(best)):
+                    best = parts
+                whole = sum(isinstance(r, str) for r in res)
+                ks = [min(2 * k, fastpath.K_MAX) if r == fastpath.PAST_K else k for k, r in zip(ks, res)]
+                for s, r in zip(samplers, res):  # a row the values could not decide: its draw, as the host would
+                    if isinstance(r, str):
+                        s.draw()
+            row = {k: round(v, 1) for k, v in zip(PARTS, best)}
+            row["total"] = round(sum(best), 1)
+            row["whole_rows"] = whole
+            out[name] = row
+    finally:
+        ctx.close()
+        model.close()
+    return out
