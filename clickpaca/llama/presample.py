@@ -269,6 +269,7 @@ class Presampler:
             self._configs[slot].seq_id = slot
             self._configs[slot].sampler = chain
         self._table = mask_table()
+        self._mask_buf: np.ndarray | None = None  # int32 per mask byte, [rows, V / 8], reused
         self.orders: dict[int, RowOrder] = {}
         self._graph: Any = None  # the graph context the shared ops were built in
         self._shared: dict[str, Any] | None = None
@@ -410,7 +411,7 @@ class Presampler:
                 self._graph = ctx
                 self._shared = self._build(ctx, src)
             sh = self._shared
-            j = sh["slots"].index(slot)
+            j = sh["index"][slot]
             self._rows[slot] = row
             pack = sh["pack"]
             data.logits = self.nat.lib.ggml_view_1d(ctx, pack, sh["layout"].size, j * int(pack.nb[1]))
@@ -531,7 +532,8 @@ class Presampler:
         for p in pieces[1:]:
             pack = lib.ggml_concat(ctx, pack, p, 0)
         lib.ggml_set_name(pack, b"cp_pack")
-        return {"slots": slots, "orders": orders, "layout": layout, "pack": pack, "rows": rows,
+        return {"slots": slots, "index": {s: j for j, s in enumerate(slots)}, "orders": orders,
+                "layout": layout, "pack": pack, "rows": rows,
                 "table": table, "mask_bytes": mask_bytes, "inv_tau": inv_tau, "u": u, "touched": touched}
 
     def _fill(self, sh: dict[str, Any]) -> None:
@@ -552,10 +554,15 @@ class Presampler:
         if sh["table"] is not None:
             put(sh["table"], self._table)
             nbytes = -(-self.n_vocab // 8)
-            b = np.full((n, nbytes), 255, np.int32)
+            # one buffer kept across ticks: a fresh 128 KiB per row would be new pages each time
+            if self._mask_buf is None or self._mask_buf.shape[0] < n:
+                self._mask_buf = np.empty((n, nbytes), np.int32)
+            b = self._mask_buf[:n]
             for j, o in enumerate(orders):
                 if o.mask is not None:
-                    b[j, :] = o.mask[:nbytes]
+                    np.copyto(b[j], o.mask[:nbytes], casting="unsafe")
+                else:
+                    b[j] = 255
             put(sh["mask_bytes"], b)
         if sh["u"] is not None:
             put(sh["u"], np.array([0.5 if o.u is None else o.u for o in orders], np.float32))

@@ -98,6 +98,7 @@ class SamplerParams:
             v = kwargs[p.field] if p.field in kwargs else kwargs.get(p.wire, p.default)
             d[p.field] = p.check(p.wire, v)
         d["_key"] = tuple(d[p.field] for p in ps)
+        d["_hash"] = hash(d["_key"])  # the plans are cached per params, looked up per row and tick
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("SamplerParams is frozen (use replace)")
@@ -106,7 +107,7 @@ class SamplerParams:
         return isinstance(other, SamplerParams) and self._key == other._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self) -> str:
         ps = _tables()[0]
