@@ -129,8 +129,9 @@ def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tupl
     prefix = active if first is None else active[:first]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
     touches = any(st.touches is not None for st in prefix)
-    # one more than top_k and nProbs: their last value must lie above the K-th (sample)
-    need = max(k, p.n_probs + 1, p.top_k + 1 if p.top_k > 0 else 0)
+    # one more than top_k (when it runs) and nProbs: their last value must lie above the K-th (sample)
+    top_k = p.top_k if any(st.name == "top_k" for st in active) else 0
+    need = max(k, p.n_probs + 1, top_k + 1 if top_k > 0 else 0)
     raw = p.n_probs > 0 and (masked or tau != 1.0)
     # masses: for a draw over the whole set, top-p's mass left out, or nProbs' normaliser
     mass = first is None or active[first].name == "top_p" or (p.n_probs > 0 and not raw)
