@@ -28,7 +28,6 @@ ordered rows.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
@@ -307,24 +306,61 @@ def test_a_sequence_with_every_row_an_output_beside_ordered_rows(model, layout):
         ctx.close()
 
 
-@pytest.mark.parametrize("before", [None, "0"])
-def test_a_context_with_a_presampler_leaves_graph_reuse_as_it_was(model, before):
-    env = "LLAMA_GRAPH_REUSE_DISABLE"
-    old = os.environ.pop(env, None)
+def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
+    """One token per sequence per tick, the same batch shape every tick: while the orders
+    keep their plan (slots, K, pieces, one temperature) llama.cpp reuses the graph and only
+    the inputs change (masks, uniforms, touched ids, rows); a plan of another shape makes a
+    new graph (Presampler.rebuilds). Every tick's packs equal the reference on that tick's
+    own whole rows, reused graph or not."""
+    n = len(PROMPTS)
+    V = model.n_vocab
+    nat = model.nat
+    ps = Presampler(nat, V, n)
+    ctx = core.Context(model, n_ctx=1024, n_batch=256, n_seq_max=n, n_threads=2, presampler=ps)
+    rng = np.random.default_rng(3)
+
+    def orders(tau: float, k: int) -> dict[int, RowOrder]:
+        # fresh values of the same shape: a mask, a draw, two touched ids
+        return {0: RowOrder(k=k, inv_tau=tau, u=float(rng.random()),
+                            touched=np.sort(rng.choice(V, 2, replace=False)).astype(np.int32),
+                            mask=_mask(V, np.flatnonzero(rng.random(V) < 0.3))),
+                3: RowOrder(k=k, inv_tau=tau, touched=np.sort(rng.choice(V, 2, replace=False)).astype(np.int32),
+                            u=float(rng.random()))}
+
     try:
-        if before is not None:
-            os.environ[env] = before
-        ctx = core.Context(model, n_ctx=256, n_batch=32, n_seq_max=1, n_threads=2,
-                           presampler=Presampler(model.nat, model.n_vocab, 1))
-        try:
-            assert os.environ.get(env) == before
-        finally:
-            ctx.close()
-        assert os.environ.get(env) == before
+        b = core.Batch(nat, 256)
+        toks = [model.tokenize(p) for p in PROMPTS]
+        for sq, t in enumerate(toks):
+            b.add(t, 0, sq, output_last=True)
+        ps.order({})
+        assert ctx.decode(b) == 0
+        pos = [len(t) for t in toks]
+        plans = [(1.0, 64)] * 3 + [(1 / 0.7, 64)] * 2 + [(1 / 0.7, 128)] * 2 + [(1 / 0.7, 128)]
+        reused, rebuilds = [], []
+        for tick, (tau, k) in enumerate(plans):
+            o = orders(tau, k)
+            ps.order(o)
+            b.clear()
+            for sq in range(n):
+                b.add([1000 + tick], pos[sq], sq, output_last=True)
+                pos[sq] += 1
+            before = nat.lib.llama_perf_context(ctx.ptr).n_reused
+            r0 = ps.rebuilds
+            assert ctx.decode(b) == 0
+            reused.append(nat.lib.llama_perf_context(ctx.ptr).n_reused - before)
+            rebuilds.append(ps.rebuilds - r0)
+            for slot in o:
+                pre = _owned(ps.read(slot, slot, n))
+                assert pre is not None, (tick, slot)
+                _check(pre, np.array(ps.full_row(slot, n)), o[slot])
+            for row in set(range(n)) - set(o):  # the others pass through whole
+                assert ps.read(row, row, n) is None
+        # a new plan at ticks 0 (the prefill's graph had no ops), 3 (another temperature)
+        # and 5 (another K); the ticks between reuse the graph
+        assert rebuilds == [1, 0, 0, 1, 0, 1, 0, 0], rebuilds
+        assert reused == [0, 1, 1, 0, 1, 0, 1, 1], reused
     finally:
-        os.environ.pop(env, None)
-        if old is not None:
-            os.environ[env] = old
+        ctx.close()
 
 
 @settings(max_examples=300, deadline=None)

@@ -417,6 +417,8 @@ class Context(_Owned):
         """llama_decode: 0 ok, 1 no KV slot for the batch, 2 aborted, <0 error."""
         self._n_outputs = int(batch.logits[:batch.n].sum())
         self._rows_touched = max(self._rows_touched, self._n_outputs)
+        if self.presampler is not None:  # a graph of the orders' shape (presample.py: graph reuse)
+            self.presampler.before_decode()
         return int(self.nat.lib.llama_decode(self.ptr, batch.value()))
 
     @property

@@ -33,15 +33,19 @@ path (sampling/fastpath.py) decides from it, or takes the whole row (`full_row`:
 host-only build every pre-selected row is also copied whole, into llama.cpp's
 sampled-probs block, so the host path can always take over).
 
-Graph reuse is turned off for a context with samplers (``LLAMA_GRAPH_REUSE_DISABLE``):
-llama.cpp reuses a graph when the samplers are the same objects, but ours change shape
-with the tick's orders. The measured cost is in docs/BENCHMARKS.md.
+Graph reuse stays on. llama.cpp reuses the last graph when the micro-batch has the same
+shape and the samplers are the same objects; our ops' shape follows the tick's orders
+(`Plan`: the ordered slots, K, the pieces, a single temperature baked into the softmax).
+So before each decode (`before_decode`, called by core.Context.decode) the plan is
+compared with the one the last graph was built for; when it differs, slot 0's sampler is
+swapped for its twin (``llama_set_sampler``), which makes llama.cpp build a new graph (and
+re-reserve its scheduler: docs/BENCHMARKS.md has the cost). On a reused graph only the
+inputs are uploaded again (the rows, 1/tau, u, the touched ids, the masks: set_input).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 import traceback
@@ -56,7 +60,6 @@ __all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_tab
 BLOCK = 1024
 #: blocks handed back around the one where a dense draw lands
 DENSE_BLOCKS = 3
-_REUSE_ENV = "LLAMA_GRAPH_REUSE_DISABLE"
 #: graph nodes each sampler reports when llama.cpp probes it (its view, its share of the
 #: ~60 shared ops at one row, with room): llama.cpp adds them to the graph's node budget
 PROBE_NODES = 64
@@ -115,6 +118,33 @@ class Layout:
     @functools.cached_property
     def size(self) -> int:
         return sum(n for _, n in self.pieces)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The shape of the ops for a set of orders: what a graph was built for. Two decodes
+    with equal plans (and equal micro-batches) can share one graph."""
+
+    slots: tuple[int, ...]
+    layout: Layout
+    scale: float | None  # the one 1/tau of every row (softmax's own scale), else None
+
+
+def plan_of(orders: dict[int, RowOrder], n_vocab: int) -> Plan | None:
+    """The ops' shape for these orders (None: no rows ordered)."""
+    if not orders:
+        return None
+    slots = tuple(sorted(orders))
+    os_ = [orders[s] for s in slots]
+    k = min(n_vocab, max(o.k for o in os_))
+    n_touched = max(o.touched.size for o in os_)
+    masked = any(o.mask is not None for o in os_)
+    dense = any(o.u is not None for o in os_)
+    raw = any(o.raw for o in os_)
+    mass = dense or any(o.mass for o in os_)
+    layout = Layout(k, -(-n_vocab // BLOCK), n_touched, dense, raw, raw_top=raw and masked, mass=mass)
+    scales = {o.inv_tau for o in os_}
+    return Plan(slots, layout, scales.pop() if mass and len(scales) == 1 else None)
 
 
 @dataclass
@@ -259,11 +289,10 @@ class Presampler:
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         for slot in range(n_slots):
-            chain = lib.llama_sampler_chain_init(chain_params)
-            smpl = lib.llama_sampler_init(self._iface, ffi.NULL)
-            lib.llama_sampler_chain_add(chain, smpl)
-            self.chains.append(chain)
-            self._slot_of[int(ffi.cast("uintptr_t", smpl))] = slot
+            self.chains.append(self._new_chain(slot, chain_params))
+        self._chain_params = chain_params
+        self._retired: list = []  # slot 0's chains swapped out (before_decode), freed one swap later
+        self._built: Plan | None = None  # the plan of the graph llama.cpp holds (None: none with ops)
         self._configs = ffi.new("struct llama_sampler_seq_config[]", n_slots)
         for slot, chain in enumerate(self.chains):
             self._configs[slot].seq_id = slot
@@ -275,41 +304,75 @@ class Presampler:
         self._shared: dict[str, Any] | None = None
         self._rows: dict[int, int] = {}  # slot -> its output row in the micro-batch being built
         self._set = False
-        self._layouts: dict[int, Layout] = {}  # slot -> the layout of its packed row
+        self._layouts: dict[int, Layout] = {}  # slot -> the layout of its packed row, this decode
+        self._graph_layouts: dict[int, Layout] = {}  # the same, of the last graph built (a reuse's)
+        self._fresh = False  # a graph was built in this decode (else the last one was reused)
         self._ctx: Any = None
-        self._env_before: str | None = None
         self.keep_rows = False
         self.failures = 0  # callbacks that raised (their rows passed through whole)
+        self.rebuilds = 0  # decodes whose orders asked for a new graph (before_decode)
         # per decode (reset by `order`): thread CPU ns in our callbacks, bytes uploaded to
         # the graph's inputs and bytes of packed rows it hands back
         self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
 
+    def _new_chain(self, slot: int, chain_params: Any) -> Any:
+        """A llama.cpp sampler chain holding one sampler of ours, for ``slot``."""
+        lib, ffi = self.nat.lib, self.nat.ffi
+        chain = lib.llama_sampler_chain_init(chain_params)
+        smpl = lib.llama_sampler_init(self._iface, ffi.NULL)
+        lib.llama_sampler_chain_add(chain, smpl)
+        self._slot_of[int(ffi.cast("uintptr_t", smpl))] = slot
+        return chain
+
     # ------------------------------------------------------------------ context
 
     def attach(self, params: Any) -> None:
-        """Give llama_context_params the samplers (before llama_init_from_model), and turn
-        graph reuse off for the context about to be made (read once, at its creation)."""
+        """Give llama_context_params the samplers (before llama_init_from_model)."""
         params.samplers = self._configs
         params.n_samplers = len(self.chains)
         # every row of a sequence may be an output (a score's): llama.cpp's default of one
         # output per sequence with a backend sampler would refuse those decodes
         params.n_outputs_max_per_seq = 0
-        self._env_before = os.environ.get(_REUSE_ENV)
-        os.environ[_REUSE_ENV] = "1"
 
     def close(self) -> None:
         """Free the chains (after the context that uses them)."""
-        for chain in self.chains:
+        for chain in self.chains + self._retired:
             self.nat.lib.llama_sampler_free(chain)
         self.chains = []
+        self._retired = []
 
     # ------------------------------------------------------------------ per decode
 
     def order(self, orders: dict[int, RowOrder]) -> None:
         """The rows to pre-select in the next decode, by slot (one output row each)."""
         self.orders = dict(orders)
-        self._layouts = {}
+        self._set = False  # a reused graph gets these orders' inputs (set_input)
         self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
+
+    def before_decode(self) -> None:
+        """Right before llama_decode (core.Context.decode): when the orders ask for ops of
+        another shape than the graph llama.cpp holds, make it build a new one (slot 0's
+        sampler swapped for its twin); equal plans may reuse it (their inputs are set
+        again). Counted in ``rebuilds``."""
+        self._layouts = {}
+        self._fresh = False
+        plan = plan_of(self.orders, self.n_vocab)
+        if plan == self._built or self._ctx is None:
+            return
+        # a chain is initialised for a context once: slot 0 gets a new one, the old one is
+        # freed at the next swap (llama.cpp compares the last graph's sampler pointers only)
+        lib = self.nat.lib
+        for chain in self._retired:
+            self._slot_of.pop(int(self.nat.ffi.cast("uintptr_t", lib.llama_sampler_chain_get(chain, 0))), None)
+            lib.llama_sampler_free(chain)
+        nxt = self._new_chain(0, self._chain_params)
+        self._retired = [self.chains[0]]
+        self.chains[0] = nxt
+        if not lib.llama_set_sampler(self._ctx, 0, nxt):
+            raise RuntimeError("llama_set_sampler refused the pre-selection's sampler")
+        self.rebuilds += 1
+        # the graph built next is this plan's (_cb_reset/_cb_apply); until then none is held
+        self._built = None
 
     def bind(self, ctx_ptr: Any, keep_rows: bool) -> None:
         """The context it serves. ``keep_rows``: every pre-selected row's whole raw row is
@@ -321,10 +384,6 @@ class Presampler:
         built; nothing GPU-side is measured: docs/BENCHMARKS.md)."""
         self._ctx = ctx_ptr
         self.keep_rows = keep_rows
-        if self._env_before is None:  # the context has read it: leave the process as it was
-            os.environ.pop(_REUSE_ENV, None)
-        else:
-            os.environ[_REUSE_ENV] = self._env_before
 
     def read(self, slot: int, row: int, n_outputs: int) -> Preselected | None:
         """Decode slot's packed row (output ``row`` of the last decode, which had
@@ -342,6 +401,9 @@ class Presampler:
         the chain must not depend on what else is in its batch)."""
         out: list[Preselected | None] = [None] * len(slots)
         lib, ffi = self.nat.lib, self.nat.ffi
+        if not self._fresh:  # llama.cpp reused the last graph: its rows are laid out as then
+            self._layouts = dict(self._graph_layouts)
+            self._fresh = True
         groups: dict[Layout, list[int]] = {}
         for a, (slot, row) in enumerate(zip(slots, rows)):
             lay = self._layouts.get(slot)
@@ -385,11 +447,14 @@ class Presampler:
         return True
 
     def _cb_reset(self, smpl: Any) -> None:
-        # called for every sampler before a sampling graph is built
+        # called for every sampler before a sampling graph is built (a reused one keeps
+        # its shared ops, rows and layouts: the plan and the micro-batch are the same)
         self._shared = None
         self._graph = None
         self._rows = {}
+        self._graph_layouts = {}
         self._set = False
+        self._built = None
 
     def _cb_apply(self, smpl: Any, ctx: Any, gf: Any, data: Any) -> None:
         t0 = time.thread_time_ns()
@@ -410,12 +475,14 @@ class Presampler:
             if self._graph != ctx or self._shared is None:
                 self._graph = ctx
                 self._shared = self._build(ctx, src)
+                self._built = self._shared["plan"]
             sh = self._shared
             j = sh["index"][slot]
             self._rows[slot] = row
             pack = sh["pack"]
             data.logits = self.nat.lib.ggml_view_1d(ctx, pack, sh["layout"].size, j * int(pack.nb[1]))
-            self._layouts[slot] = sh["layout"]
+            self._layouts[slot] = self._graph_layouts[slot] = sh["layout"]
+            self._fresh = True
             self.cost["down_bytes"] += 4 * sh["layout"].size
             if self.keep_rows:
                 data.probs = view  # the whole row, copied beside the pack (bind)
@@ -444,16 +511,11 @@ class Presampler:
         """The shared ops over every ordered slot's row (see the module doc)."""
         lib = self.nat.lib
         V, nb = self.n_vocab, self.n_blocks
-        slots = sorted(self.orders)
-        orders = [self.orders[s] for s in slots]
+        plan = plan_of(self.orders, V)
+        slots, layout = list(plan.slots), plan.layout
         n = len(slots)
-        k = min(V, max(o.k for o in orders))
-        n_touched = max(o.touched.size for o in orders)
-        masked = any(o.mask is not None for o in orders)
-        dense = any(o.u is not None for o in orders)
-        raw = any(o.raw for o in orders)
-        mass = dense or any(o.mass for o in orders)
-        layout = Layout(k, nb, n_touched, dense, raw, raw_top=raw and masked, mass=mass)
+        k, n_touched, dense, raw, mass = layout.k, layout.n_touched, layout.dense, layout.raw, layout.mass
+        masked = any(self.orders[s].mask is not None for s in slots)
         F32, I32 = lib.GGML_TYPE_F32, lib.GGML_TYPE_I32
 
         def inp(t, name):
@@ -487,9 +549,8 @@ class Presampler:
         if mass:
             # softmax(y / tau): ggml's vectorised exp (its plain exp op is scalar, 10x slower
             # here); the host divides by the top's probability to get exp((y - top) / tau)
-            scales = {o.inv_tau for o in orders}
-            if len(scales) == 1:  # one temperature for all rows: softmax's own scale, no extra pass
-                e = lib.ggml_soft_max_ext(ctx, y, self.nat.ffi.NULL, float(scales.pop()), 0.0)
+            if plan.scale is not None:  # one temperature for all rows: softmax's own scale, no extra pass
+                e = lib.ggml_soft_max_ext(ctx, y, self.nat.ffi.NULL, float(plan.scale), 0.0)
             else:
                 inv_tau = inp(lib.ggml_new_tensor_2d(ctx, F32, 1, n), b"cp_inv_tau")
                 e = lib.ggml_soft_max(ctx, lib.ggml_mul(ctx, y, inv_tau))          # [V, n]
@@ -532,14 +593,15 @@ class Presampler:
         for p in pieces[1:]:
             pack = lib.ggml_concat(ctx, pack, p, 0)
         lib.ggml_set_name(pack, b"cp_pack")
-        return {"slots": slots, "index": {s: j for j, s in enumerate(slots)}, "orders": orders,
+        return {"slots": slots, "index": {s: j for j, s in enumerate(slots)}, "plan": plan,
                 "layout": layout, "pack": pack, "rows": rows,
                 "table": table, "mask_bytes": mask_bytes, "inv_tau": inv_tau, "u": u, "touched": touched}
 
     def _fill(self, sh: dict[str, Any]) -> None:
         """Upload the inputs of the shared ops (once per micro-batch)."""
         lib, ffi = self.nat.lib, self.nat.ffi
-        slots, orders, lay = sh["slots"], sh["orders"], sh["layout"]
+        slots, lay = sh["slots"], sh["layout"]
+        orders = [self.orders[s] for s in slots]  # this decode's (a reused graph: the same plan)
         n = len(slots)
 
         def put(t, arr):

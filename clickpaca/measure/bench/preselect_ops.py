@@ -7,7 +7,7 @@ output), alternating, tick by tick, between the orders of each chain (the graph 
 its ops for every row) and no orders (every row passes through whole, as on the host
 path): the difference of the median decode times is what the ops cost. A plain context
 without samplers is timed in the same alternation, so the cost of having backend
-samplers at all (llama.cpp's padded logits copy, graph reuse off) shows too. The host's
+samplers at all (llama.cpp's padded logits copy, the copies of whole rows) shows too. The host's
 own work is `bench sampler`'s; this is the decode's side of the trade.
 """
 
