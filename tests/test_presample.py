@@ -336,7 +336,7 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
         assert ctx.decode(b) == 0
         pos = [len(t) for t in toks]
         plans = [(1.0, 64)] * 3 + [(1 / 0.7, 64)] * 2 + [(1 / 0.7, 128)] * 2 + [(1 / 0.7, 128)]
-        reused, rebuilds = [], []
+        reused, rebuilds, down = [], [], []
         for tick, (tau, k) in enumerate(plans):
             o = orders(tau, k)
             ps.order(o)
@@ -349,6 +349,7 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
             assert ctx.decode(b) == 0
             reused.append(nat.lib.llama_perf_context(ctx.ptr).n_reused - before)
             rebuilds.append(ps.rebuilds - r0)
+            down.append(ps.cost["down_bytes"])
             for slot in o:
                 pre = _owned(ps.read(slot, slot, n))
                 assert pre is not None, (tick, slot)
@@ -359,6 +360,8 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
         # and 5 (another K); the ticks between reuse the graph
         assert rebuilds == [1, 0, 0, 1, 0, 1, 0, 0], rebuilds
         assert reused == [0, 1, 1, 0, 1, 0, 1, 1], reused
+        # the packed rows cross on a reused graph as on a new one (Presampler.cost)
+        assert down[0] > 0 and down[:5] == [down[0]] * 5 and down[5:] == [down[5]] * 3 > [down[0]] * 3, down
     finally:
         ctx.close()
 

@@ -483,7 +483,6 @@ class Presampler:
             data.logits = self.nat.lib.ggml_view_1d(ctx, pack, sh["layout"].size, j * int(pack.nb[1]))
             self._layouts[slot] = self._graph_layouts[slot] = sh["layout"]
             self._fresh = True
-            self.cost["down_bytes"] += 4 * sh["layout"].size
             if self.keep_rows:
                 data.probs = view  # the whole row, copied beside the pack (bind)
         except Exception:  # noqa: BLE001 - a C caller: the row passes through, the host path takes it
@@ -611,6 +610,7 @@ class Presampler:
 
         # a slot this micro-batch does not sample reads row 0 (its results are not used)
         put(sh["rows"], np.array([self._rows.get(s, 0) for s in slots], np.int32))
+        self.cost["down_bytes"] += 4 * lay.size * sum(s in self._rows for s in slots)  # its packed rows
         if sh["inv_tau"] is not None:
             put(sh["inv_tau"], np.array([o.inv_tau for o in orders], np.float32))
         if sh["table"] is not None:
