@@ -416,7 +416,11 @@ class Presampler:
         block = np.frombuffer(ffi.buffer(ptr, n_outputs * self.n_vocab * 4), np.float32)
         block = block.reshape(n_outputs, self.n_vocab)
         for lay, idx in groups.items():
-            packed = block[np.fromiter((rows[a] for a in idx), np.intp, len(idx)), :lay.size]
+            r = np.fromiter((rows[a] for a in idx), np.intp, len(idx))
+            if r[-1] - r[0] == r.size - 1 and (r.size == 1 or (np.diff(r) == 1).all()):
+                packed = block[r[0]:r[-1] + 1, :lay.size]  # consecutive rows: a view, no copy
+            else:
+                packed = block[r, :lay.size]
             orders = [self.orders[slots[a]] for a in idx]
             for a, pre in zip(idx, unpack(packed, lay, orders)):
                 out[a] = pre
