@@ -229,7 +229,7 @@ def _k_first(seq: np.ndarray, ids: np.ndarray, v: np.ndarray, m: int, k: int):
 
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
-              n_probs: int = 0, raw_lse: np.ndarray | None = None) -> None:
+              n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -239,17 +239,23 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     token outside is at most): a row whose top-p keeps a value not above it gets
     ``fallback(j)`` too; with ``n_probs`` (at most k) and ``raw_lse`` (per row, the raw
     row's log-normaliser) the results carry the log-probabilities, as
-    ``SequenceSampler.sample`` computes them from the same candidates."""
+    ``SequenceSampler.sample`` computes them from the same candidates. ``flat`` (with
+    ``parts`` None): the parts laid end to end, (t per row, row of each candidate in
+    ascending order, ids, float64 values without NaN)."""
     m = len(js)
-    thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
-    seq = np.repeat(np.arange(m), np.fromiter((ids.size for _, ids, _ in parts), np.intp, m))
-    ids = np.concatenate([ids for _, ids, _ in parts])
-    vals = [v for _, _, v in parts]
+    if flat is not None:
+        thr, seq, ids, v = flat
+    else:
+        thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
+        seq = np.repeat(np.arange(m), np.fromiter((ids.size for _, ids, _ in parts), np.intp, m))
+        ids = np.concatenate([ids for _, ids, _ in parts])
+        v = None
     if seq.size == 0:
         for j in js:
             out[j] = fallback(j)
         return
-    v = np.fmax(np.concatenate(vals), _NEG_INF, dtype=np.float64)  # as candidates.gather
+    if v is None:
+        v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
     # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
     top_ids, top_v, counts = _k_first(seq, ids, v, m, k)
     o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order

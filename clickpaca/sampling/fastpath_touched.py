@@ -168,6 +168,12 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     ok &= above >= k
     k_sel = ~k_touched & (k_vals > floor[k_row]) & ok[k_row]  # (top-k keeps none at the floor)
     t_sel = t_above & ok[t_row]
+    for j, g in zip(js, ok.tolist()):
+        if not g:
+            out[j] = fallback(j)
+    if not ok.any():
+        return
+    # the sets end to end, row by row (rows renumbered among those kept)
     kr, tr = k_row[k_sel], t_row[t_sel]
     nk, nt = _segments(kr, m), _segments(tr, m)
     ends = np.cumsum(nk + nt)
@@ -180,16 +186,7 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     a_v = np.empty(a_ids.size, np.float64)
     a_v[pos_k] = k_vals[k_sel]
     a_v[pos_t] = v[t_sel]
-    ends = ends.tolist()
-    good = [j for j, g in zip(js, ok.tolist()) if g]
-    parts = []
-    lo = 0
-    for a, (j, g) in enumerate(zip(js, ok.tolist())):
-        hi = ends[a]
-        if not g:
-            out[j] = fallback(j)
-        else:
-            parts.append((float(floor[a]), a_ids[lo:hi], a_v[lo:hi]))
-        lo = hi
-    if good:
-        topk_draw(samplers, good, k, top_p, temp, parts, out, fallback, path="graph")
+    renum = np.cumsum(ok) - 1
+    seq = np.repeat(renum[ok], (nk + nt)[ok])
+    topk_draw(samplers, [j for j, g in zip(js, ok.tolist()) if g], k, top_p, temp, None, out, fallback,
+              path="graph", flat=(floor[ok], seq, a_ids, a_v))
