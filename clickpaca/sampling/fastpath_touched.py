@@ -13,12 +13,18 @@ optionally a positive temperature; no nProbs, no trace. `tick` then does what
   ``steps.penalties``: a positive value divided by the repeat penalty, another
   multiplied, then count * freq + present subtracted): the same operations on the same
   operands as the host's, so the same bits;
-- the K best handed back that are not touched keep their values, and the smallest of
-  them is the row's floor (every untouched token left out is at most it; not the K-th
-  value itself, which may be a touched token's: fastpath.sample's comment);
-- ``batch.topk_draw`` takes each row's untouched K best and its surviving touched
-  tokens with that floor: what it keeps must lie strictly above the floor, else the row
-  goes to ``fastpath.sample`` (which then answers PAST_K, the stream untouched).
+- the K best handed back are the raw row's (no grammar), so a touched token is among
+  them when its raw value lies above the K-th value, perhaps when it equals it (looked
+  up), never when below; the others keep their values, and the smallest of those is
+  the row's floor, as fastpath.sample takes it (every untouched token not handed back
+  is at most the K-th value, so at most the floor; not the K-th value itself, which may
+  be a touched token's);
+- top-k keeps exactly what it keeps over the whole row when its k values all lie above
+  the floor, that is when at least k values of the row's set do; else the row goes to
+  ``fastpath.sample``, which refuses it too (PAST_K, the stream untouched). Only the
+  values above the floor go on (untouched ones, touched ones not banned), to
+  ``batch.topk_draw``, the draw the host's batched rows use (top-k, top-p over the k,
+  temperature, the draw over them in id order).
 
 A row whose values were pre-selected for another plan (a touched set that misses a bias
 id or a token of the penalty window, another temperature), or whose K best hold -inf
@@ -76,7 +82,7 @@ def plan(s: SequenceSampler) -> tuple | None:
 
 
 def _segments(row: np.ndarray, m: int) -> np.ndarray:
-    """Per row a, the number of entries of ``row`` (row indices, ascending) equal to a."""
+    """Per row a < m, how many entries of ``row`` (row indices) are a."""
     return np.bincount(row, minlength=m)
 
 
