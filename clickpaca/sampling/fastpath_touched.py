@@ -143,7 +143,10 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     k_ids = np.concatenate(k_list)
     k_vals = np.concatenate([pr.vals for pr in ps])
     k_row = np.repeat(rows, k_n)
-    ok &= (k_n > 0) & (_segments(k_row[~np.isfinite(k_vals)], m) == 0)  # -inf there: fewer allowed than K
+    ok &= k_n > 0
+    finite = np.isfinite(k_vals)
+    if not finite.all():  # -inf there: fewer allowed than K (or NaN)
+        ok &= _segments(k_row[~finite], m) == 0
     k_start = np.cumsum(k_n) - k_n
     kth = np.full(m, np.inf, np.float32)
     some = k_n > 0
@@ -164,15 +167,14 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     # the floor: the smallest untouched value handed back (inf: none, nothing is decided)
     floor = np.full(m, np.inf)
     floor[some] = np.minimum.reduceat(np.where(k_touched, np.float32(np.inf), k_vals), k_start[some])
-    # Each row's set: its untouched K best, and its touched tokens not banned and above the
-    # floor (one at or below it cannot be kept unless what is kept reaches the floor, and
-    # then the row is refused with it or without it), row by row for topk_draw.
+    # Top-k keeps its whole-row set when its k values all lie above the floor, that is when
+    # at least k values of the row's set do (else fastpath.sample refuses the row too:
+    # PAST_K). Only those values go on: the untouched K best above the floor, and the
+    # touched tokens above it that are not banned.
     t_above = alive & (v > floor[t_row])
-    # top-k keeps only values above the floor (exact; else PAST_K, as fastpath.sample
-    # refuses it) when at least k values of the set lie above it
-    above = _segments(k_row[~k_touched & (k_vals > floor[k_row])], m) + _segments(t_row[t_above], m)
-    ok &= above >= k
-    k_sel = ~k_touched & (k_vals > floor[k_row]) & ok[k_row]  # (top-k keeps none at the floor)
+    k_above = ~k_touched & (k_vals > floor[k_row])
+    ok &= _segments(k_row[k_above], m) + _segments(t_row[t_above], m) >= k
+    k_sel = k_above & ok[k_row]
     t_sel = t_above & ok[t_row]
     for j, g in zip(js, ok.tolist()):
         if not g:
