@@ -671,8 +671,9 @@ def test_a_tick_with_touched_tokens_refuses_a_top_k_reaching_the_floor():
     """fastpath_touched's batch: the second best token banned, K = 4 (ids 10-13 handed
     back), so the floor is 2.0 (id 13's, untouched). Top-k 3 keeps ids 10, 12, 13: a value
     not above the floor, refused (PAST_K, nothing drawn) as fastpath.sample refuses it;
-    top-k 2 beside it in the same tick stays above it: the host's answer. A penalty on id 12 (history) lowers it below id 13: then top-k 2
-    keeps 10, 13, whose 2.0 is the floor again: refused."""
+    top-k 2 beside it in the same tick stays above it: the host's answer. A presence
+    penalty of 2 on id 12 lowers it below id 13: top-k 2 keeps 10 and 13, at the floor
+    again: refused; one of 0.5 leaves it above: answered."""
     row = hand_built([5.0, 4.0, 3.0, 2.0, 1.9, 1.8])
     V = row.size
     base = SamplerParams(samplers=["logit_bias", "penalties", "top_k"], logit_bias={11: -1e9}, top_k=3, seed=7)
