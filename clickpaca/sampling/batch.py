@@ -197,9 +197,39 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
+def _k_first(seq: np.ndarray, ids: np.ndarray, v: np.ndarray, m: int, k: int):
+    """([m, k] ids, [m, k] values, counts[m]): each row's k first candidates in canonical
+    order (value descending, then id ascending), in no particular order within the row;
+    ``seq`` (ascending) names each candidate's row, ``v`` has no NaN. A row with fewer
+    than k candidates gets any k entries (the caller sends it per sequence). Each row on
+    its own, on a [m, W] matrix padded with -inf at the largest id (after every real
+    candidate in canonical order): the k-th largest value by a partition, the values
+    above it and the ties at it with the smallest ids, the set a full sort's first k hold."""
+    counts = np.bincount(seq, minlength=m)
+    width = max(int(counts.max()) if m else 0, k)
+    if seq.size == m * width:  # every row has width candidates: no padding
+        vv, ii = v.reshape(m, width), ids.reshape(m, width)
+    else:
+        pos = np.arange(seq.size) - (np.cumsum(counts) - counts)[seq]
+        vv = np.full((m, width), _NEG_INF)
+        vv[seq, pos] = v
+        ii = np.full((m, width), np.iinfo(np.int32).max, np.int64)
+        ii[seq, pos] = ids
+    if width == k:
+        return ii, vv, counts
+    kth = np.partition(vv, width - k, axis=1)[:, width - k]
+    keep = vv >= kth[:, None]
+    n_keep = keep.sum(axis=1)
+    for a in np.flatnonzero(n_keep != k).tolist():  # ties at the k-th value, or too few rows
+        row = np.zeros(width, bool)
+        row[np.lexsort((ii[a], -vv[a]))[:k]] = True
+        keep[a] = row
+    return ii[keep].reshape(m, k), vv[keep].reshape(m, k), counts
+
+
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
-              n_probs: int = 0, raw_lse: np.ndarray | None = None) -> None:
+              n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -209,23 +239,25 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     token outside is at most): a row whose top-p keeps a value not above it gets
     ``fallback(j)`` too; with ``n_probs`` (at most k) and ``raw_lse`` (per row, the raw
     row's log-normaliser) the results carry the log-probabilities, as
-    ``SequenceSampler.sample`` computes them from the same candidates."""
+    ``SequenceSampler.sample`` computes them from the same candidates. ``flat`` (with
+    ``parts`` None): the parts laid end to end, (t per row, row of each candidate in
+    ascending order, ids, float64 values without NaN)."""
     m = len(js)
-    thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
-    seq = np.concatenate([np.full(ids.size, a, np.intp) for a, (_, ids, _) in enumerate(parts)])
-    ids = np.concatenate([ids for _, ids, _ in parts])
-    vals = [v for _, _, v in parts]
+    if flat is not None:
+        thr, seq, ids, v = flat
+    else:
+        thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
+        seq = np.repeat(np.arange(m), np.fromiter((ids.size for _, ids, _ in parts), np.intp, m))
+        ids = np.concatenate([ids for _, ids, _ in parts])
+        v = None
     if seq.size == 0:
         for j in js:
             out[j] = fallback(j)
         return
-    v = np.fmax(np.concatenate(vals), _NEG_INF, dtype=np.float64)  # as candidates.gather
-    order = np.lexsort((ids, -v, seq))  # per row: canonical order
-    counts = np.bincount(seq, minlength=m)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    if v is None:
+        v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
     # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
-    pick = order[np.minimum(starts[:, None] + np.arange(k), order.size - 1)]
-    top_ids, top_v = ids[pick], v[pick]
+    top_ids, top_v, counts = _k_first(seq, ids, v, m, k)
     o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order
     top_ids = np.take_along_axis(top_ids, o, 1).astype(np.int32)
     top_v = np.take_along_axis(top_v, o, 1)
@@ -253,20 +285,24 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     c = np.add.accumulate(e, axis=1)
     last = k - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last kept position (id order)
     size = keep.sum(axis=1)
-    for a, j in enumerate(js):
-        s = samplers[j]
-        if bad[a] or not lmax[a] < np.inf:
+    skip = (bad | ~(lmax < np.inf)).tolist()
+    u = np.zeros(m)
+    for a, j in enumerate(js):  # the draws first (a row sent per sequence takes none)
+        if skip[a]:
             out[j] = fallback(j)
-            continue
-        u = s.draw()
-        if size[a] == 1:
-            tok = int(top_ids[a, last[a]])
         else:
-            row_c = c[a]
-            jj = int(np.searchsorted(row_c, u * row_c[-1], side="right"))
-            tok = int(top_ids[a, min(jj, int(last[a]))])
+            u[a] = samplers[j].draw()
+    # each row's np.searchsorted(c[a], u * c[a, -1], side="right"): c never decreases
+    with np.errstate(invalid="ignore"):
+        jj = (c <= (u * c[:, -1])[:, None]).sum(axis=1)
+    toks = top_ids[np.arange(m), np.where(size == 1, last, np.minimum(jj, last))].tolist()
+    sizes = size.tolist()
+    for a, j in enumerate(js):
+        if skip[a]:
+            continue
+        tok = toks[a]
         if not n_probs:
-            out[j] = SampleResult(tok, n_candidates=int(size[a]), path=path)
+            out[j] = SampleResult(tok, n_candidates=sizes[a], path=path)
             continue
         # log-probabilities: raw over the row (its top n are the k's first n, canonical),
         # steered over the kept set (a canonical prefix: temperature keeps the order)

@@ -46,6 +46,7 @@ from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
 from . import steps as S
+from . import fastpath_touched as T
 from ..llama.presample import BLOCK, Preselected, RowOrder
 
 __all__ = ["FastStats", "K_MIN", "K_MAX", "PAST_K", "order", "route", "sample", "sample_tick"]
@@ -460,7 +461,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     the values cannot decide, as ``sample`` gives."""
     out: list = [None] * len(samplers)
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
-    greedies, topk, rest = {}, {}, []
+    greedies, topk, rest, touched = {}, {}, [], []
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
@@ -482,7 +483,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                     else None
         if plan is None and mask is None and not pre.order.touched.size and pre.blocks is not None:
             plan = _nucleus_plan(s)
-        if plan is None:
+        if plan is None and mask is None and pre.order.touched.size and T.plan(s) is not None:
+            touched.append(j)  # bias / penalties, then top-k [top-p] [temperature]
+        elif plan is None:
             rest.append(j)
         elif plan[0] == "greedy":
             greedies.setdefault(pre.vals.size, []).append(j)
@@ -525,6 +528,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             topk_draw(samplers, ok_js, k, top_p, temp, ok_parts, out,
                       lambda j: sample(samplers[j], pres[j], None), path="graph", n_probs=n_probs,
                       raw_lse=raw_lse)
+    if touched:
+        T.tick(samplers, pres, touched, out, lambda j: sample(samplers[j], pres[j], None))
     for j in rest:
         out[j] = sample(samplers[j], pres[j], masks[j])
     return out
