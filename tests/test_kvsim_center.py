@@ -137,4 +137,10 @@ def test_study_runs_a_centered_real_type(model_path, tmp_path):
                for r in (plain, cen, mixed))
     # the real kernels quantized other keys: centered q4_0 is not plain q4_0
     assert cen["token_kl_f16"] != plain["token_kl_f16"]
+    # read against real q4_0 over the same positions: its own ratio is 1, each interval holds its ratio
+    assert plain["kl_ratio"] == 1.0
+    for r in (cen, mixed):
+        assert r["kl_ratio"] == pytest.approx(r["kl_f16"] / plain["kl_f16"])
+        assert r["kl_ratio_ci"][0] <= r["kl_ratio"] <= r["kl_ratio_ci"][1]
+        assert r["dppl_rel_ci"][0] <= r["dppl_rel"] <= r["dppl_rel_ci"][1]
     assert study.main(["--model", str(model_path), "--real", "q4_0+c/lm4"]) == 2

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...llama import core
 from ...llama.cachetypes import build_for, get
-from ...results.paired import mean_ci
+from ...results.paired import bootstrap, delta_ppl, mean_ci
 from ...results.table import markdown
 from ..bench.ppl import cut_text
 from ..common import model_path
@@ -227,20 +227,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"top1_{key}"] = vs["top1_agreement"]
                 row[f"token_kl_{key}"] = vs["token_kl"]
         rows.append(row)
+    against_real(rows)
     return {"model": model, "head": head, "layers": n_layer, "text": text_path, "ctx": args.ctx,
             "chunks": chunks, "threads": args.threads, "rows": rows}
 
 
+#: the row every other row's KL is read against (issue 42's goal: half of real q4_0's KL)
+REAL_REF = "q4_0 (real)"
+
+
+def against_real(rows: list[dict[str, Any]], ref: str = REAL_REF) -> None:
+    """Each row with a KL against f16 gets its ratio to the `ref` row's KL ("kl_ratio", with a
+    paired block-bootstrap interval over the same positions, "kl_ratio_ci"), and each row its
+    paired ΔPPL against f16 ("dppl_rel", "dppl_rel_ci"). In place; nothing if `ref` is absent."""
+    base = next((r for r in rows if r["name"] == NOISE_BASE.name), None)
+    real = next((r for r in rows if r["name"] == ref), None)
+    for r in rows:
+        if base is not None and r is not base:
+            d = delta_ppl(base["token_nll"], r["token_nll"])
+            r["dppl_rel"], r["dppl_rel_ci"] = d["delta_ppl_rel"], d["delta_ppl_rel_ci"]
+        if real is not None and "token_kl_f16" in r:
+            a, b = np.asarray(real["token_kl_f16"]), np.asarray(r["token_kl_f16"])
+            r["kl_ratio"] = float(b.mean() / a.mean())
+            r["kl_ratio_ci"] = list(bootstrap(lambda x, y: y.mean(axis=1) / x.mean(axis=1), [a, b]))
+
+
 def table(out: dict[str, Any]) -> str:
     f16 = next(r for r in out["rows"] if r["name"] == NOISE_BASE.name)
-    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "KL p99", "top-1 vs f16", "KL vs f32",
-            "KL vs the simulated default"]
+    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "/ real q4_0 [95% CI]", "KL p99",
+            "top-1 vs f16", "KL vs f32", "KL vs the simulated default"]
     rows = []
     for r in out["rows"]:
         kl = f"{r['kl_f16']:.4f} [{r['kl_f16_ci'][0]:.4f}, {r['kl_f16_ci'][1]:.4f}]" if "kl_f16" in r else "-"
         rows.append([r["name"], f"{r['bits']:.3f}" if "bits" in r else "-", f"{r['ppl']:.2f}",
                      f"{100 * (r['ppl'] / f16['ppl'] - 1):+.1f}%",
-                     kl, f"{r['kl_f16_p99']:.3f}" if "kl_f16_p99" in r else "-",
+                     kl, f"{r['kl_ratio']:.2f} [{r['kl_ratio_ci'][0]:.2f}, {r['kl_ratio_ci'][1]:.2f}]"
+                     if "kl_ratio" in r else "-",
+                     f"{r['kl_f16_p99']:.3f}" if "kl_f16_p99" in r else "-",
                      f"{r['top1_f16']:.3f}" if "top1_f16" in r else "-",
                      f"{r['kl_f32']:.4f}" if "kl_f32" in r else "-",
                      f"{r['kl_own']:.4f}" if "kl_own" in r else "-"])
