@@ -204,6 +204,14 @@ KV_SIM_GEMMA1 = q4_0/q4_0;lm4/lm4;lm3/lm3;q4_0/f16;f16/q4_0;lm4/f16;f16/lm4;q4_0
 KV_SIM_GEMMA2 = q4_0/q4_0;lm4/f16;lm4+c/f16;lm5+c/lm3;split192:4+c/lm4g256;split192:4/lm4g256;split128:4+c/lm4
 KV_SIM_SMOL1 = f16/f16;q8_0/q8_0;q4_0/q4_0;lm4/lm4;lm3/lm3;q4_0/f16;f16/q4_0;lm4/f16;f16/lm4;q8_0/lm4;q8_0/lm3;q4_0+s/q4_0+s;lm4+s/lm4+s;q4_0+norot/q4_0+norot;q4_0/q4_0@0-9;q4_0/q4_0@10-19;q4_0/q4_0@20-29;lm5/lm3;lm5+c/lm3+c;lm4g32/lm4g32;lm4g32+c/lm4g32+c;q4_0+c/q4_0+c;lm4+c/lm4+c;split16:4/split16:3;lm5+c/lm3g32+c
 KV_SIM_SMOL2 = q4_0/q4_0;q4_0+c/q4_0;lm4+c/lm4;lm5+c/lm3;split16:4+c/lm4;lm5+c/split16:3;lm5+c/f16;lm5/f16
+## real cache types with K centered (--real K+c/V: the calibrated mean key subtracted by the eval
+## callback, the real kernels quantizing the centered keys), real q4_0 beside (issue 42)
+KV_SIM_REAL_GEMMA_C1 = q4_0,turbo4,q4_0+c/q4_0,turbo4+c/turbo4,q5_0+c/turbo3,iq4_nl+c/iq4_nl,q4_0+c/turbo4,q5_0/turbo3,q5_0+c/q4_0
+KV_SIM_REAL_GEMMA_C2 = q4_0,f16+c/f16,iq4_nl,iq4_nl+c/q4_0,q4_0+c/iq4_nl,iq4_nl+c/turbo4,q5_0+c/turbo2,q5_1+c/turbo2,q5_0+c/iq4_nl
+KV_SIM_REAL_SMOL_C = q4_0,iq4_nl,q4_0+c/q4_0,iq4_nl+c/iq4_nl,q4_0+c/iq4_nl,iq4_nl+c/q4_0,q5_0/q4_0,q5_0+c/q4_0,q5_0+c/iq4_nl
+KV_SIM_REAL_GEMMA_C3 = q4_0,turbo4+c/turbo3,q4_0+c/turbo3,iq4_nl+c/turbo3,q5_1+c/turbo3,q8_0+c/turbo3
+KV_SIM_REAL_GEMMA_4W = q4_0,turbo4,q5_0+c/turbo3,iq4_nl+c/iq4_nl,q5_0/turbo3,f16+c/f16
+KV_SIM_REAL_SMOL_4W = q4_0,iq4_nl+c/q4_0,iq4_nl+c/iq4_nl,q5_0+c/iq4_nl,f16+c/f16
 kv-sim-study: setup patched
 	$(PY) -m clickpaca.measure.kvsim.mse --model gemma3-270m --out $(KV_SIM_OUT)/mse-gemma.json
 	$(PY) -m clickpaca.measure.kvsim.mse --model smollm2 --out $(KV_SIM_OUT)/mse-smollm2.json
@@ -217,6 +225,18 @@ kv-sim-study: setup patched
 		--out $(KV_SIM_OUT) --name smollm2
 	$(PY) -m clickpaca.measure.kvsim --model smollm2 --chunks 2 --real q4_0 --sim "$(KV_SIM_SMOL2)" \
 		--floor-of q4_0/q4_0 --out $(KV_SIM_OUT) --name smollm2-2
+	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 2 --real "$(KV_SIM_REAL_GEMMA_C1)" \
+		--out $(KV_SIM_OUT) --name gemma-center
+	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 2 --real "$(KV_SIM_REAL_GEMMA_C2)" \
+		--out $(KV_SIM_OUT) --name gemma-center-2
+	$(PY) -m clickpaca.measure.kvsim --model smollm2 --chunks 2 --real "$(KV_SIM_REAL_SMOL_C)" \
+		--out $(KV_SIM_OUT) --name smollm2-center
+	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 2 --real "$(KV_SIM_REAL_GEMMA_C3)" \
+		--out $(KV_SIM_OUT) --name gemma-center-3
+	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 4 --real "$(KV_SIM_REAL_GEMMA_4W)" \
+		--out $(KV_SIM_OUT) --name gemma-center-4w
+	$(PY) -m clickpaca.measure.kvsim --model smollm2 --chunks 4 --real "$(KV_SIM_REAL_SMOL_4W)" \
+		--out $(KV_SIM_OUT) --name smollm2-center-4w
 	$(PY) -m clickpaca.measure.kvsim.figures --smollm2-ppl bench-results/kv-smollm2/ppl.json \
 		--smollm2-retrieval bench-results/kv-smollm2-retrieval/kv-retrieval.json,bench-results/kv-smollm2-retrieval-4k/kv-retrieval.json \
 		--sim "Gemma 3 270M=$(KV_SIM_OUT)/gemma.json,$(KV_SIM_OUT)/gemma-2.json" \

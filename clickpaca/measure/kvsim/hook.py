@@ -10,7 +10,9 @@ the rest of the model computed as usual. Everything else is untouched: with the 
 for both (the identity) the logits are bit for bit those without the callback (tested).
 
 `Recorder` asks for the same nodes and only sums them (calibration: mean and RMS per
-layer, head and channel, unrotated).
+layer, head and channel, unrotated). `Center` only subtracts the calibrated mean key from K
+(no numpy quantization): under a real quantized cache type the type's own kernels then
+quantize the centered keys ("real type with K centered", study.py's `--real K+c/V`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,24 @@ class FakeQuant(_Base):
     def rows(self, is_k: bool, layer: int, rows: np.ndarray) -> None:
         spec = self.k if is_k else self.v
         rows[...] = quant.apply(spec, rows, is_k, self.calib.get((is_k, layer)))
+
+
+class Center(_Base):
+    """K of every calibrated layer minus its calibrated mean key per KV head, in place; V and
+    the cache type untouched. Exact for attention up to rounding: q.(k - m) differs from q.k
+    by one constant per query, which softmax removes (no attention logit softcap here)."""
+
+    def __init__(self, nat: Native, calib: dict[tuple[bool, int], quant.Calib]) -> None:
+        super().__init__(nat)
+        self.mean = {layer: c.mean.astype(np.float32) for (is_k, layer), c in calib.items() if is_k}
+        if not self.mean:
+            raise ValueError("centering needs the calibrated K means (hook.Recorder)")
+
+    def wants(self, is_k: bool, layer: int) -> bool:
+        return is_k and layer in self.mean
+
+    def rows(self, is_k: bool, layer: int, rows: np.ndarray) -> None:
+        rows -= self.mean[layer][None]
 
 
 class Recorder(_Base):

@@ -3,10 +3,13 @@
 The windows are `clickpaca ppl`'s (the same text cut, window size and count, second half of
 each scored), so its noise floor for the same model and settings applies to every row here.
 Rows: the f32 reference (f32 K/V, flash attention off), the f16 default, real cache types
-(`--real`, to check that a simulated type gives what the real one gives), and simulated
+(`--real`, to check that a simulated type gives what the real one gives; each `T`, `K/V`, or
+`K+c/V`: the real K and V types with K centered, the calibrated mean key subtracted by the
+eval callback (hook.Center) and the real type's kernels quantizing the centered keys), and simulated
 pairs (`--sim`, each `K/V` of quant.py specs, optionally `@layers`: only those layers,
 e.g. `q4_0/q4_0@5,11,17` or `lm4/f16@0-5`). Specs that centre or split are calibrated on
-one window of the same text after the scored ones (never on a scored token).
+one window of the same text after the scored ones (never on a scored token); a centered
+real type uses the same calibration.
 
 KL is KL(P_f16 || P_row) per scored position with a 95% block-bootstrap interval
 (results/paired.py), beside KL against f32 and top-1 agreement with f16.
@@ -23,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from ...llama import core
-from ...llama.cachetypes import build_for
-from ...results.paired import mean_ci
+from ...llama.cachetypes import build_for, get
+from ...results.paired import bootstrap, delta_ppl, mean_ci
 from ...results.table import markdown
 from ..bench.ppl import cut_text
 from ..common import model_path
@@ -53,6 +56,43 @@ def parse_sim(text: str, n_layer: int) -> tuple[str, str, frozenset[int] | None]
         raise ValueError(f"--sim {text!r}: write K/V, e.g. lm4/lm3")
     quant.parse(k), quant.parse(v)  # errors early, naming the spec
     return k, v, parse_layers(layers, n_layer) if layers else None
+
+
+def parse_real(text: str) -> tuple[str, str, bool]:
+    """`q4_0` -> (q4_0, q4_0, False); `q5_0+c/turbo3` -> (q5_0, turbo3, True): real cache
+    types, K centered with `+c` (V cannot be: its mean would have to be added to the
+    attention output, which the callback does not reach). UnknownCacheType (a ValueError)
+    for a name that is no cache type."""
+    k, sep, v = text.strip().partition("/")
+    center = k.endswith("+c")
+    k = k.removesuffix("+c")
+    if not sep:
+        if center:
+            raise ValueError(f"--real {text!r}: write K+c/V, e.g. q4_0+c/q4_0")
+        v = k
+    if "+" in k or "+" in v:
+        raise ValueError(f"--real {text!r}: only K takes a modifier, and only +c (centering)")
+    get(k, f"--real {text!r}: K"), get(v, f"--real {text!r}: V")
+    return k, v, center
+
+
+def real_name(k: str, v: str, center: bool) -> str:
+    if not center and k == v:
+        return f"{k} (real)"
+    return f"{k}{'+c' if center else ''}/{v} (real)"
+
+
+class _Centered:
+    """Variant.hook of a centered real row: makes its hook.Center, kept to check after the run."""
+
+    def __init__(self, calib: dict) -> None:
+        self.calib = calib
+        self.made: list[hk.Center] = []
+
+    def __call__(self, nat: Any) -> hk.Center:
+        h = hk.Center(nat, self.calib)
+        self.made.append(h)
+        return h
 
 
 class _Factory:
@@ -103,9 +143,9 @@ def n_layers(model: str, build: str) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_path(args)
-    reals = [r for r in (args.real or "").split(",") if r]
+    reals = [parse_real(r) for r in (args.real or "").split(",") if r.strip()]
     # one build per process: the one the real types need (turboquant offers the mainline types too)
-    build = build_for(*reals) if reals else "mainline"
+    build = build_for(*(t for k, v, _ in reals for t in (k, v))) if reals else "mainline"
     n_layer = n_layers(model, build)
     text, text_path = read_text(args.text)
     sims = [parse_sim(s, n_layer) for s in (args.sim or "").split(";") if s]
@@ -117,13 +157,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         mdl.close()
     need_calib = any(quant.parse(s).center or quant.parse(s).kind == "split"
-                     for k, v, _ in sims for s in (k, v))
+                     for k, v, _ in sims for s in (k, v)) or any(c for _, _, c in reals)
     calib: dict = {}
     if need_calib:
         lo = len(tokens) + args.ctx  # a window after the scored text, never scored
         calib, _ = calibrate(model, np.asarray(full[lo:lo + args.ctx]), args.threads, build)
     variants = [F32_REF, NOISE_BASE]
-    variants += [Variant(f"{r} (real)", r, r) for r in reals]
+    centered = []
+    for k, v, c in reals:
+        if c:
+            centered.append(_Centered(calib))
+        variants.append(Variant(real_name(k, v, c), k, v, hook=centered[-1] if c else None))
     factories = []
     for k, v, layers in sims:
         f = _Factory(k, v, layers, calib)
@@ -135,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # the simulated type's own floor: its default changed in one thing that should not
         # matter (as `ppl --noise-of`), each against the unchanged simulation
         k, v, layers = parse_sim(args.floor_of, n_layer)
-        base = next((i for i, x in enumerate(variants) if x.hook is not None and x.hook.args[:3] == (k, v, layers)),
+        base = next((i for i, x in enumerate(variants) if isinstance(x.hook, _Factory) and x.hook.args[:3] == (k, v, layers)),
                     None)
         if base is None:
             raise ValueError(f"--floor-of {args.floor_of!r}: not one of --sim")
@@ -155,17 +199,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if h.calls == 0 and not (f.args[0] == f.args[1] == "f16"):
                 raise RuntimeError(f"{f.args[:2]}: the hook never saw a K or V node")
             head = max(head, h.head)
+    for c in centered:
+        for h in c.made:
+            if h.errors:
+                raise RuntimeError(f"centering: {h.errors[0]}")
+            if h.calls == 0:
+                raise RuntimeError("centering: the hook never saw a K node")
     rows = []
     for v, rec in zip(variants, recs):
         row = {"name": v.name, "ppl": rec["ppl"], "tokens": rec["tokens"], "token_nll": rec["token_nll"]}
-        if v.hook is not None:
+        if isinstance(v.hook, _Factory):
             k, vv, layers = v.hook.args[:3]
             row["bits"] = (quant.bits_per_value(quant.parse(k), head or 128) +
                            quant.bits_per_value(quant.parse(vv), head)) / 2
             row["layers"] = sorted(layers) if layers else None
         elif v is not F32_REF and v is not NOISE_BASE:
-            from ...llama.cachetypes import get
-            row["bits"] = get(v.type_k).bits
+            row["bits"] = (get(v.type_k).bits + get(v.type_v).bits) / 2
+            row["centered"] = v.hook is not None
         own = [(variants[i].name, "own") for i in refs[2:]]
         for ref, key in [(NOISE_BASE.name, "f16"), (F32_REF.name, "f32")] + own:
             vs = rec["vs"].get(ref)
@@ -177,20 +227,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"top1_{key}"] = vs["top1_agreement"]
                 row[f"token_kl_{key}"] = vs["token_kl"]
         rows.append(row)
+    against_real(rows)
     return {"model": model, "head": head, "layers": n_layer, "text": text_path, "ctx": args.ctx,
             "chunks": chunks, "threads": args.threads, "rows": rows}
 
 
+#: the row every other row's KL is read against (issue 42's goal: half of real q4_0's KL)
+REAL_REF = "q4_0 (real)"
+
+
+def against_real(rows: list[dict[str, Any]], ref: str = REAL_REF) -> None:
+    """Each row with a KL against f16 gets its ratio to the `ref` row's KL ("kl_ratio", with a
+    paired block-bootstrap interval over the same positions, "kl_ratio_ci"), and each row its
+    paired ΔPPL against f16 ("dppl_rel", "dppl_rel_ci"). In place; nothing if `ref` is absent."""
+    base = next((r for r in rows if r["name"] == NOISE_BASE.name), None)
+    real = next((r for r in rows if r["name"] == ref), None)
+    for r in rows:
+        if base is not None and r is not base:
+            d = delta_ppl(base["token_nll"], r["token_nll"])
+            r["dppl_rel"], r["dppl_rel_ci"] = d["delta_ppl_rel"], d["delta_ppl_rel_ci"]
+        if real is not None and "token_kl_f16" in r:
+            a, b = np.asarray(real["token_kl_f16"]), np.asarray(r["token_kl_f16"])
+            r["kl_ratio"] = float(b.mean() / a.mean())
+            r["kl_ratio_ci"] = list(bootstrap(lambda x, y: y.mean(axis=1) / x.mean(axis=1), [a, b]))
+
+
 def table(out: dict[str, Any]) -> str:
     f16 = next(r for r in out["rows"] if r["name"] == NOISE_BASE.name)
-    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "KL p99", "top-1 vs f16", "KL vs f32",
-            "KL vs the simulated default"]
+    head = ["K / V", "bits/value", "PPL", "vs f16", "KL vs f16 [95% CI]", "/ real q4_0 [95% CI]", "KL p99",
+            "top-1 vs f16", "KL vs f32", "KL vs the simulated default"]
     rows = []
     for r in out["rows"]:
         kl = f"{r['kl_f16']:.4f} [{r['kl_f16_ci'][0]:.4f}, {r['kl_f16_ci'][1]:.4f}]" if "kl_f16" in r else "-"
         rows.append([r["name"], f"{r['bits']:.3f}" if "bits" in r else "-", f"{r['ppl']:.2f}",
                      f"{100 * (r['ppl'] / f16['ppl'] - 1):+.1f}%",
-                     kl, f"{r['kl_f16_p99']:.3f}" if "kl_f16_p99" in r else "-",
+                     kl, f"{r['kl_ratio']:.2f} [{r['kl_ratio_ci'][0]:.2f}, {r['kl_ratio_ci'][1]:.2f}]"
+                     if "kl_ratio" in r else "-",
+                     f"{r['kl_f16_p99']:.3f}" if "kl_f16_p99" in r else "-",
                      f"{r['top1_f16']:.3f}" if "top1_f16" in r else "-",
                      f"{r['kl_f32']:.4f}" if "kl_f32" in r else "-",
                      f"{r['kl_own']:.4f}" if "kl_own" in r else "-"])
@@ -205,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--real", default="", help="comma list of real cache types beside (q4_0,turbo4)")
+    ap.add_argument("--real", default="", help="comma list of real cache types beside: T, K/V, or K+c/V "
+                    "(K centered by the calibrated mean, then quantized by the real type): q4_0,turbo4,q4_0+c/q4_0")
     ap.add_argument("--sim", default="", help="';'-separated K/V[@layers] of quant.py specs")
     ap.add_argument("--floor-of", default=None,
                     help="one of --sim: also its default with prompt chunks of 16 and with cells after 100 "
