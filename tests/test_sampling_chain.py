@@ -630,3 +630,23 @@ def test_every_registered_step_through_the_fast_chain_equals_the_naive_run(data)
     o, w = np.argsort(got_ids), np.argsort(want_ids)
     assert got_ids[o].tolist() == want_ids[w].tolist(), params.steps
     np.testing.assert_allclose(got_lg[o], want_lg[w], rtol=1e-12, atol=0)
+
+
+def test_greedy_skips_only_the_truncations_right_before_it():
+    """Greedy keeps the canonical first candidate of what reaches it, so truncations just
+    before it may be skipped, but not one that a set-reading step follows: top-n-sigma
+    then typical-p (which may drop the most likely token) then greedy must give typical-p's
+    best of top-n-sigma's set. Hypothesis found the chain skipping top-n-sigma here (the
+    token of the whole row's typical set instead)."""
+    V = 8
+    row = make_row(np.random.default_rng(0), V, "normal", False)
+    for steps in (["top_n_sigma", "typical_p", "temperature"], ["typical_p", "top_n_sigma", "temperature"],
+                  ["top_k", "typical_p", "min_p", "temperature"]):
+        params = SamplerParams(temperature=0.0, top_k=5, top_n_sigma=1.0, typical_p=0.3, min_p=0.05,
+                               samplers=steps)
+        hist = (np.empty(0, np.int32), np.empty(0))
+        want_ids, _, _ = naive(row, params, None, [], hist)
+        cand = apply_chain(row, params, None, view=RowView(row, cols=1, dense_frac=0.25), explicit_max=0,
+                           ctx=StepContext(hist, [], n_vocab=V, seed=7))
+        got_ids, _ = cand.materialize()
+        assert sorted(got_ids.tolist()) == sorted(want_ids.tolist()), steps

@@ -68,12 +68,15 @@ def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tup
     may drop candidates, or a general step (which may use every candidate)."""
     active = [step for step in map(R.by_name().__getitem__, p.steps) if not step.off(p, has_hist)]
     if p.temperature <= 0 and _TEMPERATURE in active:
-        # Greedy: every truncation keeps the canonical first candidate, so one that runs
-        # before greedy with no elementwise step after it cannot change the result.
+        # Greedy: every truncation keeps the canonical first candidate, so the truncations
+        # that run right before greedy cannot change the result. Only those with nothing
+        # else between them and greedy: a step that reads the set (typical-p, a general
+        # step) or changes logits (elementwise) after a truncation sees what it dropped.
         t = active.index(_TEMPERATURE)
-        last_elementwise = max((i for i, s in enumerate(active) if s.kind == ELEMENTWISE), default=-1)
-        active = [s for i, s in enumerate(active)
-                  if not (s.kind == TRUNCATION and not s.stateful and last_elementwise < i < t)]
+        first = t
+        while first > 0 and active[first - 1].kind == TRUNCATION and not active[first - 1].stateful:
+            first -= 1
+        active = active[:first] + active[t:]
     first = next((i for i, s in enumerate(active)
                   if s.kind not in (ELEMENTWISE, TRUNCATION, SCALE) or s.truncates(p, n_allowed)), None)
     return tuple(active), first
