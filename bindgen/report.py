@@ -147,12 +147,18 @@ def render_text(rep: dict[str, Any], full: bool = False) -> str:
         f"{c['records']} records, {c['fields']} fields: "
         + (f"{len(rep['ours'])} affected, {sum(o['handled'] for o in rep['ours'])} of them handled"
            if rep["ours"] else "nothing affected"), WIDTH, subsequent_indent="  ")]
-    # one entry per (status, action): a feature's many names share one line of handling
-    groups: dict[tuple, list[str]] = {}
+    # one entry per action: a feature's many names share one line of handling (each name
+    # says its own status when theirs differ)
+    groups: dict[tuple, list[dict]] = {}
     for o in sorted(rep["ours"], key=lambda o: o["handled"]):  # what needs doing first
-        groups.setdefault((o["handled"], o["status"], o["action"]), []).append(o["name"])
-    for (handled, status, action), names in groups.items():
-        lines += textwrap.wrap(f"{'=' if handled else '!'} {', '.join(names)}: {status} -> {action}",
+        groups.setdefault((o["handled"], o["action"]), []).append(o)
+    for (handled, action), entries in groups.items():
+        statuses = {o["status"] for o in entries}
+        if len(statuses) == 1:
+            what = f"{', '.join(o['name'] for o in entries)}: {statuses.pop()}"
+        else:
+            what = ", ".join(f"{o['name']} ({o['status']})" for o in entries)
+        lines += textwrap.wrap(f"{'=' if handled else '!'} {what} -> {action}",
                                WIDTH, initial_indent="  ", subsequent_indent="      ",
                                break_on_hyphens=False)
     lines += feature_table.render_pair(rep["features"], rep["from"], rep["to"])
