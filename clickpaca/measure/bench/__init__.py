@@ -9,6 +9,7 @@ One module per job:
            the host's sampling time per tick
   sampler_against  an earlier commit's sampler chain against this tree's (python -m)
   preselect_ops  what the pre-selection's graph ops add to a decode (python -m)
+  preselect_host  the pre-selection's whole host share on a real decode (bench sampler)
   decode_against   an earlier commit's whole server against this tree's: decode tok/s at 1, 8, 64 sequences (python -m)
   builds   two builds of one source against each other (llama-bench, alternating)
   rpc      `bench decode|batch --rpc`: local, one worker and two, in one run
