@@ -45,6 +45,7 @@ __all__ = ["sample_tick", "batch_plan", "thread_safe", "topk_draw", "KMAX"]
 KMAX = 256
 
 _NEG_INF = -np.inf
+_PAD_ID = 2**32 - 1  # topk_draw's padding: larger than any token id
 
 
 @functools.lru_cache(maxsize=1024)
@@ -197,9 +198,24 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
+def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Per row of [m, n] (ids distinct within a row, v float64 without NaN), the
+    positions in canonical order: value descending, id ascending (``steps.canonical_order``;
+    what a lexsort((ids, -v)) gives). Values that are float32 (a logits row's) sort as one
+    uint64 key per entry, the value's order-preserving bits above the id: one sort with
+    distinct keys, whatever the sort's stability; other values by two stable sorts."""
+    f = v.astype(np.float32)
+    if ids.size and (f == v).all() and ids.min() >= 0 and ids.max() < 2**32:
+        bits = (-f + np.float32(0.0)).view(np.uint32)  # + 0.0: -0.0 sorts as 0.0 (they are equal)
+        bits = bits ^ np.where(bits >> 31, np.uint32(0xFFFFFFFF), np.uint32(0x80000000))
+        return np.argsort((bits.astype(np.uint64) << np.uint64(32)) | ids.astype(np.uint64), axis=1)
+    by_id = np.argsort(ids, axis=1, kind="stable")
+    return np.take_along_axis(by_id, np.argsort(-np.take_along_axis(v, by_id, 1), axis=1, kind="stable"), 1)
+
+
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
-              n_probs: int = 0, raw_lse: np.ndarray | None = None) -> None:
+              n_probs: int = 0, raw_lse: np.ndarray | None = None, past=None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -207,32 +223,45 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     chains pass ``rest`` (per row, the mass exp(v - max) of the tokens outside the
     candidates, which top-p's total includes) and ``floor`` (per row, a value every
     token outside is at most): a row whose top-p keeps a value not above it gets
-    ``fallback(j)`` too; with ``n_probs`` (at most k) and ``raw_lse`` (per row, the raw
-    row's log-normaliser) the results carry the log-probabilities, as
-    ``SequenceSampler.sample`` computes them from the same candidates."""
+    ``past(j)`` (default ``fallback(j)``); with ``n_probs`` (at most k) and ``raw_lse``
+    (per row, the raw row's log-normaliser) the results carry the log-probabilities, as
+    ``SequenceSampler.sample`` computes them from the same candidates.
+
+    Every reduction runs along a row of a C-contiguous [m, .] matrix (numpy reduces it as
+    the 1-D row), and the orders are stable sorts per row, so a row's result does not
+    depend on the other rows; the per-row Python is the draw and the result."""
     m = len(js)
     thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
-    seq = np.concatenate([np.full(ids.size, a, np.intp) for a, (_, ids, _) in enumerate(parts)])
-    ids = np.concatenate([ids for _, ids, _ in parts])
-    vals = [v for _, _, v in parts]
-    if seq.size == 0:
+    counts = np.fromiter((ids.size for _, ids, _ in parts), np.intp, m)
+    if not counts.any():
         for j in js:
             out[j] = fallback(j)
         return
-    v = np.fmax(np.concatenate(vals), _NEG_INF, dtype=np.float64)  # as candidates.gather
-    order = np.lexsort((ids, -v, seq))  # per row: canonical order
-    counts = np.bincount(seq, minlength=m)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
-    pick = order[np.minimum(starts[:, None] + np.arange(k), order.size - 1)]
-    top_ids, top_v = ids[pick], v[pick]
+    n = int(counts.max())
+    if (counts == n).all():  # the pre-selection's rows: [m, n] at once
+        ids2 = np.stack([ids for _, ids, _ in parts])
+        v2 = np.fmax(np.stack([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
+    else:  # padded with (-inf, an id past any vocabulary's): after every real entry in canonical order
+        ids2 = np.full((m, n), _PAD_ID, np.int64)
+        v2 = np.full((m, n), _NEG_INF)
+        for a, (_, ids, v) in enumerate(parts):
+            ids2[a, :ids.size] = ids
+            v2[a, :ids.size] = np.fmax(v, _NEG_INF, dtype=np.float64)
+    if n < k:  # no row has k candidates (all go per sequence below): room for the k columns
+        ids2 = np.pad(ids2.astype(np.int64), ((0, 0), (0, k - n)), constant_values=_PAD_ID)
+        v2 = np.pad(v2, ((0, 0), (0, k - n)), constant_values=_NEG_INF)
+    pick = _canonical(ids2, v2)[:, :k]  # [m, k]: the k first of each row, canonical order
+    top_ids, top_v = np.take_along_axis(ids2, pick, 1), np.take_along_axis(v2, pick, 1)
     o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order
     top_ids = np.take_along_axis(top_ids, o, 1).astype(np.int32)
     top_v = np.take_along_axis(top_v, o, 1)
     vmax = top_v.max(axis=1)
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)
-    corder = np.lexsort((top_ids, -top_v), axis=1) if n_probs or (top_p is not None and top_p < 1.0) else None
+    corder = None  # canonical order of the id-ordered set: o's inverse (pick was canonical)
+    if n_probs or (top_p is not None and top_p < 1.0):
+        corder = np.empty_like(o)
+        np.put_along_axis(corder, o, np.broadcast_to(np.arange(k), o.shape), 1)
     if top_p is not None and top_p < 1.0:
         with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
             e = np.exp(top_v - vmax[:, None])
@@ -241,8 +270,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
         cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
         keep = np.zeros((m, k), bool)
         np.put_along_axis(keep, corder, np.arange(k)[None, :] <= cut[:, None], 1)
+    past_k = np.zeros(m, bool)
     if floor is not None:  # what top-p keeps must lie above every token left out
-        bad = bad | ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
+        past_k = ~bad & ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
     lg = np.where(keep, top_v, _NEG_INF)
     if temp is not None:
         with np.errstate(over="ignore"):
@@ -253,29 +283,36 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     c = np.add.accumulate(e, axis=1)
     last = k - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last kept position (id order)
     size = keep.sum(axis=1)
-    for a, j in enumerate(js):
-        s = samplers[j]
-        if bad[a] or not lmax[a] < np.inf:
-            out[j] = fallback(j)
-            continue
-        u = s.draw()
-        if size[a] == 1:
-            tok = int(top_ids[a, last[a]])
-        else:
-            row_c = c[a]
-            jj = int(np.searchsorted(row_c, u * row_c[-1], side="right"))
-            tok = int(top_ids[a, min(jj, int(last[a]))])
-        if not n_probs:
-            out[j] = SampleResult(tok, n_candidates=int(size[a]), path=path)
-            continue
-        # log-probabilities: raw over the row (its top n are the k's first n, canonical),
-        # steered over the kept set (a canonical prefix: temperature keeps the order)
-        pos = int(np.searchsorted(top_ids[a], tok))
-        lse_st = float(lmax[a]) + math.log(float(c[a, -1]))
-        lse = float(raw_lse[a])
-        first = corder[a, :n_probs]
-        top = tuple((int(top_ids[a, i]), float(top_v[a, i]) - lse) for i in first)
-        st = tuple((int(top_ids[a, i]), float(lg[a, i]) - lse_st) for i in first[:int(size[a])]
-                   if lg[a, i] > _NEG_INF)
-        out[j] = SampleResult(tok, False, None, int(size[a]), float(top_v[a, pos]) - lse, top,
-                              float(lg[a, pos]) - lse_st, st, path=path)
+    good = ~bad & ~past_k & (lmax < np.inf)
+    for a in np.flatnonzero(~good).tolist():
+        out[js[a]] = past(js[a]) if past is not None and past_k[a] else fallback(js[a])
+    g = np.flatnonzero(good)
+    if not g.size:
+        return
+    gl = g.tolist()
+    u = np.fromiter((samplers[js[a]].draw() for a in gl), np.float64, g.size)
+    cg = c[g]
+    # searchsorted(c, u * c[-1], "right") per row (c does not decrease)
+    jj = (cg <= (u * cg[:, -1])[:, None]).sum(axis=1)
+    pos = np.where(size[g] == 1, last[g], np.minimum(jj, last[g]))
+    tok = top_ids[g, pos]
+    if not n_probs:
+        for a, t, sz in zip(gl, tok.tolist(), size[g].tolist()):
+            out[js[a]] = SampleResult(t, n_candidates=sz, path=path)
+        return
+    # log-probabilities: raw over the row (its top n are the k's first n, canonical),
+    # steered over the kept set (a canonical prefix: temperature keeps the order)
+    lse = raw_lse[g]
+    lse_st = np.array([lm + math.log(cl) for lm, cl in zip(lmax[g].tolist(), c[g, -1].tolist())])
+    first = corder[g, :n_probs]
+    f_ids = np.take_along_axis(top_ids[g], first, 1).tolist()
+    f_raw = (np.take_along_axis(top_v[g], first, 1) - lse[:, None]).tolist()
+    f_lg = np.take_along_axis(lg[g], first, 1)
+    f_st = (f_lg - lse_st[:, None]).tolist()
+    f_in = ((np.arange(first.shape[1])[None, :] < size[g][:, None]) & (f_lg > _NEG_INF)).tolist()
+    lp = (top_v[g, pos] - lse).tolist()
+    lp_st = (lg[g, pos] - lse_st).tolist()
+    for x, (a, t, sz) in enumerate(zip(gl, tok.tolist(), size[g].tolist())):
+        top = tuple(zip(f_ids[x], f_raw[x]))
+        st = tuple((i, v) for i, v, ok in zip(f_ids[x], f_st[x], f_in[x]) if ok)
+        out[js[a]] = SampleResult(t, False, None, sz, lp[x], top, lp_st[x], st, path=path)
