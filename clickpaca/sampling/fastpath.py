@@ -42,6 +42,7 @@ from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
+from .fastpath_dense import dense_key, dense_tick
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
@@ -356,8 +357,8 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
 
 
 def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
-    """A draw over every allowed token (no truncation, nothing touched)."""
-    p = s.params
+    """A draw over every allowed token (no truncation, nothing touched; many rows at
+    once: fastpath_dense.dense_tick, which must stay this bit for bit)."""
     blocks = pre.blocks.astype(np.float64)
     cb = np.add.accumulate(blocks)
     total = float(cb[-1])
@@ -376,7 +377,15 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     j = int(np.searchsorted(within, target, side="right"))
     if j >= chunk.size:
         j = int(np.flatnonzero(chunk > 0)[-1])
-    tok = b * BLOCK + j
+    return _dense_result(s, pre, b * BLOCK + j, float(chunk[j]), total, n_allowed)
+
+
+def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, total: float,
+                  n_allowed: int) -> SampleResult | str:
+    """A dense draw's result for token tok (its mass m in its block, the blocks' total):
+    the uniform taken, and the log-probabilities with nProbs (or why they cannot be had,
+    nothing drawn)."""
+    p = s.params
     if p.n_probs <= 0:
         s.draw()
         return SampleResult(tok, n_candidates=n_allowed, path="graph")
@@ -387,7 +396,6 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
         x_tok = float(pre.vals[hit[0]])
         steered = (x_tok - pre.top) * inv - log_total
     else:  # from its mass: exp((x - top) * inv) in float32, ~1e-7 relative
-        m = float(chunk[j])
         steered = math.log(m) - log_total
         x_tok = pre.top + math.log(m) / inv
     ids, vals = pre.ids, pre.vals
@@ -419,14 +427,21 @@ def _nucleus_plan(s: SequenceSampler) -> tuple | None:
     p = s.params
     if p.trace or p.n_probs:
         return None
-    has_hist = p.penalties_active and s.penalty_window()[0].size > 0
-    active, first = _steps_to_run(p, has_hist, s.n_vocab)
+    return _nucleus_plan_of(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+
+
+@functools.lru_cache(maxsize=1024)
+def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    active, first = _steps_to_run(p, has_hist, n_vocab)
     names = [st.name for st in active]
     if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
         return None
     if "temperature" in names and p.temperature <= 0:
         return None
     return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
+
+
+R.on_change(_nucleus_plan_of.cache_clear)
 
 
 def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
@@ -443,13 +458,15 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
         return
     vals = vals[ok]
     top = np.array([pres[j].top for j in js])
-    total = np.array([float(np.add.reduce(pres[j].blocks, dtype=np.float64)) for j in js])
+    # per row as float(np.add.reduce(blocks, dtype=np.float64)): a row of a C-contiguous matrix
+    total = np.add.reduce(np.stack([pres[j].blocks for j in js]), axis=1, dtype=np.float64)
     inside = np.add.reduce(np.exp(vals.astype(np.float64) - top[:, None]), axis=1)
     rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
     floor = vals.min(axis=1).astype(np.float64)
     parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
+    # a nucleus reaching the floor: PAST_K at once (sample() would redo it all to say so)
     topk_draw(samplers, js, K, top_p, temp, parts, out, lambda j: sample(samplers[j], pres[j], None),
-              path="graph", rest=rest, floor=floor)
+              path="graph", rest=rest, floor=floor, past=lambda j: PAST_K)
 
 
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
@@ -460,7 +477,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     the values cannot decide, as ``sample`` gives."""
     out: list = [None] * len(samplers)
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
-    greedies, topk, rest = {}, {}, []
+    greedies, topk, dense, rest = {}, {}, {}, []
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
@@ -482,7 +499,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                     else None
         if plan is None and mask is None and not pre.order.touched.size and pre.blocks is not None:
             plan = _nucleus_plan(s)
-        if plan is None:
+        if plan is None and mask is None and (key := dense_key(s, pre)) is not None:
+            dense.setdefault(key, []).append(j)  # a draw over the whole vocabulary: fastpath_dense
+        elif plan is None:
             rest.append(j)
         elif plan[0] == "greedy":
             greedies.setdefault(pre.vals.size, []).append(j)
@@ -520,11 +539,16 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
             ok_parts = [pt for pt, f in zip(parts, fine) if f]
-            raw_lse = np.array([pres[j].top + math.log(float(np.add.reduce(pres[j].blocks, dtype=np.float64)))
-                                for j in ok_js]) if n_probs else None
+            raw_lse = None
+            if n_probs:  # per row top + log(float(np.add.reduce(blocks, dtype=np.float64)))
+                mass = np.add.reduce(np.stack([pres[j].blocks for j in ok_js]), axis=1, dtype=np.float64)
+                raw_lse = np.array([pres[j].top + math.log(z) for j, z in zip(ok_js, mass.tolist())])
             topk_draw(samplers, ok_js, k, top_p, temp, ok_parts, out,
                       lambda j: sample(samplers[j], pres[j], None), path="graph", n_probs=n_probs,
                       raw_lse=raw_lse)
+    for js in dense.values():
+        dense_tick(samplers, pres, js, out, lambda j: sample(samplers[j], pres[j], None),
+                   lambda j, tok, m, total: _dense_result(samplers[j], pres[j], tok, m, total, samplers[j].n_vocab))
     for j in rest:
         out[j] = sample(samplers[j], pres[j], masks[j])
     return out
