@@ -9,9 +9,12 @@ float64 operations in the same order per row: ``np.add.accumulate`` along a row 
 1-D accumulate (sequential), a right-sided searchsorted on a non-decreasing row is the
 count of entries <= the target, and the offset is added after the accumulate as there.
 So every row's token is bit for bit ``_dense``'s, and does not depend on the other rows
-of the tick (no reduction crosses rows). What stays per row: the uniform (``peek``,
-then ``draw`` once the token is certain), the dict lookup of the block handed back, the
-result, and, with nProbs, ``fastpath._dense_result`` (the log-probabilities).
+of the tick (no reduction crosses rows). The uniform is the one ``order`` peeked (in
+the order: the graph chose the blocks around it); the row's ``draw`` once the token is
+certain must give it back, else (the stream moved since the order) the draw is taken
+back and the row goes to ``fastpath.sample``. What stays per row: that draw, the dict
+lookup of the block handed back, the result, and, with nProbs, ``fastpath._dense_result``
+(the log-probabilities).
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
     cb = np.add.accumulate(blocks, axis=1)
     total = cb[:, -1]
     # the host's walk assumes masses >= 0 (a non-decreasing cumulative sum): else per row
-    ok = (total > 0) & (blocks >= 0).all(axis=1) & np.fromiter((pres[j].dense is not None for j in js), bool, len(js))
+    ok = (total > 0) & (blocks >= 0).all(axis=1) & np.fromiter(
+        (pres[j].dense is not None and pres[j].order.u is not None for j in js), bool, len(js))
     for a in np.flatnonzero(~ok).tolist():
         out[js[a]] = fallback(js[a])
     g = np.flatnonzero(ok)
@@ -79,7 +83,9 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
     blocks, cb, total = blocks[g], cb[g], total[g]
     m, nb = blocks.shape
     rows = np.arange(m)
-    u = np.fromiter((samplers[j].peek() for j in gl), np.float64, m)
+    # the uniform order() peeked (the graph's blocks around the draw are for it); the
+    # stream is checked at the end (a draw that is not it is taken back: _undraw)
+    u = np.fromiter((pres[j].order.u for j in gl), np.float64, m)
     target = u * total
     b = np.minimum((cb <= target[:, None]).sum(axis=1), nb - 1)  # searchsorted(cb, target, "right")
     if not (blocks[rows, b] > 0).all():  # back to the last block with mass (the host's while blocks[b] <= 0)
@@ -116,8 +122,21 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
         s = samplers[jj]
         if lost[x]:
             out[jj] = fallback(jj)
-        elif s.params.n_probs > 0:
-            out[jj] = finish(jj, t, mass[x], tot[x])
-        else:
-            s.draw()
+        elif s.params.n_probs > 0:  # finish draws only once the log-probabilities are had
+            out[jj] = finish(jj, t, mass[x], tot[x]) if s.peek() == pres[jj].order.u else fallback(jj)
+        elif s.draw() == pres[jj].order.u:
             out[jj] = SampleResult(t, n_candidates=s.n_vocab, path="graph")
+        else:  # the stream moved since order(): taken back, and the row decided alone
+            _undraw(s)
+            out[jj] = fallback(jj)
+
+
+def _undraw(s: SequenceSampler) -> None:
+    """Take back the uniform ``s.draw()`` just took (its generator one step back; a
+    buffered 32-bit half, which a double's draw leaves alone, kept as it was)."""
+    bg = s._rng.bit_generator
+    st = bg.state
+    bg.advance(-1)
+    back = bg.state
+    back["has_uint32"], back["uinteger"] = st["has_uint32"], st["uinteger"]
+    bg.state = back
