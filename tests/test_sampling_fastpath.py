@@ -557,6 +557,16 @@ def test_the_batched_orders_are_lexsorts():
         got = _canonical(ids, v)
         for r in range(40):
             assert got[r].tolist() == np.lexsort((ids[r], -v[r])).tolist()
+        # rows already canonical (as the pre-selection hands them back) are only checked;
+        # one tie with its ids the wrong way round among them has them sorted
+        o = np.lexsort((ids, -v), axis=1)
+        ids_c, v_c = np.take_along_axis(ids, o, 1), np.take_along_axis(v, o, 1)
+        assert (_canonical(ids_c, v_c) == np.arange(70)).all()
+        r, c = next((r, c) for r in range(40) for c in range(69) if v_c[r, c] == v_c[r, c + 1])
+        ids_c[r, [c, c + 1]] = ids_c[r, [c + 1, c]]
+        got = _canonical(ids_c, v_c)
+        assert got[r].tolist() == np.lexsort((ids_c[r], -v_c[r])).tolist() != list(range(70))
+        assert all(got[x].tolist() == list(range(70)) for x in range(40) if x != r)
 
 
 # ------------------------------------------------------------------ route and the rows

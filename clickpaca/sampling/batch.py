@@ -203,7 +203,14 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray:
     positions in canonical order: value descending, id ascending (``steps.canonical_order``;
     what a lexsort((ids, -v)) gives). Values that are float32 (a logits row's) sort as one
     uint64 key per entry, the value's order-preserving bits above the id: one sort with
-    distinct keys, whatever the sort's stability; other values by two stable sorts."""
+    distinct keys, whatever the sort's stability; other values by two stable sorts.
+    Rows already in canonical order (the pre-selection hands its K best back so:
+    presample's _own_best and reference) are checked, not sorted."""
+    m, n = v.shape
+    if n > 1:
+        a, b = v[:, :-1], v[:, 1:]
+        if ((a > b) | ((a == b) & (ids[:, :-1] < ids[:, 1:]))).all():
+            return np.broadcast_to(np.arange(n), (m, n))
     f = v.astype(np.float32)
     if ids.size and (f == v).all() and ids.min() >= 0 and ids.max() < 2**32:
         bits = (-f + np.float32(0.0)).view(np.uint32)  # + 0.0: -0.0 sorts as 0.0 (they are equal)
