@@ -198,19 +198,19 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
-def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray:
+def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
     """Per row of [m, n] (ids distinct within a row, v float64 without NaN), the
     positions in canonical order: value descending, id ascending (``steps.canonical_order``;
     what a lexsort((ids, -v)) gives). Values that are float32 (a logits row's) sort as one
     uint64 key per entry, the value's order-preserving bits above the id: one sort with
     distinct keys, whatever the sort's stability; other values by two stable sorts.
     Rows already in canonical order (the pre-selection hands its K best back so:
-    presample's _own_best and reference) are checked, not sorted."""
+    presample's _own_best and reference) are checked, not sorted: None then."""
     m, n = v.shape
     if n > 1:
         a, b = v[:, :-1], v[:, 1:]
         if ((a > b) | ((a == b) & (ids[:, :-1] < ids[:, 1:]))).all():
-            return np.broadcast_to(np.arange(n), (m, n))
+            return None
     f = v.astype(np.float32)
     if ids.size and (f == v).all() and ids.min() >= 0 and ids.max() < 2**32:
         bits = (-f + np.float32(0.0)).view(np.uint32)  # + 0.0: -0.0 sorts as 0.0 (they are equal)
@@ -224,8 +224,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
               n_probs: int = 0, raw_lse: np.ndarray | None = None, past=None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
-    is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
-    the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
+    is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``), or
+    ``parts`` is the tuple (t [m], ids [m, n], values [m, n]) (the decode's
+    pre-selection, stacked: fastpath.py). A row the matrices cannot take (fewer than
     k candidates, a non-finite top) gets ``fallback(j)``. The pre-selection's top-p
     chains pass ``rest`` (per row, the mass exp(v - max) of the tokens outside the
     candidates, which top-p's total includes) and ``floor`` (per row, a value every
@@ -238,14 +239,21 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     the 1-D row), and the orders are stable sorts per row, so a row's result does not
     depend on the other rows; the per-row Python is the draw and the result."""
     m = len(js)
-    thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
-    counts = np.fromiter((ids.size for _, ids, _ in parts), np.intp, m)
+    if isinstance(parts, tuple):  # (t [m], ids [m, n], values [m, n]): the pre-selection's rows, stacked
+        thr = np.asarray(parts[0], np.float64)
+        ids2, v2 = parts[1], np.fmax(parts[2], _NEG_INF, dtype=np.float64)  # as candidates.gather
+        counts = np.full(m, ids2.shape[1], np.intp)
+    else:
+        thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
+        counts = np.fromiter((ids.size for _, ids, _ in parts), np.intp, m)
     if not counts.any():
         for j in js:
             out[j] = fallback(j)
         return
     n = int(counts.max())
-    if (counts == n).all():  # the pre-selection's rows: [m, n] at once
+    if isinstance(parts, tuple):
+        pass
+    elif (counts == n).all():  # rows of one length: [m, n] at once
         ids2 = np.stack([ids for _, ids, _ in parts])
         v2 = np.fmax(np.stack([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
     else:  # padded with (-inf, an id past any vocabulary's): after every real entry in canonical order
@@ -257,8 +265,11 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     if n < k:  # no row has k candidates (all go per sequence below): room for the k columns
         ids2 = np.pad(ids2.astype(np.int64), ((0, 0), (0, k - n)), constant_values=_PAD_ID)
         v2 = np.pad(v2, ((0, 0), (0, k - n)), constant_values=_NEG_INF)
-    pick = _canonical(ids2, v2)[:, :k]  # [m, k]: the k first of each row, canonical order
-    top_ids, top_v = np.take_along_axis(ids2, pick, 1), np.take_along_axis(v2, pick, 1)
+    canon = _canonical(ids2, v2)
+    if canon is None:  # already canonical: the k first columns
+        top_ids, top_v = ids2[:, :k], v2[:, :k]
+    else:  # [m, k]: the k first of each row, canonical order
+        top_ids, top_v = np.take_along_axis(ids2, canon[:, :k], 1), np.take_along_axis(v2, canon[:, :k], 1)
     o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order
     top_ids = np.take_along_axis(top_ids, o, 1).astype(np.int32)
     top_v = np.take_along_axis(top_v, o, 1)

@@ -466,7 +466,7 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
     inside = np.add.reduce(np.exp(vals.astype(np.float64) - top[:, None]), axis=1)
     rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
     floor = vals.min(axis=1).astype(np.float64)
-    parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
+    parts = (floor, np.stack([pres[j].ids for j in js]), vals)
     # a nucleus reaching the floor: PAST_K at once (sample() would redo it all to say so)
     topk_draw(samplers, js, K, top_p, temp, parts, out, lambda j: sample(samplers[j], pres[j], None),
               path="graph", rest=rest, floor=floor, past=lambda j: PAST_K)
@@ -536,13 +536,13 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         floor = vals.min(axis=1)
         # the k kept lie strictly above everything left out (<= the K-th value)
         fine = (np.partition(vals, K - k, axis=1)[:, K - k] > floor).tolist() if k < K else [False] * len(js)
-        parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
         ok_js = [j for j, f in zip(js, fine) if f]
         for j, f in zip(js, fine):
             if not f:
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
-            ok_parts = [pt for pt, f in zip(parts, fine) if f]
+            sel = np.flatnonzero(fine)
+            ok_parts = (floor[sel], np.stack([pres[j].ids for j in ok_js]), vals[sel])
             raw_lse = None
             if n_probs:  # per row top + log(float(np.add.reduce(blocks, dtype=np.float64)))
                 mass = np.add.reduce(np.stack([pres[j].blocks for j in ok_js]), axis=1, dtype=np.float64)
