@@ -128,20 +128,19 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
         b, target, total, cb = b[keep], target[keep], total[keep], cb[keep]
         m = len(gl)
         rows = np.arange(m)
-    chunk = np.concatenate(chunks, dtype=np.float64).reshape(m, BLOCK)
-    n = chunk.shape[1]
-    within = np.add.accumulate(chunk, axis=1)
+    # in place: the float64 copy becomes the cumulative masses, then offset by the mass before
+    within = np.concatenate(chunks, dtype=np.float64).reshape(m, BLOCK)
+    np.add.accumulate(within, axis=1, out=within)
     within += np.where(b > 0, cb[rows, b - 1], 0.0)[:, None]
-    j = (within <= target[:, None]).sum(axis=1)  # searchsorted(within, target, "right")
-    over = j >= n
-    if over.any():  # past the block's last mass: its last token with mass
-        pos = chunk > 0
-        j = np.where(over, n - 1 - np.argmax(pos[:, ::-1], axis=1), j)
-        lost = over & ~pos.any(axis=1)  # no mass in the block (the host's walk fails on it)
-    else:
-        lost = over
-    tok = (b * BLOCK + j).tolist()
-    mass = chunk[rows, j].tolist()
+    j = (within <= target[:, None]).sum(axis=1).tolist()  # searchsorted(within, target, "right")
+    lost = [False] * m
+    for x in range(m):
+        if j[x] >= BLOCK:  # past the block's last mass: its last token with mass
+            has = np.flatnonzero(chunks[x] > 0)
+            lost[x] = not has.size  # no mass in the block (the host's walk fails on it)
+            j[x] = int(has[-1]) if has.size else 0
+    tok = [bb * BLOCK + jj for bb, jj in zip(b.tolist(), j)]
+    mass = [float(c[jj]) for c, jj in zip(chunks, j)]
     tot = total.tolist()
     for x, (jj, t) in enumerate(zip(gl, tok)):
         s = samplers[jj]
