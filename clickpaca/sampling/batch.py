@@ -198,6 +198,12 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """np.take_along_axis(a, idx, 1) for [m, n] a and [m, k] idx, through one flat take."""
+    a = np.ascontiguousarray(a)
+    return np.take(a.reshape(-1), idx + (np.arange(a.shape[0]) * a.shape[1])[:, None])
+
+
 def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
     """Per row of [m, n] (ids distinct within a row, v float64 without NaN), the
     positions in canonical order: value descending, id ascending (``steps.canonical_order``;
@@ -267,27 +273,24 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
         v2 = np.pad(v2, ((0, 0), (0, k - n)), constant_values=_NEG_INF)
     canon = _canonical(ids2, v2)
     if canon is None:  # already canonical: the k first columns
-        top_ids, top_v = ids2[:, :k], v2[:, :k]
+        can_ids, can_v = ids2[:, :k], v2[:, :k]
     else:  # [m, k]: the k first of each row, canonical order
-        top_ids, top_v = np.take_along_axis(ids2, canon[:, :k], 1), np.take_along_axis(v2, canon[:, :k], 1)
-    o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order
-    top_ids = np.take_along_axis(top_ids, o, 1).astype(np.int32)
-    top_v = np.take_along_axis(top_v, o, 1)
+        can_ids, can_v = _take(ids2, canon[:, :k]), _take(v2, canon[:, :k])
+    o = np.argsort(can_ids, axis=1)  # the per-sequence set after top-k is in id order
+    top_ids = _take(can_ids, o).astype(np.int32)
+    top_v = _take(can_v, o)  # the id-ordered entry p has canonical rank o[p]
     vmax = top_v.max(axis=1)
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)
-    corder = None  # canonical order of the id-ordered set: o's inverse (pick was canonical)
-    if n_probs or (top_p is not None and top_p < 1.0):
-        corder = np.empty_like(o)
-        np.put_along_axis(corder, o, np.broadcast_to(np.arange(k), o.shape), 1)
+    cut = np.full(m, k - 1)  # the last canonical rank kept
     if top_p is not None and top_p < 1.0:
         with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
             e = np.exp(top_v - vmax[:, None])
+            e_can = np.exp(can_v - vmax[:, None])  # the same values in canonical order
         target = top_p * (np.add.reduce(e, axis=1) + (0.0 if rest is None else rest))
-        cum = np.add.accumulate(np.take_along_axis(e, corder, 1), axis=1)
+        cum = np.add.accumulate(e_can, axis=1)
         cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
-        keep = np.zeros((m, k), bool)
-        np.put_along_axis(keep, corder, np.arange(k)[None, :] <= cut[:, None], 1)
+        keep = o <= cut[:, None]
     past_k = np.zeros(m, bool)
     if floor is not None:  # what top-p keeps must lie above every token left out
         past_k = ~bad & ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
@@ -322,12 +325,16 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     # steered over the kept set (a canonical prefix: temperature keeps the order)
     lse = raw_lse[g]
     lse_st = np.array([lm + math.log(cl) for lm, cl in zip(lmax[g].tolist(), c[g, -1].tolist())])
-    first = corder[g, :n_probs]
-    f_ids = np.take_along_axis(top_ids[g], first, 1).tolist()
-    f_raw = (np.take_along_axis(top_v[g], first, 1) - lse[:, None]).tolist()
-    f_lg = np.take_along_axis(lg[g], first, 1)
+    # the n first in canonical order: the canonical matrices' first columns (lg's values there)
+    can_v = can_v[g, :n_probs]
+    f_ids = can_ids[g, :n_probs].tolist()
+    f_raw = (can_v - lse[:, None]).tolist()
+    f_lg = np.where(np.arange(can_v.shape[1])[None, :] <= cut[g][:, None], can_v, _NEG_INF)
+    if temp is not None:
+        with np.errstate(over="ignore"):
+            f_lg = f_lg / temp
     f_st = (f_lg - lse_st[:, None]).tolist()
-    f_in = ((np.arange(first.shape[1])[None, :] < size[g][:, None]) & (f_lg > _NEG_INF)).tolist()
+    f_in = ((np.arange(can_v.shape[1])[None, :] < size[g][:, None]) & (f_lg > _NEG_INF)).tolist()
     lp = (top_v[g, pos] - lse).tolist()
     lp_st = (lg[g, pos] - lse_st).tolist()
     for x, (a, t, sz) in enumerate(zip(gl, tok.tolist(), size[g].tolist())):
