@@ -476,8 +476,11 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | str]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
     greedy and top-k chains on [m, K] matrices at once (``batch.batch_plan``'s two
-    plans, the same arithmetic as the host path's batched rows): a reason string where
-    the values cannot decide, as ``sample`` gives."""
+    plans, the same arithmetic as the host path's batched rows), the top-p-first ones
+    (`_nucleus_tick`) and the draws over the whole vocabulary (fastpath_dense) too: a
+    reason string where the values cannot decide, as ``sample`` gives (a nucleus that
+    reaches the K-th value: PAST_K). Every row's result is what it gets alone in a tick
+    (no reduction crosses rows)."""
     out: list = [None] * len(samplers)
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
     greedies, topk, dense, rest = {}, {}, {}, []
