@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import registry as R
-from .batch import batch_plan as _batch_plan, topk_draw
+from .batch import batch_plan, topk_draw
 from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
-from .fastpath_dense import LastPlan, dense_key, dense_tick
+from .fastpath_dense import dense_key, dense_tick
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
@@ -411,15 +411,13 @@ def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, tota
     return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
 
 
-@LastPlan
 @functools.lru_cache(maxsize=1024)
 def _without_probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
     """batch_plan of the same chain without nProbs (the candidates do not depend on it)."""
-    return _batch_plan(p.replace(n_probs=0), has_hist, n_vocab)
+    return batch_plan(p.replace(n_probs=0), has_hist, n_vocab)
 
 
-R.on_change(_without_probs.plan.cache_clear)
-batch_plan = LastPlan(_batch_plan)  # sample_tick's rows: one params object, looked up once
+R.on_change(_without_probs.cache_clear)
 
 
 def _nucleus_plan(s: SequenceSampler) -> tuple | None:
@@ -432,7 +430,6 @@ def _nucleus_plan(s: SequenceSampler) -> tuple | None:
     return _nucleus_plan_of(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
 
 
-@LastPlan
 @functools.lru_cache(maxsize=1024)
 def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
     active, first = _steps_to_run(p, has_hist, n_vocab)
@@ -444,7 +441,7 @@ def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
     return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
 
 
-R.on_change(_nucleus_plan_of.plan.cache_clear)
+R.on_change(_nucleus_plan_of.cache_clear)
 
 
 def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:

@@ -28,34 +28,9 @@ from .chain import SampleResult, SequenceSampler, _steps_to_run
 from .table import TEMPERATURE
 from ..llama.presample import BLOCK
 
-__all__ = ["LastPlan", "dense_key", "dense_plan", "dense_tick"]
+__all__ = ["dense_key", "dense_plan", "dense_tick"]
 
 
-class LastPlan:
-    """A one-entry memo in front of a plan cached on (params, has_hist, n_vocab): a
-    tick's rows mostly share one params object (forks), and the lru_cache's key hashes
-    the params' whole field tuple at every row. Emptied when the registry changes, as
-    the caches behind it are."""
-
-    def __init__(self, plan) -> None:
-        self.plan = plan
-        self.last: tuple | None = None
-        functools.update_wrapper(self, plan)
-        R.on_change(self.clear)
-
-    def clear(self) -> None:
-        self.last = None
-
-    def __call__(self, p, has_hist: bool, n_vocab: int):
-        last = self.last  # one tuple, replaced whole: safe to read from any thread
-        if last is not None and last[0] is p and last[1] == has_hist and last[2] == n_vocab:
-            return last[3]
-        got = self.plan(p, has_hist, n_vocab)
-        self.last = (p, has_hist, n_vocab, got)
-        return got
-
-
-@LastPlan
 @functools.lru_cache(maxsize=1024)
 def dense_plan(p, has_hist: bool, n_vocab: int) -> float | None:
     """The temperature (1.0 when none applies) of a chain that draws over the whole
@@ -69,7 +44,7 @@ def dense_plan(p, has_hist: bool, n_vocab: int) -> float | None:
     return p.temperature if TEMPERATURE in active else 1.0
 
 
-R.on_change(dense_plan.plan.cache_clear)
+R.on_change(dense_plan.cache_clear)
 
 
 def dense_key(s: SequenceSampler, pre) -> int | None:
