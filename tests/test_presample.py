@@ -353,6 +353,8 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
             for slot in o:
                 pre = _owned(ps.read(slot, slot, n))
                 assert pre is not None, (tick, slot)
+                # one token per sequence: no row was copied whole; full_row reads it from the graph
+                assert nat.lib.llama_get_sampled_probs_count_ith(ctx.ptr, slot - n) != V
                 _check(pre, np.array(ps.full_row(slot, n)), o[slot])
             for row in set(range(n)) - set(o):  # the others pass through whole
                 assert ps.read(row, row, n) is None

@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 from clickpaca.llama.presample import BLOCK, Preselected, RowOrder, reference
 from clickpaca.sampling import SamplerParams, SequenceSampler, apply_chain
 from clickpaca.sampling import fastpath as F
+from clickpaca.sampling import fastpath_touched as T
 from clickpaca.sampling import registry as R
 from clickpaca.sampling.bench import random_mask, synthetic_row
 from clickpaca.sampling.bitmask import as_words, count_allowed
@@ -574,6 +575,100 @@ def test_the_batched_orders_are_lexsorts():
         assert _canonical(ids_c[:1], v_c[:1]) is None or r == 0
 
 
+@st.composite
+def touched_chains(draw) -> dict:
+    """Chains fastpath_touched batches: logit bias (bans, no force) and penalties over a
+    history, in either order, then top-k [top-p] [temperature]; bias ids and history as
+    ranks (by_rank), often among the best tokens and at the edge of the K best."""
+    pre = draw(st.permutations(["logit_bias", "penalties"]))
+    tail = ["top_k"] + (["top_p"] if draw(st.booleans()) else []) + (["temperature"] if draw(st.booleans()) else [])
+    return chain_of(samplers=None if draw(st.integers(0, 3)) == 0 else pre + tail,
+                    top_k=draw(st.sampled_from([2, 3, 5, 8, 16, 40, 63, 64, 200])),
+                    top_p=draw(st.sampled_from([0.95, 0.8, 0.5, 0.1, 0.999])),
+                    temperature=draw(st.sampled_from([0.3, 0.7, 1.5])),
+                    penalty_repeat=draw(st.sampled_from([1.0, 1.1, 1.5, 0.8])),
+                    penalty_freq=draw(st.sampled_from([0.0, 0.1, 0.5])),
+                    penalty_present=draw(st.sampled_from([0.1, 0.3, -0.5])),  # never 0: penalties on
+                    penalty_last_n=draw(st.sampled_from([8, 64, -1])),
+                    bias=draw(st.lists(st.tuples(RANKS, st.sampled_from([b for b in BIASES if b < 1e9])),
+                                       max_size=5, unique_by=lambda t: t[0])),
+                    history=draw(st.lists(RANKS, min_size=1, max_size=40)),
+                    seed=draw(st.integers(0, 2**63 - 1)))
+
+
+def touched_tick(V: int, rows: list[np.ndarray], chains: list[dict], ks: list[int], edges=None) -> None:
+    """sample_tick over sequences with touched tokens (fastpath_touched's batch): each
+    answer is its own sequence's host path's, each reason leaves its stream untouched, and
+    each row's result is the one it gets alone in a tick (nothing depends on the others).
+    ``edges[i]``: None, or (bias, at): a bias on the row's token of rank K + at, K the
+    order's without it (so the K-th value handed back is a touched token's, or its
+    neighbour's), as in test_a_touched_token_at_the_edge_of_the_k_best."""
+    made = [params_of(c, row) for c, row in zip(chains, rows)]
+    for i, edge in enumerate(edges or ()):
+        if edge is not None:
+            (p, h), (bias, at) = made[i], edge
+            k0 = F.order(SequenceSampler(p, V, prompt_tokens=h), None, ks[i]).k
+            target = int(np.argsort(-rows[i], kind="stable")[min(k0 + at, V - 1)])
+            if all(t != target for t, _ in p.logit_bias):
+                made[i] = (p.replace(logit_bias={**dict(p.logit_bias), target: bias}), h)
+                note(f"edge {at:+d}")
+    fast = [SequenceSampler(p, V, prompt_tokens=h) for p, h in made]
+    host = [SequenceSampler(p, V, prompt_tokens=h) for p, h in made]
+    alone = [f.fork() for f in fast]
+    single = [f.fork() for f in fast]
+    for f in fast:  # the chains the test is for: every one goes through the batch
+        assert T.plan(f) is not None, f.params
+    us = [h.peek() for h in host]
+    pres = [reference(row, F.order(f, None, k)) for f, row, k in zip(fast, rows, ks)]
+    got = F.sample_tick(fast, pres, [None] * len(fast))
+    for g, f, h, a, one, row, (p, _), u, pre in zip(got, fast, host, alone, single, rows, made, us, pres):
+        assert repr(F.sample_tick([a], [pre], [None])[0]) == repr(g)  # deterministic: alone, the same
+        assert a.peek() == f.peek()
+        # fastpath.sample refuses (and why) exactly where the batch does
+        ref = F.sample(one, pre, None)
+        assert (ref if isinstance(ref, str) else None) == (g if isinstance(g, str) else None), (ref, g)
+        want = h.sample(row)
+        if isinstance(g, str):
+            TALLY["reasons"] += 1
+            note(f"reason: {g}")
+            assert repr(f.sample(row)) == repr(want)
+        else:
+            TALLY["answers"] += 1
+            note("answer")
+            if check_answer(g, want, row, p, None, h.penalty_window(), u) != "same":
+                TALLY["near"] += 1
+        assert f.peek() == h.peek()
+
+
+@settings(max_examples=150)
+# the bench's chain (bench.SCENARIOS["bias_penalties"]) on two Gemma-like rows: top-k 40,
+# top-p 0.95, temperature 0.7 after a bias (two bans, three shifts) and penalties
+@example(V=32000, row_seed=0,
+         specs=[(chain_of(samplers=None, top_k=40, top_p=0.95, temperature=0.7, penalty_repeat=1.1,
+                          penalty_freq=0.1, penalty_present=0.1, penalty_last_n=64,
+                          bias=[(0, -1e9), (1, 2.0), (300, -1e9), (2, 5.0), (400, -3.0)],
+                          history=[0, 3, 5, 7, 300, 301, 3, 2], seed=s), "synthetic", k, None)
+                for s, k in ((1, F.K_MIN), (2, 16))])
+# a bias lifts a token from outside the K best to the top; another bans the best one
+@example(V=3000, row_seed=5,
+         specs=[(chain_of(samplers=["penalties", "logit_bias", "top_k", "temperature"], top_k=5, temperature=1.5,
+                          penalty_present=0.3, penalty_last_n=64, bias=[(400, 10.0), (0, -1e9)], history=[1, 2],
+                          seed=3), "synthetic", 8, None),
+                (chain_of(samplers=["logit_bias", "penalties", "top_k"], top_k=3, penalty_repeat=1.5,
+                          penalty_last_n=8, bias=[(9, -0.5)], history=[0, 8, 9, 10], seed=4), "ties", 8, None)])
+@given(V=st.sampled_from([3000, 5001, 32000]), row_seed=st.integers(0, 2**32 - 1),
+       specs=st.lists(st.tuples(touched_chains(), st.sampled_from(["synthetic", "synthetic", "ties", "flat",
+                                                                  "neg_inf", "nan"]),
+                                st.sampled_from([8, 16, F.K_MIN]),
+                                st.one_of(st.none(), st.tuples(st.sampled_from([b for b in BIASES if b < 1e9]),
+                                                               st.sampled_from([-1, 0, 1])))),
+                      min_size=1, max_size=6))
+def test_a_tick_with_touched_tokens_is_each_ones_host_path(V, row_seed, specs):
+    rng = np.random.default_rng(row_seed)
+    rows = [make_row(rng, V, style) for _, style, _, _ in specs]
+    touched_tick(V, rows, [c for c, _, _, _ in specs], [k for _, _, k, _ in specs], [e for _, _, _, e in specs])
+
+
 # ------------------------------------------------------------------ route and the rows
 
 
@@ -684,6 +779,40 @@ def test_a_touched_kth_value_is_no_floor():
     got = fast(q, row, 3)
     want = SequenceSampler(q, row.size).sample(row)
     assert not isinstance(got, str) and (got.token, got.n_candidates) == (want.token, want.n_candidates) == (10, 2)
+
+
+def test_a_tick_with_touched_tokens_refuses_a_top_k_reaching_the_floor():
+    """fastpath_touched's batch: the second best token banned, K = 4 (ids 10-13 handed
+    back), so the floor is 2.0 (id 13's, untouched). Top-k 3 keeps ids 10, 12, 13: a value
+    not above the floor, refused (PAST_K, nothing drawn) as fastpath.sample refuses it;
+    top-k 2 beside it in the same tick stays above it: the host's answer. A presence
+    penalty of 2 on id 12 lowers it below id 13: top-k 2 keeps 10 and 13, at the floor
+    again: refused; one of 0.5 leaves it above: answered."""
+    row = hand_built([5.0, 4.0, 3.0, 2.0, 1.9, 1.8])
+    V = row.size
+    base = SamplerParams(samplers=["logit_bias", "penalties", "top_k"], logit_bias={11: -1e9}, top_k=3, seed=7)
+    cases = [(base, [], F.PAST_K), (base.replace(top_k=2), [], None),
+             # the K-th token (13) banned instead: the floor is 3.0 (id 12's), not the K-th
+             # value 2.0, as fastpath.sample takes it: top-k 3 keeps 3.0, refused
+             (base.replace(logit_bias={13: -1e9}), [], F.PAST_K),
+             (base.replace(top_k=2, penalty_present=2.0, penalty_last_n=64), [12], F.PAST_K),
+             (base.replace(top_k=2, penalty_present=0.5, penalty_last_n=64), [12], None)]
+    ss = [SequenceSampler(p, V, prompt_tokens=h) for p, h, _ in cases]
+    assert all(T.plan(s) is not None for s in ss)
+    pres = [reference(row, F.order(s, None), k=4) for s in ss]  # K 4 (the order asks for more)
+    assert all(pre.ids.tolist() == [10, 11, 12, 13] for pre in pres)
+    alone = [s.fork() for s in ss]
+    got = F.sample_tick(ss, pres, [None] * len(ss))
+    for g, s, a, pre, (p, h, want) in zip(got, ss, alone, pres, cases):
+        assert F.sample(a, pre, None) == g if isinstance(g, str) else repr(F.sample(a, pre, None)) == repr(g)
+        fresh = SequenceSampler(p, V, prompt_tokens=h)
+        if want is not None:
+            assert g == want
+            assert s.peek() == fresh.peek()  # nothing drawn
+        else:
+            host = fresh.sample(row)
+            assert not isinstance(g, str) and (g.token, g.n_candidates, g.path) == (host.token, 2, "graph")
+            assert s.peek() == fresh.peek()
 
 
 @pytest.mark.parametrize("bias, want", [(1e9, 0), (-1e9, -1)])
@@ -839,6 +968,28 @@ def test_values_pre_selected_for_another_plan_are_refused():
     other = reference(row, F.order(SequenceSampler(p.replace(temperature=1.0, logit_bias={}), V), None))
     assert fast(p, row, pre=other) == "pre-selected for another plan"
     assert not isinstance(fast(p, row), str)
+
+
+def test_a_tick_refuses_touched_values_pre_selected_for_another_plan():
+    """fastpath_touched's batch: an order made before a bias was set, or before the
+    history gained a token (the penalty window's), misses a token the chain adjusts: a
+    reason, nothing drawn, as fastpath.sample gives; the rows beside them are answered."""
+    V = 2 * BLOCK
+    row = hand_built([9.0, 8.0, 7.0, 6.5], V)
+    p = SamplerParams(samplers=["logit_bias", "penalties", "top_k"], top_k=2, logit_bias={12: 5.0},
+                      penalty_present=1.0, penalty_last_n=64, seed=5)
+    ss = [SequenceSampler(p, V, prompt_tokens=[11]) for _ in range(4)]
+    no_bias = SequenceSampler(p.replace(logit_bias={13: 1.0}), V, prompt_tokens=[11])
+    pres = [reference(row, F.order(s, None)) for s in [no_bias] + ss[1:]]
+    ss[2].accept(10)  # the window now holds 10, which the order did not ask for
+    assert all(T.plan(s) is not None for s in ss)
+    fresh = [s.fork() for s in ss]
+    got = F.sample_tick(ss, pres, [None] * 4)
+    assert got[0] == got[2] == "pre-selected for another plan"
+    assert [F.sample(f, pre, None) for f, pre in zip(fresh[::2], pres[::2])] == [got[0], got[2]]
+    assert [s.peek() for s in ss[::2]] == [f.peek() for f in fresh[::2]]
+    for g, s in zip(got[1::2], ss[1::2]):
+        assert not isinstance(g, str) and g.token in (10, 12) and g.n_candidates == 2
 
 
 def test_the_near_boundary_rule_excuses_rounding_only():

@@ -21,6 +21,7 @@ import tempfile
 
 import pytest
 
+from clickpaca.sampling.fastpath import PAST_K
 from clickpaca.wire.client import Client
 from conftest import TEST_BUILD
 
@@ -39,6 +40,9 @@ CHAINS = {
     "bias and penalties": dict(penaltyRepeat=1.1, penaltyFreq=0.1, penaltyPresent=0.1, seed=5,
                                logit_bias=[{"token": 1000, "bias": 5.0}, {"token": 2, "bias": -1e9}]),
     "min-p": dict(topK=0, topP=1.0, minP=0.05, seed=6),
+    # a nucleus wider than the most the graph hands back (fastpath.K_MAX): every token
+    # takes the host path on its whole row, read from the graph on demand
+    "wide top-p": dict(topK=0, topP=0.99999, minP=0.0, seed=4),
     # the mask is made before the decode and applied in the graph
     "grammar": dict(grammar_id="words", seed=9),
 }
@@ -145,6 +149,8 @@ def test_every_done_says_which_path_decided_its_tokens(runs):
             assert path == {"graph": 0, "host": n, "reasons": {HOST_ONLY[base][1]: n}}, (name, path)
         elif base == "greedy":
             assert path == {"graph": n, "host": 0, "reasons": {}}, (name, path)
+        elif base == "wide top-p":  # its whole rows: the same tokens and bits as the host path's (above)
+            assert path["reasons"].get(PAST_K, 0) > 0, (name, path)
         else:  # the graph decides (a truncation past the K best may send a few to the host)
             assert path["graph"] > 0, (name, path)
 
@@ -182,3 +188,31 @@ def test_on_the_fast_path_a_sequence_is_the_same_alone_chunked_and_in_a_new_proc
             assert done["samplingPath"] == together[s][1]["samplingPath"], name
     finally:
         c.close()
+
+
+def test_whole_rows_read_from_the_graph_on_one_kv_stream():
+    """Outside deterministic mode (one KV stream), a tick of one token per sequence runs as
+    one micro-batch, and a row whose values cannot decide is read from the graph's logits
+    on demand (presample.Presampler.full_row) instead of every row being copied whole:
+    the wide nucleus takes the host path on every token, and gives the host path's tokens
+    and log-probabilities."""
+    kw = {**CHAINS["wide top-p"], "nProbs": 5}
+    got = {}
+    for pre in (False, True):
+        c = Client.spawn()
+        try:
+            c.init(nCtx=512, nSeqMax=2, build=TEST_BUILD, preselect=pre, stateDir=tempfile.mkdtemp(prefix="clkp-state-"))
+            c.infer(0, PROMPT, maxTokens=N_GEN, **kw)
+            got[pre] = c.collect(0)
+        finally:
+            c.close()
+    (host_toks, host_done), (fast_toks, fast_done) = got[False], got[True]
+    assert fast_done["type"] == "done", fast_done
+    assert fast_done["samplingPath"]["reasons"].get(PAST_K, 0) > 0, fast_done["samplingPath"]
+    assert [t["token"] for t in fast_toks] == [t["token"] for t in host_toks]
+    worst = {"max": 0.0}
+    for h, f in zip(host_toks, fast_toks):
+        _close(f["logprob"], h["logprob"], "logprob", worst)
+        for x, y in zip(f["top"], h["top"]):
+            assert x["token"] == y["token"]
+            _close(x["logprob"], y["logprob"], "top", worst)

@@ -403,7 +403,8 @@ class Context(_Owned):
         # build's may be pinned for transfers, and is left alone
         self._releasable = _host_only(nat)
         if presampler is not None:
-            presampler.bind(self.ptr, keep_rows=True)  # the host path may take over any row
+            presampler.bind(self.ptr)
+            self._n_ubatch = int(lib.llama_n_ubatch(self.ptr))
 
     def close(self) -> None:
         super().close()
@@ -418,7 +419,14 @@ class Context(_Owned):
         self._n_outputs = int(batch.logits[:batch.n].sum())
         self._rows_touched = max(self._rows_touched, self._n_outputs)
         if self.presampler is not None:  # a graph of the orders' shape (presample.py: graph reuse)
-            self.presampler.before_decode()
+            n = batch.n
+            # one output token per sequence, within a micro-batch, on one KV stream: llama.cpp
+            # runs it as one micro-batch (its simple split), so whole rows can be read from
+            # its graph afterwards. Per-sequence streams split by sequence sets (several
+            # micro-batches, measured: the rows of the first were gone): rows are copied then.
+            one = (self.kv_unified and n <= self._n_ubatch and bool(batch.logits[:n].all())
+                   and bool((batch.n_seq_id[:n] == 1).all()) and np.unique(batch.seq[:n]).size == n)
+            self.presampler.before_decode(one_micro_batch=one)
         return int(self.nat.lib.llama_decode(self.ptr, batch.value()))
 
     @property

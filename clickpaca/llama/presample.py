@@ -128,9 +128,10 @@ class Plan:
     slots: tuple[int, ...]
     layout: Layout
     scale: float | None  # the one 1/tau of every row (softmax's own scale), else None
+    keep: bool = True  # whole rows copied beside the packs (a decode of several micro-batches)
 
 
-def plan_of(orders: dict[int, RowOrder], n_vocab: int) -> Plan | None:
+def plan_of(orders: dict[int, RowOrder], n_vocab: int, keep: bool = True) -> Plan | None:
     """The ops' shape for these orders (None: no rows ordered)."""
     if not orders:
         return None
@@ -144,7 +145,7 @@ def plan_of(orders: dict[int, RowOrder], n_vocab: int) -> Plan | None:
     mass = dense or any(o.mass for o in os_)
     layout = Layout(k, -(-n_vocab // BLOCK), n_touched, dense, raw, raw_top=raw and masked, mass=mass)
     scales = {o.inv_tau for o in os_}
-    return Plan(slots, layout, scales.pop() if mass and len(scales) == 1 else None)
+    return Plan(slots, layout, scales.pop() if mass and len(scales) == 1 else None, keep)
 
 
 @dataclass
@@ -253,6 +254,14 @@ def _own_best_rows(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)
 
 
+def _graph_logits(lib: Any, src: Any) -> Any:
+    """The graph's logits tensor under the rows the samplers see (llama.cpp hands them a
+    padded copy: ggml_pad of t_logits, which it marks an output once the graph is built;
+    `full_row` checks that before reading: a tensor that is not an output may have its
+    memory reused within the graph)."""
+    return src.src[0] if src.op == lib.GGML_OP_PAD else src
+
+
 def mask_table() -> np.ndarray:
     """[256, 8] float32: row b, column j = 0 when bit j of byte b is set, else -inf (the
     grammar bias of the 8 tokens one bitmask byte covers, little-endian bit order)."""
@@ -308,7 +317,9 @@ class Presampler:
         self._graph_layouts: dict[int, Layout] = {}  # the same, of the last graph built (a reuse's)
         self._fresh = False  # a graph was built in this decode (else the last one was reused)
         self._ctx: Any = None
-        self.keep_rows = False
+        self._keep = True  # this decode copies every pre-selected row whole (before_decode)
+        self._row_slot: dict[int, int] = {}  # output row -> slot, of the rows read this decode
+        self._logits_src: Any = None  # the graph's logits (an output: kept until the next decode)
         self.failures = 0  # callbacks that raised (their rows passed through whole)
         self.rebuilds = 0  # decodes whose orders asked for a new graph (before_decode)
         # per decode (reset by `order`): thread CPU ns in our callbacks, bytes uploaded to
@@ -349,14 +360,19 @@ class Presampler:
         self._set = False  # a reused graph gets these orders' inputs (set_input)
         self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
 
-    def before_decode(self) -> None:
+    def before_decode(self, one_micro_batch: bool = False) -> None:
         """Right before llama_decode (core.Context.decode): when the orders ask for ops of
         another shape than the graph llama.cpp holds, make it build a new one (slot 0's
         sampler swapped for its twin); equal plans may reuse it (their inputs are set
-        again). Counted in ``rebuilds``."""
+        again). Counted in ``rebuilds``. ``one_micro_batch``: the decode is certain to
+        run as one micro-batch (one output token per sequence, within n_ubatch), so a
+        whole row can be read from the graph's logits afterwards (`full_row`) and none
+        is copied; otherwise every pre-selected row is copied whole beside its pack."""
         self._layouts = {}
         self._fresh = False
-        plan = plan_of(self.orders, self.n_vocab)
+        self._keep = not one_micro_batch
+        self._row_slot = {}
+        plan = plan_of(self.orders, self.n_vocab, self._keep)
         if plan == self._built or self._ctx is None:
             return
         # a chain is initialised for a context once: slot 0 gets a new one, the old one is
@@ -374,16 +390,9 @@ class Presampler:
         # the graph built next is this plan's (_cb_reset/_cb_apply); until then none is held
         self._built = None
 
-    def bind(self, ctx_ptr: Any, keep_rows: bool) -> None:
-        """The context it serves. ``keep_rows``: every pre-selected row's whole raw row is
-        copied too, into llama.cpp's sampled-probs block, so the host path can take over
-        any token whose values cannot decide. core.Context always asks for it: on this
-        CPU build it is a copy in memory; on a GPU build it is the device-to-host
-        transfer (1 MiB a row at Gemma's vocabulary) that pre-selection exists to avoid,
-        kept for correctness until an on-demand read of the one row replaces it (not
-        built; nothing GPU-side is measured: docs/BENCHMARKS.md)."""
+    def bind(self, ctx_ptr: Any) -> None:
+        """The context it serves."""
         self._ctx = ctx_ptr
-        self.keep_rows = keep_rows
 
     def read(self, slot: int, row: int, n_outputs: int) -> Preselected | None:
         """Decode slot's packed row (output ``row`` of the last decode, which had
@@ -415,6 +424,8 @@ class Presampler:
         ptr = lib.llama_get_sampled_logits_ith(self._ctx, -n_outputs)  # row 0: rows lie n_vocab apart
         block = np.frombuffer(ffi.buffer(ptr, n_outputs * self.n_vocab * 4), np.float32)
         block = block.reshape(n_outputs, self.n_vocab)
+        for a in (a for idx in groups.values() for a in idx):
+            self._row_slot[rows[a]] = slots[a]
         for lay, idx in groups.items():
             r = np.fromiter((rows[a] for a in idx), np.intp, len(idx))
             if r[-1] - r[0] == r.size - 1 and (r.size == 1 or (np.diff(r) == 1).all()):
@@ -428,15 +439,42 @@ class Presampler:
 
     def full_row(self, row: int, n_outputs: int) -> np.ndarray | None:
         """The whole raw row of a pre-selected output row (valid until the next decode),
-        or None where it was not kept (a GPU build: `bind`)."""
-        if not self.keep_rows:
-            return None
+        or None where it is not to be had. A decode of several micro-batches copied it
+        beside the pack (llama.cpp's sampled-probs block); a decode of one is read on
+        demand from the graph's logits (llama.cpp keeps them, an output of the graph,
+        until the next decode: one row crosses, not every row), and checked against the
+        row's own pack (its K best and touched values) before it is handed out."""
         lib, ffi = self.nat.lib, self.nat.ffi
         i = row - n_outputs
-        if lib.llama_get_sampled_probs_count_ith(self._ctx, i) != self.n_vocab:
+        if lib.llama_get_sampled_probs_count_ith(self._ctx, i) == self.n_vocab:
+            ptr = lib.llama_get_sampled_probs_ith(self._ctx, i)
+            return np.frombuffer(ffi.buffer(ptr, self.n_vocab * 4), np.float32)
+        slot = self._row_slot.get(row)
+        src, at = self._logits_src, self._rows.get(slot)
+        if (self._keep or slot is None or src is None or at is None or src.buffer == ffi.NULL
+                or not int(src.flags) & int(lib.GGML_TENSOR_FLAG_OUTPUT) or src.ne[0] != self.n_vocab):
             return None
-        ptr = lib.llama_get_sampled_probs_ith(self._ctx, i)
-        return np.frombuffer(ffi.buffer(ptr, self.n_vocab * 4), np.float32)
+        out = np.empty(self.n_vocab, np.float32)
+        lib.ggml_backend_tensor_get(src, ffi.from_buffer(out), at * int(src.nb[1]), out.nbytes)
+        if not self._same_as_pack(out, slot, row, n_outputs):
+            return None
+        return out
+
+    def _same_as_pack(self, x: np.ndarray, slot: int, row: int, n_outputs: int) -> bool:
+        """The row read on demand holds the values the pack was made from (a guard: a
+        row of another micro-batch's graph would not)."""
+        pre = self.read(slot, row, n_outputs)
+        if pre is None:
+            return False
+        o = pre.order
+        vals = x[pre.ids]
+        if o.mask is not None:  # disallowed ids come back -inf: compare the allowed ones
+            bits = o.mask[pre.ids >> 3] >> (pre.ids & 7) & 1
+            vals = np.where(bits == 1, vals, np.float32(-np.inf))
+        ok = np.array_equal(vals, pre.vals, equal_nan=True)
+        if o.touched.size:
+            ok = ok and np.array_equal(x[o.touched], pre.touched, equal_nan=True)
+        return bool(ok)
 
     # ------------------------------------------------------------------ callbacks
 
@@ -478,6 +516,7 @@ class Presampler:
             row = int(view.view_offs) // int(src.nb[1])
             if self._graph != ctx or self._shared is None:
                 self._graph = ctx
+                self._logits_src = _graph_logits(self.nat.lib, src)
                 self._shared = self._build(ctx, src)
                 self._built = self._shared["plan"]
             sh = self._shared
@@ -487,8 +526,8 @@ class Presampler:
             data.logits = self.nat.lib.ggml_view_1d(ctx, pack, sh["layout"].size, j * int(pack.nb[1]))
             self._layouts[slot] = self._graph_layouts[slot] = sh["layout"]
             self._fresh = True
-            if self.keep_rows:
-                data.probs = view  # the whole row, copied beside the pack (bind)
+            if self._keep:
+                data.probs = view  # the whole row, copied beside the pack (before_decode)
         except Exception:  # noqa: BLE001 - a C caller: the row passes through, the host path takes it
             self.failures += 1
             traceback.print_exc(file=sys.stderr)
@@ -514,7 +553,7 @@ class Presampler:
         """The shared ops over every ordered slot's row (see the module doc)."""
         lib = self.nat.lib
         V, nb = self.n_vocab, self.n_blocks
-        plan = plan_of(self.orders, V)
+        plan = plan_of(self.orders, V, self._keep)
         slots, layout = list(plan.slots), plan.layout
         n = len(slots)
         k, n_touched, dense, raw, mass = layout.k, layout.n_touched, layout.dense, layout.raw, layout.mass

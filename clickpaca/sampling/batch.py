@@ -45,7 +45,6 @@ __all__ = ["sample_tick", "batch_plan", "thread_safe", "topk_draw", "KMAX"]
 KMAX = 256
 
 _NEG_INF = -np.inf
-_PAD_ID = 2**32 - 1  # topk_draw's padding: larger than any token id
 
 
 @functools.lru_cache(maxsize=1024)
@@ -198,6 +197,36 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     return res
 
 
+def _k_first(seq: np.ndarray, ids: np.ndarray, v: np.ndarray, m: int, k: int):
+    """([m, k] ids, [m, k] values, counts[m]): each row's k first candidates in canonical
+    order (value descending, then id ascending), in no particular order within the row;
+    ``seq`` (ascending) names each candidate's row, ``v`` has no NaN. A row with fewer
+    than k candidates gets any k entries (the caller sends it per sequence). Each row on
+    its own, on a [m, W] matrix padded with -inf at the largest id (after every real
+    candidate in canonical order): the k-th largest value by a partition, the values
+    above it and the ties at it with the smallest ids, the set a full sort's first k hold."""
+    counts = np.bincount(seq, minlength=m)
+    width = max(int(counts.max()) if m else 0, k)
+    if seq.size == m * width:  # every row has width candidates: no padding
+        vv, ii = v.reshape(m, width), ids.reshape(m, width)
+    else:
+        pos = np.arange(seq.size) - (np.cumsum(counts) - counts)[seq]
+        vv = np.full((m, width), _NEG_INF)
+        vv[seq, pos] = v
+        ii = np.full((m, width), np.iinfo(np.int32).max, np.int64)
+        ii[seq, pos] = ids
+    if width == k:
+        return ii, vv, counts
+    kth = np.partition(vv, width - k, axis=1)[:, width - k]
+    keep = vv >= kth[:, None]
+    n_keep = keep.sum(axis=1)
+    for a in np.flatnonzero(n_keep != k).tolist():  # ties at the k-th value, or too few rows
+        row = np.zeros(width, bool)
+        row[np.lexsort((ii[a], -vv[a]))[:k]] = True
+        keep[a] = row
+    return ii[keep].reshape(m, k), vv[keep].reshape(m, k), counts
+
+
 def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """np.take_along_axis(a, idx, 1) for [m, n] a and [m, k] idx, through one flat take."""
     a = np.ascontiguousarray(a)
@@ -228,57 +257,47 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
 
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
-              n_probs: int = 0, raw_lse: np.ndarray | None = None, past=None) -> None:
+              n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None,
+              past=None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
-    is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``), or
-    ``parts`` is the tuple (t [m], ids [m, n], values [m, n]) (the decode's
-    pre-selection, stacked: fastpath.py). A row the matrices cannot take (fewer than
+    is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
+    the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
     k candidates, a non-finite top) gets ``fallback(j)``. The pre-selection's top-p
     chains pass ``rest`` (per row, the mass exp(v - max) of the tokens outside the
     candidates, which top-p's total includes) and ``floor`` (per row, a value every
     token outside is at most): a row whose top-p keeps a value not above it gets
     ``past(j)`` (default ``fallback(j)``); with ``n_probs`` (at most k) and ``raw_lse``
     (per row, the raw row's log-normaliser) the results carry the log-probabilities, as
-    ``SequenceSampler.sample`` computes them from the same candidates.
+    ``SequenceSampler.sample`` computes them from the same candidates. ``flat`` (with
+    ``parts`` None): the parts laid end to end, (t per row, row of each candidate in
+    ascending order, ids, float64 values without NaN).
 
     Every reduction runs along a row of a C-contiguous [m, .] matrix (numpy reduces it as
-    the 1-D row), and the orders are stable sorts per row, so a row's result does not
-    depend on the other rows; the per-row Python is the draw and the result."""
+    the 1-D row) and every order is a row's own, so a row's result does not depend on
+    the other rows; the per-row Python is the draw and the result."""
     m = len(js)
-    if isinstance(parts, tuple):  # (t [m], ids [m, n], values [m, n]): the pre-selection's rows, stacked
-        thr = np.asarray(parts[0], np.float64)
-        ids2, v2 = parts[1], np.fmax(parts[2], _NEG_INF, dtype=np.float64)  # as candidates.gather
-        counts = np.full(m, ids2.shape[1], np.intp)
+    if flat is not None:
+        thr, seq, ids, v = flat
     else:
         thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
-        counts = np.fromiter((ids.size for _, ids, _ in parts), np.intp, m)
-    if not counts.any():
+        seq = np.repeat(np.arange(m), np.fromiter((ids.size for _, ids, _ in parts), np.intp, m))
+        ids = np.concatenate([ids for _, ids, _ in parts])
+        v = None
+    if seq.size == 0:
         for j in js:
             out[j] = fallback(j)
         return
-    n = int(counts.max())
-    if isinstance(parts, tuple):
-        pass
-    elif (counts == n).all():  # rows of one length: [m, n] at once
-        ids2 = np.stack([ids for _, ids, _ in parts])
-        v2 = np.fmax(np.stack([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
-    else:  # padded with (-inf, an id past any vocabulary's): after every real entry in canonical order
-        ids2 = np.full((m, n), _PAD_ID, np.int64)
-        v2 = np.full((m, n), _NEG_INF)
-        for a, (_, ids, v) in enumerate(parts):
-            ids2[a, :ids.size] = ids
-            v2[a, :ids.size] = np.fmax(v, _NEG_INF, dtype=np.float64)
-    if n < k:  # no row has k candidates (all go per sequence below): room for the k columns
-        ids2 = np.pad(ids2.astype(np.int64), ((0, 0), (0, k - n)), constant_values=_PAD_ID)
-        v2 = np.pad(v2, ((0, 0), (0, k - n)), constant_values=_NEG_INF)
-    canon = _canonical(ids2, v2)
-    if canon is None:  # already canonical: the k first columns
-        can_ids, can_v = ids2[:, :k], v2[:, :k]
-    else:  # [m, k]: the k first of each row, canonical order
-        can_ids, can_v = _take(ids2, canon[:, :k]), _take(v2, canon[:, :k])
+    if v is None:
+        v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
+    # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
+    can_ids, can_v, counts = _k_first(seq, ids, v, m, k)
+    if n_probs or (top_p is not None and top_p < 1.0):  # in canonical order (cut and n best by rank)
+        canon = _canonical(can_ids, can_v)  # None: already (the pre-selection's rows come so)
+        if canon is not None:
+            can_ids, can_v = _take(can_ids, canon), _take(can_v, canon)
     o = np.argsort(can_ids, axis=1)  # the per-sequence set after top-k is in id order
     top_ids = _take(can_ids, o).astype(np.int32)
-    top_v = _take(can_v, o)  # the id-ordered entry p has canonical rank o[p]
+    top_v = _take(can_v, o)  # the id-ordered entry p has canonical rank o[p] (when can_* are canonical)
     vmax = top_v.max(axis=1)
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)
@@ -305,7 +324,7 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     last = k - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last kept position (id order)
     size = keep.sum(axis=1)
     good = ~bad & ~past_k & (lmax < np.inf)
-    for a in np.flatnonzero(~good).tolist():
+    for a in np.flatnonzero(~good).tolist():  # a row sent per sequence takes no draw
         out[js[a]] = past(js[a]) if past is not None and past_k[a] else fallback(js[a])
     g = np.flatnonzero(good)
     if not g.size:
@@ -313,7 +332,7 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     gl = g.tolist()
     u = np.fromiter((samplers[js[a]].draw() for a in gl), np.float64, g.size)
     cg = c[g]
-    # searchsorted(c, u * c[-1], "right") per row (c does not decrease)
+    # each row's np.searchsorted(c[a], u * c[a, -1], side="right"): c never decreases
     jj = (cg <= (u * cg[:, -1])[:, None]).sum(axis=1)
     pos = np.where(size[g] == 1, last[g], np.minimum(jj, last[g]))
     tok = top_ids[g, pos]

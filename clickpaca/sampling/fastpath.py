@@ -47,6 +47,7 @@ from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
 from . import steps as S
+from . import fastpath_touched as T
 from ..llama.presample import BLOCK, Preselected, RowOrder
 
 __all__ = ["FastStats", "K_MIN", "K_MAX", "PAST_K", "order", "route", "sample", "sample_tick"]
@@ -463,10 +464,18 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
     inside = np.add.reduce(np.exp(vals.astype(np.float64) - top[:, None]), axis=1)
     rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
     floor = vals.min(axis=1).astype(np.float64)
-    parts = (floor, np.stack([pres[j].ids for j in js]), vals)
     # a nucleus reaching the floor: PAST_K at once (sample() would redo it all to say so)
-    topk_draw(samplers, js, K, top_p, temp, parts, out, lambda j: sample(samplers[j], pres[j], None),
-              path="graph", rest=rest, floor=floor, past=lambda j: PAST_K)
+    topk_draw(samplers, js, K, top_p, temp, None, out, lambda j: sample(samplers[j], pres[j], None),
+              path="graph", rest=rest, floor=floor, past=lambda j: PAST_K,
+              flat=_stacked(floor, [pres[j].ids for j in js], vals))
+
+
+def _stacked(t: np.ndarray, ids: list[np.ndarray], vals: np.ndarray) -> tuple:
+    """topk_draw's ``flat`` for rows of one K: (t, row of each candidate, ids, float64
+    values, NaN as -inf as candidates.gather takes them), the rows' K best in their order."""
+    m, K = vals.shape
+    return (t, np.repeat(np.arange(m), K), np.concatenate(ids),
+            np.fmax(vals, -np.inf, dtype=np.float64).reshape(-1))
 
 
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
@@ -480,7 +489,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     (no reduction crosses rows)."""
     out: list = [None] * len(samplers)
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
-    greedies, topk, dense, rest = {}, {}, {}, []
+    greedies, topk, dense, rest, touched = {}, {}, {}, [], []
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
@@ -503,7 +512,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                     else None
         if plan is None and mask is None and not pre.order.touched.size and pre.blocks is not None:
             plan = _nucleus_plan(s)
-        if plan is None and mask is None and (key := dense_key(s, pre)) is not None:
+        if plan is None and mask is None and pre.order.touched.size and T.plan(s) is not None:
+            touched.append(j)  # bias / penalties, then top-k [top-p] [temperature]
+        elif plan is None and mask is None and (key := dense_key(s, pre)) is not None:
             dense.setdefault(key, []).append(j)  # a draw over the whole vocabulary: fastpath_dense
         elif plan is None:
             rest.append(j)
@@ -542,14 +553,16 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
             sel = np.flatnonzero(fine)
-            ok_parts = (floor[sel], np.stack([pres[j].ids for j in ok_js]), vals[sel])
+            flat = _stacked(floor[sel], [pres[j].ids for j in ok_js], vals[sel])
             raw_lse = None
             if n_probs:  # per row top + log(float(np.add.reduce(blocks, dtype=np.float64)))
                 mass = np.add.reduce(np.stack([pres[j].blocks for j in ok_js]), axis=1, dtype=np.float64)
                 raw_lse = np.array([pres[j].top + math.log(z) for j, z in zip(ok_js, mass.tolist())])
-            topk_draw(samplers, ok_js, k, top_p, temp, ok_parts, out,
+            topk_draw(samplers, ok_js, k, top_p, temp, None, out,
                       lambda j: sample(samplers[j], pres[j], None), path="graph", n_probs=n_probs,
-                      raw_lse=raw_lse)
+                      raw_lse=raw_lse, flat=flat)
+    if touched:
+        T.tick(samplers, pres, touched, out, lambda j: sample(samplers[j], pres[j], None))
     for js in dense.values():
         dense_tick(samplers, pres, js, out, lambda j: sample(samplers[j], pres[j], None),
                    lambda j, tok, m, total: _dense_result(samplers[j], pres[j], tok, m, total, samplers[j].n_vocab))

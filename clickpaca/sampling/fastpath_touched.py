@@ -1,0 +1,200 @@
+"""fastpath.sample_tick's batched rows with touched tokens: logit bias and penalties
+before a top-k [top-p] [temperature] chain, for a whole tick at once.
+
+A row qualifies (`plan`) when, without a grammar, its chain's steps before the first
+truncation are only logit bias (no forced token) and penalties, and the rest is what
+``batch.topk_draw`` runs: top-k (1 < k <= batch.KMAX), then optionally top-p, then
+optionally a positive temperature; no nProbs, no trace. `tick` then does what
+``fastpath.sample`` does for such a row, for all of them together:
+
+- the touched tokens' raw values (NaN as -inf) get the prefix steps' own arithmetic, in
+  the chain's order, in float64, elementwise over the tick's touched tokens side by side
+  (``steps.logit_bias``: value + bias, a bias <= BAN removes the token;
+  ``steps.penalties``: a positive value divided by the repeat penalty, another
+  multiplied, then count * freq + present subtracted): the same operations on the same
+  operands as the host's, so the same bits;
+- the K best handed back are the raw row's (no grammar), so a touched token is among
+  them when its raw value lies above the K-th value, perhaps when it equals it (looked
+  up), never when below; the others keep their values, and the smallest of those is
+  the row's floor, as fastpath.sample takes it (every untouched token not handed back
+  is at most the K-th value, so at most the floor; not the K-th value itself, which may
+  be a touched token's);
+- top-k keeps exactly what it keeps over the whole row when its k values all lie above
+  the floor, that is when at least k values of the row's set do; else the row goes to
+  ``fastpath.sample``, which refuses it too (PAST_K, the stream untouched). Only the
+  values above the floor go on (untouched ones, touched ones not banned), to
+  ``batch.topk_draw``, the draw the host's batched rows use (top-k, top-p over the k,
+  temperature, the draw over them in id order).
+
+A row whose values were pre-selected for another plan (a touched set that misses a bias
+id or a token of the penalty window, another temperature), or whose K best hold -inf
+(fewer finite values than K), goes to ``fastpath.sample`` as well, which gives the reason
+or handles it. Every per-row quantity is computed from that row's values alone (the
+elementwise steps, searches and minima), so a row's answer does not depend on the other
+rows of its tick; ``topk_draw`` reduces each row of its [m, k] matrices on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import registry as R
+from .batch import KMAX, topk_draw
+from .chain import SequenceSampler, _steps_to_run
+from .steps import BAN, FORCE
+
+__all__ = ["plan", "tick"]
+
+_PREFIX = ("logit_bias", "penalties")
+_TAILS = ([], ["top_p"], ["temperature"], ["top_p", "temperature"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    if p.trace or p.n_probs:
+        return None
+    active, first = _steps_to_run(p, has_hist, n_vocab)
+    if not first:  # None (no truncation) or 0 (nothing before it: fastpath's own plans)
+        return None
+    prefix = tuple(st.name for st in active[:first])
+    tail = [st.name for st in active[first:]]
+    if any(name not in _PREFIX for name in prefix):
+        return None
+    if "logit_bias" in prefix and bool((p.bias_arrays[1] >= FORCE).any()):
+        return None  # forcing: only the forced tokens remain (fastpath.sample, per row)
+    if tail[0] != "top_k" or not 1 < p.top_k <= KMAX or tail[1:] not in _TAILS:
+        return None
+    if "temperature" in tail and p.temperature <= 0:
+        return None
+    return prefix, p.top_k, p.top_p if "top_p" in tail else None, p.temperature if "temperature" in tail else None
+
+
+R.on_change(_plan.cache_clear)
+
+
+def plan(s: SequenceSampler) -> tuple | None:
+    """(prefix step names, k, top_p or None, temperature or None) when the sequence's
+    row (without a grammar) can go through `tick`; None otherwise."""
+    p = s.params
+    return _plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+
+
+def _segments(row: np.ndarray, m: int) -> np.ndarray:
+    """Per row a < m, how many entries of ``row`` (row indices) are a."""
+    return np.bincount(row, minlength=m)
+
+
+def tick(samplers, pres, js: list[int], out: list, fallback) -> None:
+    """Fill ``out[j]`` for the rows js (each with a `plan`, no grammar): the answer, or
+    ``fallback(j)`` (``fastpath.sample``) where the values cannot decide in the batch."""
+    groups: dict = {}
+    for j in js:
+        s = samplers[j]
+        groups.setdefault((s.params, plan(s), s.n_vocab), []).append(j)
+    for (p, pl, V), g in groups.items():
+        _group(samplers, pres, g, p, pl, V, out, fallback)
+
+
+def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
+    prefix, k, top_p, temp = pl
+    m = len(js)
+    rows = np.arange(m)
+    ps = [pres[j] for j in js]
+    # the touched tokens of all rows side by side; keys row * V + id ascending
+    t_list = [pr.order.touched for pr in ps]
+    t_n = np.fromiter(map(len, t_list), np.intp, m)
+    t_ids = np.concatenate(t_list)
+    t_row = np.repeat(rows, t_n)
+    t_key = t_row * V + t_ids
+    raw = np.concatenate([pr.touched for pr in ps])
+    v = np.fmax(raw, -np.inf, dtype=np.float64)  # as candidates.gather
+    alive = np.ones(v.size, bool)
+    ok = np.fromiter((pr.order.inv_tau == 1.0 for pr in ps), bool, m)
+    for name in prefix:
+        if name == "logit_bias":  # steps.logit_bias
+            b_ids, bias = p.bias_arrays
+            at = np.searchsorted(b_ids, t_ids)
+            at[at == b_ids.size] = 0
+            hit = np.flatnonzero(b_ids[at] == t_ids)
+            ok &= _segments(t_row[hit], m) == b_ids.size  # every biased id was touched
+            b = bias[at[hit]]
+            v[hit] += b
+            alive[hit[b <= BAN]] = False
+        else:  # steps.penalties
+            wins = [samplers[j].penalty_window() for j in js]
+            h_n = np.fromiter((w[0].size for w in wins), np.intp, m)
+            h_key = np.repeat(rows * V, h_n) + np.concatenate([w[0] for w in wins])
+            counts = np.concatenate([w[1] for w in wins])
+            at = np.searchsorted(h_key, t_key)
+            at[at == h_key.size] = 0
+            hit = np.flatnonzero(h_key[at] == t_key) if h_key.size else np.empty(0, np.intp)
+            ok &= _segments(t_row[hit], m) == h_n  # every token of the window was touched
+            x = v[hit]
+            if p.penalty_repeat != 1.0:
+                x = np.where(x > 0, x / p.penalty_repeat, x * p.penalty_repeat)
+            v[hit] = x - (counts[at[hit]] * p.penalty_freq + p.penalty_present)
+    # The K best handed back. Without a grammar they are the raw row's, so a touched token
+    # is among them when its raw value lies above the K-th value, may be when it equals it
+    # (a tie: the graph picks), and is not when below: only the first two are looked up.
+    k_list = [pr.ids for pr in ps]
+    k_n = np.fromiter(map(len, k_list), np.intp, m)
+    k_ids = np.concatenate(k_list)
+    k_vals = np.concatenate([pr.vals for pr in ps])
+    k_row = np.repeat(rows, k_n)
+    ok &= k_n > 0
+    finite = np.isfinite(k_vals)
+    if not finite.all():  # -inf there: fewer allowed than K (or NaN)
+        ok &= _segments(k_row[~finite], m) == 0
+    k_start = np.cumsum(k_n) - k_n
+    kth = np.full(m, np.inf, np.float32)
+    some = k_n > 0
+    kth[some] = np.minimum.reduceat(k_vals, k_start[some])
+    t_kth = kth[t_row]
+    maybe = np.flatnonzero(raw >= t_kth)  # above it: in there; equal to it (a tie): look
+    t_in = t_key[maybe]  # sorted
+    k_key = k_row * V + k_ids
+    if t_in.size:
+        at = np.searchsorted(t_in, k_key)
+        at[at == t_in.size] = 0
+        k_touched = t_in[at] == k_key
+        found = np.zeros(t_key.size, bool)
+        found[maybe[at[k_touched]]] = True
+        ok &= _segments(t_row[(raw > t_kth) & ~found], m) == 0  # (the graph's values are the row's)
+    else:
+        k_touched = np.zeros(k_key.size, bool)
+    # the floor: the smallest untouched value handed back (inf: none, nothing is decided)
+    floor = np.full(m, np.inf)
+    floor[some] = np.minimum.reduceat(np.where(k_touched, np.float32(np.inf), k_vals), k_start[some])
+    # Top-k keeps its whole-row set when its k values all lie above the floor, that is when
+    # at least k values of the row's set do (else fastpath.sample refuses the row too:
+    # PAST_K). Only those values go on: the untouched K best above the floor, and the
+    # touched tokens above it that are not banned.
+    t_above = alive & (v > floor[t_row])
+    k_above = ~k_touched & (k_vals > floor[k_row])
+    ok &= _segments(k_row[k_above], m) + _segments(t_row[t_above], m) >= k
+    k_sel = k_above & ok[k_row]
+    t_sel = t_above & ok[t_row]
+    for j, g in zip(js, ok.tolist()):
+        if not g:
+            out[j] = fallback(j)
+    if not ok.any():
+        return
+    # the sets end to end, row by row (rows renumbered among those kept)
+    kr, tr = k_row[k_sel], t_row[t_sel]
+    nk, nt = _segments(kr, m), _segments(tr, m)
+    ends = np.cumsum(nk + nt)
+    start = ends - nk - nt
+    pos_k = start[kr] + np.arange(kr.size) - (np.cumsum(nk) - nk)[kr]
+    pos_t = (start + nk)[tr] + np.arange(tr.size) - (np.cumsum(nt) - nt)[tr]
+    a_ids = np.empty(int(ends[-1]), np.int32)
+    a_ids[pos_k] = k_ids[k_sel]
+    a_ids[pos_t] = t_ids[t_sel]
+    a_v = np.empty(a_ids.size, np.float64)
+    a_v[pos_k] = k_vals[k_sel]
+    a_v[pos_t] = v[t_sel]
+    renum = np.cumsum(ok) - 1
+    seq = np.repeat(renum[ok], (nk + nt)[ok])
+    topk_draw(samplers, [j for j, g in zip(js, ok.tolist()) if g], k, top_p, temp, None, out, fallback,
+              path="graph", flat=(floor[ok], seq, a_ids, a_v))
