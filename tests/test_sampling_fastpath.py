@@ -430,12 +430,23 @@ TICK_CHAINS = [
     dict(top_k=5, top_p=1.0, temperature=1.3, n_probs=3), dict(top_k=0, top_p=0.9, samplers=["top_p", "temperature"]),
     dict(top_k=0, top_p=0.5, temperature=0.8, samplers=["top_p", "temperature"]), dict(top_k=8, n_probs=5),
     dict(min_p=0.05, top_k=0),
+    # dense draws (fastpath_dense), with and without nProbs; the bench's top-p-only and nProbs chains
+    dict(top_k=0, top_p=1.0, temperature=0.9), dict(top_k=0, top_p=1.0, temperature=1.0, n_probs=4),
+    dict(top_k=0, top_p=0.95), dict(n_probs=5),
 ]
 
 
 @settings(max_examples=60)
+# several dense draws in one tick (rows with -inf regions: blocks without mass), one of
+# them with nProbs
+@example(V=5001, row_seed=7, specs=[(9, "synthetic", 1, 64), (9, "neg_inf", 2, 64), (10, "flat", 3, 16),
+                                    (9, "ties", 4, 9), (10, "neg_inf", 5, 64)])
+# top-p-only rows (nuclei past K 9 and 16: PAST_K) and the default chain with nProbs 5
+@example(V=3000, row_seed=11, specs=[(11, "flat", 1, 9), (11, "synthetic", 2, 64), (12, "ties", 3, 6),
+                                     (12, "synthetic", 4, 64), (11, "synthetic", 5, 16), (12, "flat", 6, 16)])
 @given(V=st.sampled_from([3000, 5001]), row_seed=st.integers(0, 2**32 - 1),
-       specs=st.lists(st.tuples(st.sampled_from(range(len(TICK_CHAINS))), st.sampled_from(["synthetic", "ties", "flat"]),
+       specs=st.lists(st.tuples(st.sampled_from(range(len(TICK_CHAINS))),
+                                st.sampled_from(["synthetic", "ties", "flat", "neg_inf"]),
                                 st.integers(0, 2**32), st.sampled_from([6, 9, 16, F.K_MIN])), min_size=2, max_size=8))
 def test_a_tick_of_several_sequences_is_each_ones_host_path(V, row_seed, specs):
     """fastpath.sample_tick over several sequences at once (its batched plans stack rows
@@ -448,7 +459,10 @@ def test_a_tick_of_several_sequences_is_each_ones_host_path(V, row_seed, specs):
     host = [SequenceSampler(p, V) for p in params]
     us = [h.peek() for h in host]
     pres = [reference(row, F.order(f, None, k)) for f, row, (_, _, _, k) in zip(fast, rows, specs)]
+    alone = [SequenceSampler(p, V) for p in params]  # each row alone in a tick: the same result
     got = F.sample_tick(fast, pres, [None] * len(fast))
+    for a, pre, g in zip(alone, pres, got):
+        assert repr(F.sample_tick([a], [pre], [None])[0]) == repr(g)
     for g, f, h, row, p, u in zip(got, fast, host, rows, params, us):
         want = h.sample(row)
         if isinstance(g, str):
@@ -459,6 +473,106 @@ def test_a_tick_of_several_sequences_is_each_ones_host_path(V, row_seed, specs):
             if check_answer(g, want, row, p, None, _NO_HIST, u) != "same":
                 TALLY["near"] += 1
         assert f.peek() == h.peek()
+
+
+def test_a_tick_of_dense_draws_is_each_rows_own_draw():
+    """fastpath_dense.dense_tick against fastpath.sample (its per-row _dense) bit for bit,
+    over one tick of many rows: rows whose draw lands in a block without mass (-inf
+    regions), whose blocks handed back miss the draw (a reason, nothing drawn), with and
+    without nProbs, float32 masses as Presampler.read hands them back, and vocabularies
+    that are not a multiple of BLOCK."""
+    for V in (3 * BLOCK + 5, 8 * BLOCK):
+        rng = np.random.default_rng(V)
+        params, pres, rows = [], [], []
+        for i in range(24):
+            p = SamplerParams(top_k=0, top_p=1.0, temperature=(0.9, 1.0, 2.5)[i % 3], n_probs=(0, 0, 3)[i % 3 - 1],
+                              seed=i)
+            row = make_row(rng, V, ("synthetic", "neg_inf", "flat", "ties")[i % 4]).copy()
+            if i % 5 == 0:
+                row[: 2 * BLOCK] = -np.inf  # the first blocks without mass
+            pre = reference(row, F.order(SequenceSampler(p, V), None))
+            pre = dataclasses.replace(pre, blocks=pre.blocks.astype(np.float32),
+                                      dense={b: c.astype(np.float32) for b, c in pre.dense.items()})
+            if i % 7 == 3:  # the graph's blocks around the draw, moved: the draw lands outside
+                pre = dataclasses.replace(pre, dense={b + 2: c for b, c in pre.dense.items()})
+            if i % 6 == 5:  # block masses above their tokens' sum: draws past a block's end (to
+                # its last token with mass), and no longer the host's draw (not compared with it)
+                pre = dataclasses.replace(pre, blocks=pre.blocks * np.float32(1.5))
+            params.append(p), pres.append(pre), rows.append(row)
+        tick = [SequenceSampler(p, V) for p in params]
+        got = F.sample_tick(tick, pres, [None] * len(tick))
+        reasons = 0
+        for i, (p, pre, row, g, t) in enumerate(zip(params, pres, rows, got, tick)):
+            one = SequenceSampler(p, V)
+            want = F.sample(one, pre, None)
+            assert repr(g) == repr(want)
+            assert t.peek() == one.peek()
+            if isinstance(g, str):
+                reasons += 1
+                assert t.peek() == SequenceSampler(p, V).peek()  # nothing drawn
+            else:
+                assert g.path == "graph"
+                if i % 6 != 5:
+                    u = SequenceSampler(p, V).peek()
+                    check_answer(g, SequenceSampler(p, V).sample(row), row, p, None, _NO_HIST, u)
+        assert 0 < reasons < len(got) // 2
+
+
+def test_a_dense_row_whose_stream_moved_since_its_order_is_decided_alone():
+    """dense_tick draws with the uniform order() peeked and checks the row's draw gives
+    it back: when the stream moved between the order and the tick (a stale order), the
+    draw is taken back (a buffered 32-bit half included) and the row gets what
+    fastpath.sample gives on the moved stream, whatever the other rows."""
+    V = 6 * BLOCK
+    rng = np.random.default_rng(12)
+    p = SamplerParams(top_k=0, top_p=1.0, temperature=0.8, seed=4)
+    for moved in range(6):
+        rows = [make_row(rng, V, "flat") for _ in range(3)]
+        tick = [SequenceSampler(p.replace(seed=4 + i), V) for i in range(3)]
+        pres = [reference(r, F.order(t, None)) for r, t in zip(rows, tick)]
+        alone = SequenceSampler(p.replace(seed=5), V)
+        for t in (tick[1], alone):
+            for _ in range(moved // 2):
+                t.draw()
+            if moved % 2:  # a buffered 32-bit half in the generator (its stream moves too)
+                t._rng.integers(0, 10, dtype=np.int32)
+        got = F.sample_tick(tick, pres, [None] * 3)
+        want = F.sample(alone, pres[1], None)
+        assert repr(got[1]) == repr(want)
+        assert tick[1]._rng.bit_generator.state == alone._rng.bit_generator.state
+        assert not isinstance(got[0], str) and not isinstance(got[2], str)
+        if moved == 0:  # not stale: the batched draw's answer
+            assert not isinstance(got[1], str) and got[1].path == "graph"
+
+
+def test_the_batched_orders_are_lexsorts():
+    """batch._canonical (the canonical order per row by one uint64 key, or two stable
+    sorts) is np.lexsort((ids, -v)) per row: ties, -inf, -0.0 next to 0.0, and values
+    that are not float32 (the stable sorts)."""
+    from clickpaca.sampling.batch import _canonical
+    rng = np.random.default_rng(5)
+    for f32 in (True, False):
+        v = np.round(rng.standard_normal((40, 70)) * 2) / 2
+        v[rng.random(v.shape) < 0.1] = -np.inf
+        v[rng.random(v.shape) < 0.05] = -0.0
+        v[rng.random(v.shape) < 0.05] = 0.0
+        if not f32:
+            v = v + 1e-12 * rng.standard_normal(v.shape)  # not float32: two stable sorts
+        ids = np.stack([rng.permutation(262144)[:70] for _ in range(40)]).astype(np.int32)
+        got = _canonical(ids, v)
+        for r in range(40):
+            assert got[r].tolist() == np.lexsort((ids[r], -v[r])).tolist()
+        # rows already canonical (as the pre-selection hands them back) are only checked;
+        # one tie with its ids the wrong way round among them has them sorted
+        o = np.lexsort((ids, -v), axis=1)
+        ids_c, v_c = np.take_along_axis(ids, o, 1), np.take_along_axis(v, o, 1)
+        assert _canonical(ids_c, v_c) is None  # nothing to sort
+        r, c = next((r, c) for r in range(40) for c in range(69) if v_c[r, c] == v_c[r, c + 1])
+        ids_c[r, [c, c + 1]] = ids_c[r, [c + 1, c]]
+        got = _canonical(ids_c, v_c)
+        assert got[r].tolist() == np.lexsort((ids_c[r], -v_c[r])).tolist() != list(range(70))
+        assert all(got[x].tolist() == list(range(70)) for x in range(40) if x != r)
+        assert _canonical(ids_c[:1], v_c[:1]) is None or r == 0
 
 
 @st.composite

@@ -227,9 +227,38 @@ def _k_first(seq: np.ndarray, ids: np.ndarray, v: np.ndarray, m: int, k: int):
     return ii[keep].reshape(m, k), vv[keep].reshape(m, k), counts
 
 
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """np.take_along_axis(a, idx, 1) for [m, n] a and [m, k] idx, through one flat take."""
+    a = np.ascontiguousarray(a)
+    return np.take(a.reshape(-1), idx + (np.arange(a.shape[0]) * a.shape[1])[:, None])
+
+
+def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
+    """Per row of [m, n] (ids distinct within a row, v float64 without NaN), the
+    positions in canonical order: value descending, id ascending (``steps.canonical_order``;
+    what a lexsort((ids, -v)) gives). Values that are float32 (a logits row's) sort as one
+    uint64 key per entry, the value's order-preserving bits above the id: one sort with
+    distinct keys, whatever the sort's stability; other values by two stable sorts.
+    Rows already in canonical order (the pre-selection hands its K best back so:
+    presample's _own_best and reference) are checked, not sorted: None then."""
+    m, n = v.shape
+    if n > 1:
+        a, b = v[:, :-1], v[:, 1:]
+        if ((a > b) | ((a == b) & (ids[:, :-1] < ids[:, 1:]))).all():
+            return None
+    f = v.astype(np.float32)
+    if ids.size and (f == v).all() and ids.min() >= 0 and ids.max() < 2**32:
+        bits = (-f + np.float32(0.0)).view(np.uint32)  # + 0.0: -0.0 sorts as 0.0 (they are equal)
+        bits = bits ^ np.where(bits >> 31, np.uint32(0xFFFFFFFF), np.uint32(0x80000000))
+        return np.argsort((bits.astype(np.uint64) << np.uint64(32)) | ids.astype(np.uint64), axis=1)
+    by_id = np.argsort(ids, axis=1, kind="stable")
+    return np.take_along_axis(by_id, np.argsort(-np.take_along_axis(v, by_id, 1), axis=1, kind="stable"), 1)
+
+
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
-              n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None) -> None:
+              n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None,
+              past=None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -237,11 +266,15 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     chains pass ``rest`` (per row, the mass exp(v - max) of the tokens outside the
     candidates, which top-p's total includes) and ``floor`` (per row, a value every
     token outside is at most): a row whose top-p keeps a value not above it gets
-    ``fallback(j)`` too; with ``n_probs`` (at most k) and ``raw_lse`` (per row, the raw
-    row's log-normaliser) the results carry the log-probabilities, as
+    ``past(j)`` (default ``fallback(j)``); with ``n_probs`` (at most k) and ``raw_lse``
+    (per row, the raw row's log-normaliser) the results carry the log-probabilities, as
     ``SequenceSampler.sample`` computes them from the same candidates. ``flat`` (with
     ``parts`` None): the parts laid end to end, (t per row, row of each candidate in
-    ascending order, ids, float64 values without NaN)."""
+    ascending order, ids, float64 values without NaN).
+
+    Every reduction runs along a row of a C-contiguous [m, .] matrix (numpy reduces it as
+    the 1-D row) and every order is a row's own, so a row's result does not depend on
+    the other rows; the per-row Python is the draw and the result."""
     m = len(js)
     if flat is not None:
         thr, seq, ids, v = flat
@@ -257,24 +290,29 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     if v is None:
         v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
     # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
-    top_ids, top_v, counts = _k_first(seq, ids, v, m, k)
-    o = np.argsort(top_ids, axis=1)  # the per-sequence set after top-k is in id order
-    top_ids = np.take_along_axis(top_ids, o, 1).astype(np.int32)
-    top_v = np.take_along_axis(top_v, o, 1)
+    can_ids, can_v, counts = _k_first(seq, ids, v, m, k)
+    if n_probs or (top_p is not None and top_p < 1.0):  # in canonical order (cut and n best by rank)
+        canon = _canonical(can_ids, can_v)  # None: already (the pre-selection's rows come so)
+        if canon is not None:
+            can_ids, can_v = _take(can_ids, canon), _take(can_v, canon)
+    o = np.argsort(can_ids, axis=1)  # the per-sequence set after top-k is in id order
+    top_ids = _take(can_ids, o).astype(np.int32)
+    top_v = _take(can_v, o)  # the id-ordered entry p has canonical rank o[p] (when can_* are canonical)
     vmax = top_v.max(axis=1)
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)
-    corder = np.lexsort((top_ids, -top_v), axis=1) if n_probs or (top_p is not None and top_p < 1.0) else None
+    cut = np.full(m, k - 1)  # the last canonical rank kept
     if top_p is not None and top_p < 1.0:
         with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
             e = np.exp(top_v - vmax[:, None])
+            e_can = np.exp(can_v - vmax[:, None])  # the same values in canonical order
         target = top_p * (np.add.reduce(e, axis=1) + (0.0 if rest is None else rest))
-        cum = np.add.accumulate(np.take_along_axis(e, corder, 1), axis=1)
+        cum = np.add.accumulate(e_can, axis=1)
         cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
-        keep = np.zeros((m, k), bool)
-        np.put_along_axis(keep, corder, np.arange(k)[None, :] <= cut[:, None], 1)
+        keep = o <= cut[:, None]
+    past_k = np.zeros(m, bool)
     if floor is not None:  # what top-p keeps must lie above every token left out
-        bad = bad | ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
+        past_k = ~bad & ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
     lg = np.where(keep, top_v, _NEG_INF)
     if temp is not None:
         with np.errstate(over="ignore"):
@@ -285,33 +323,40 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     c = np.add.accumulate(e, axis=1)
     last = k - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last kept position (id order)
     size = keep.sum(axis=1)
-    skip = (bad | ~(lmax < np.inf)).tolist()
-    u = np.zeros(m)
-    for a, j in enumerate(js):  # the draws first (a row sent per sequence takes none)
-        if skip[a]:
-            out[j] = fallback(j)
-        else:
-            u[a] = samplers[j].draw()
+    good = ~bad & ~past_k & (lmax < np.inf)
+    for a in np.flatnonzero(~good).tolist():  # a row sent per sequence takes no draw
+        out[js[a]] = past(js[a]) if past is not None and past_k[a] else fallback(js[a])
+    g = np.flatnonzero(good)
+    if not g.size:
+        return
+    gl = g.tolist()
+    u = np.fromiter((samplers[js[a]].draw() for a in gl), np.float64, g.size)
+    cg = c[g]
     # each row's np.searchsorted(c[a], u * c[a, -1], side="right"): c never decreases
-    with np.errstate(invalid="ignore"):
-        jj = (c <= (u * c[:, -1])[:, None]).sum(axis=1)
-    toks = top_ids[np.arange(m), np.where(size == 1, last, np.minimum(jj, last))].tolist()
-    sizes = size.tolist()
-    for a, j in enumerate(js):
-        if skip[a]:
-            continue
-        tok = toks[a]
-        if not n_probs:
-            out[j] = SampleResult(tok, n_candidates=sizes[a], path=path)
-            continue
-        # log-probabilities: raw over the row (its top n are the k's first n, canonical),
-        # steered over the kept set (a canonical prefix: temperature keeps the order)
-        pos = int(np.searchsorted(top_ids[a], tok))
-        lse_st = float(lmax[a]) + math.log(float(c[a, -1]))
-        lse = float(raw_lse[a])
-        first = corder[a, :n_probs]
-        top = tuple((int(top_ids[a, i]), float(top_v[a, i]) - lse) for i in first)
-        st = tuple((int(top_ids[a, i]), float(lg[a, i]) - lse_st) for i in first[:int(size[a])]
-                   if lg[a, i] > _NEG_INF)
-        out[j] = SampleResult(tok, False, None, int(size[a]), float(top_v[a, pos]) - lse, top,
-                              float(lg[a, pos]) - lse_st, st, path=path)
+    jj = (cg <= (u * cg[:, -1])[:, None]).sum(axis=1)
+    pos = np.where(size[g] == 1, last[g], np.minimum(jj, last[g]))
+    tok = top_ids[g, pos]
+    if not n_probs:
+        for a, t, sz in zip(gl, tok.tolist(), size[g].tolist()):
+            out[js[a]] = SampleResult(t, n_candidates=sz, path=path)
+        return
+    # log-probabilities: raw over the row (its top n are the k's first n, canonical),
+    # steered over the kept set (a canonical prefix: temperature keeps the order)
+    lse = raw_lse[g]
+    lse_st = np.array([lm + math.log(cl) for lm, cl in zip(lmax[g].tolist(), c[g, -1].tolist())])
+    # the n first in canonical order: the canonical matrices' first columns (lg's values there)
+    can_v = can_v[g, :n_probs]
+    f_ids = can_ids[g, :n_probs].tolist()
+    f_raw = (can_v - lse[:, None]).tolist()
+    f_lg = np.where(np.arange(can_v.shape[1])[None, :] <= cut[g][:, None], can_v, _NEG_INF)
+    if temp is not None:
+        with np.errstate(over="ignore"):
+            f_lg = f_lg / temp
+    f_st = (f_lg - lse_st[:, None]).tolist()
+    f_in = ((np.arange(can_v.shape[1])[None, :] < size[g][:, None]) & (f_lg > _NEG_INF)).tolist()
+    lp = (top_v[g, pos] - lse).tolist()
+    lp_st = (lg[g, pos] - lse_st).tolist()
+    for x, (a, t, sz) in enumerate(zip(gl, tok.tolist(), size[g].tolist())):
+        top = tuple(zip(f_ids[x], f_raw[x]))
+        st = tuple((i, v) for i, v, ok in zip(f_ids[x], f_st[x], f_in[x]) if ok)
+        out[js[a]] = SampleResult(t, False, None, sz, lp[x], top, lp_st[x], st, path=path)

@@ -42,6 +42,7 @@ from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
+from .fastpath_dense import dense_key, dense_tick
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
@@ -357,8 +358,8 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
 
 
 def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
-    """A draw over every allowed token (no truncation, nothing touched)."""
-    p = s.params
+    """A draw over every allowed token (no truncation, nothing touched; many rows at
+    once: fastpath_dense.dense_tick, which must stay this bit for bit)."""
     blocks = pre.blocks.astype(np.float64)
     cb = np.add.accumulate(blocks)
     total = float(cb[-1])
@@ -377,7 +378,15 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
     j = int(np.searchsorted(within, target, side="right"))
     if j >= chunk.size:
         j = int(np.flatnonzero(chunk > 0)[-1])
-    tok = b * BLOCK + j
+    return _dense_result(s, pre, b * BLOCK + j, float(chunk[j]), total, n_allowed)
+
+
+def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, total: float,
+                  n_allowed: int) -> SampleResult | str:
+    """A dense draw's result for token tok (its mass m in its block, the blocks' total):
+    the uniform taken, and the log-probabilities with nProbs (or why they cannot be had,
+    nothing drawn)."""
+    p = s.params
     if p.n_probs <= 0:
         s.draw()
         return SampleResult(tok, n_candidates=n_allowed, path="graph")
@@ -388,7 +397,6 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
         x_tok = float(pre.vals[hit[0]])
         steered = (x_tok - pre.top) * inv - log_total
     else:  # from its mass: exp((x - top) * inv) in float32, ~1e-7 relative
-        m = float(chunk[j])
         steered = math.log(m) - log_total
         x_tok = pre.top + math.log(m) / inv
     ids, vals = pre.ids, pre.vals
@@ -420,14 +428,21 @@ def _nucleus_plan(s: SequenceSampler) -> tuple | None:
     p = s.params
     if p.trace or p.n_probs:
         return None
-    has_hist = p.penalties_active and s.penalty_window()[0].size > 0
-    active, first = _steps_to_run(p, has_hist, s.n_vocab)
+    return _nucleus_plan_of(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+
+
+@functools.lru_cache(maxsize=1024)
+def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    active, first = _steps_to_run(p, has_hist, n_vocab)
     names = [st.name for st in active]
     if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
         return None
     if "temperature" in names and p.temperature <= 0:
         return None
     return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
+
+
+R.on_change(_nucleus_plan_of.cache_clear)
 
 
 def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
@@ -444,28 +459,42 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
         return
     vals = vals[ok]
     top = np.array([pres[j].top for j in js])
-    total = np.array([float(np.add.reduce(pres[j].blocks, dtype=np.float64)) for j in js])
+    # per row as float(np.add.reduce(blocks, dtype=np.float64)): a row of a C-contiguous matrix
+    total = np.add.reduce(np.stack([pres[j].blocks for j in js]), axis=1, dtype=np.float64)
     inside = np.add.reduce(np.exp(vals.astype(np.float64) - top[:, None]), axis=1)
     rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
     floor = vals.min(axis=1).astype(np.float64)
-    parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
-    topk_draw(samplers, js, K, top_p, temp, parts, out, lambda j: sample(samplers[j], pres[j], None),
-              path="graph", rest=rest, floor=floor)
+    # a nucleus reaching the floor: PAST_K at once (sample() would redo it all to say so)
+    topk_draw(samplers, js, K, top_p, temp, None, out, lambda j: sample(samplers[j], pres[j], None),
+              path="graph", rest=rest, floor=floor, past=lambda j: PAST_K,
+              flat=_stacked(floor, [pres[j].ids for j in js], vals))
+
+
+def _stacked(t: np.ndarray, ids: list[np.ndarray], vals: np.ndarray) -> tuple:
+    """topk_draw's ``flat`` for rows of one K: (t, row of each candidate, ids, float64
+    values, NaN as -inf as candidates.gather takes them), the rows' K best in their order."""
+    m, K = vals.shape
+    return (t, np.repeat(np.arange(m), K), np.concatenate(ids),
+            np.fmax(vals, -np.inf, dtype=np.float64).reshape(-1))
 
 
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | str]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
     greedy and top-k chains on [m, K] matrices at once (``batch.batch_plan``'s two
-    plans, the same arithmetic as the host path's batched rows): a reason string where
-    the values cannot decide, as ``sample`` gives."""
+    plans, the same arithmetic as the host path's batched rows), the top-p-first ones
+    (`_nucleus_tick`) and the draws over the whole vocabulary (fastpath_dense) too: a
+    reason string where the values cannot decide, as ``sample`` gives (a nucleus that
+    reaches the K-th value: PAST_K). Every row's result is what it gets alone in a tick
+    (no reduction crosses rows)."""
     out: list = [None] * len(samplers)
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
-    greedies, topk, rest, touched = {}, {}, [], []
+    greedies, topk, dense, rest, touched = {}, {}, {}, [], []
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         p = s.params
         plan = None
-        if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
+        # (a sum of the masses is finite only when every one is: one pass, not two)
+        if not (math.isfinite(pre.top) and (pre.blocks is None or math.isfinite(np.add.reduce(pre.blocks)))):
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
         # a grammar's mask is in the values already (the graph applied it): with all K
@@ -485,6 +514,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             plan = _nucleus_plan(s)
         if plan is None and mask is None and pre.order.touched.size and T.plan(s) is not None:
             touched.append(j)  # bias / penalties, then top-k [top-p] [temperature]
+        elif plan is None and mask is None and (key := dense_key(s, pre)) is not None:
+            dense.setdefault(key, []).append(j)  # a draw over the whole vocabulary: fastpath_dense
         elif plan is None:
             rest.append(j)
         elif plan[0] == "greedy":
@@ -516,20 +547,25 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         floor = vals.min(axis=1)
         # the k kept lie strictly above everything left out (<= the K-th value)
         fine = (np.partition(vals, K - k, axis=1)[:, K - k] > floor).tolist() if k < K else [False] * len(js)
-        parts = [(float(floor[a]), pres[j].ids, vals[a]) for a, j in enumerate(js)]
         ok_js = [j for j, f in zip(js, fine) if f]
         for j, f in zip(js, fine):
             if not f:
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
-            ok_parts = [pt for pt, f in zip(parts, fine) if f]
-            raw_lse = np.array([pres[j].top + math.log(float(np.add.reduce(pres[j].blocks, dtype=np.float64)))
-                                for j in ok_js]) if n_probs else None
-            topk_draw(samplers, ok_js, k, top_p, temp, ok_parts, out,
+            sel = np.flatnonzero(fine)
+            flat = _stacked(floor[sel], [pres[j].ids for j in ok_js], vals[sel])
+            raw_lse = None
+            if n_probs:  # per row top + log(float(np.add.reduce(blocks, dtype=np.float64)))
+                mass = np.add.reduce(np.stack([pres[j].blocks for j in ok_js]), axis=1, dtype=np.float64)
+                raw_lse = np.array([pres[j].top + math.log(z) for j, z in zip(ok_js, mass.tolist())])
+            topk_draw(samplers, ok_js, k, top_p, temp, None, out,
                       lambda j: sample(samplers[j], pres[j], None), path="graph", n_probs=n_probs,
-                      raw_lse=raw_lse)
+                      raw_lse=raw_lse, flat=flat)
     if touched:
         T.tick(samplers, pres, touched, out, lambda j: sample(samplers[j], pres[j], None))
+    for js in dense.values():
+        dense_tick(samplers, pres, js, out, lambda j: sample(samplers[j], pres[j], None),
+                   lambda j, tok, m, total: _dense_result(samplers[j], pres[j], tok, m, total, samplers[j].n_vocab))
     for j in rest:
         out[j] = sample(samplers[j], pres[j], masks[j])
     return out

@@ -1,0 +1,141 @@
+"""Dense draws (no truncation: a draw over the whole vocabulary) of a tick's
+pre-selected rows at once, for ``fastpath.sample_tick``.
+
+``fastpath._dense`` draws one row: the float64 cumulative block masses, the block where
+u x total lands (the last one with mass at or before it), then the cumulative masses of
+that block (handed back by the graph: ``Preselected.dense``) offset by the mass before
+it. `dense_tick` does the same on [m, n_blocks] and [m, BLOCK] matrices, with the same
+float64 operations in the same order per row: ``np.add.accumulate`` along a row is the
+1-D accumulate (sequential), a right-sided searchsorted on a non-decreasing row is the
+count of entries <= the target, and the offset is added after the accumulate as there.
+So every row's token is bit for bit ``_dense``'s, and does not depend on the other rows
+of the tick (no reduction crosses rows). The uniform is the one ``order`` peeked (in
+the order: the graph chose the blocks around it); the row's ``draw`` once the token is
+certain must give it back, else (the stream moved since the order) the draw is taken
+back and the row goes to ``fastpath.sample``. What stays per row: that draw, the dict
+lookup of the block handed back, the result, and, with nProbs, ``fastpath._dense_result``
+(the log-probabilities).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import registry as R
+from .chain import SampleResult, SequenceSampler, _steps_to_run
+from .table import TEMPERATURE
+from ..llama.presample import BLOCK
+
+__all__ = ["dense_key", "dense_plan", "dense_tick"]
+
+
+@functools.lru_cache(maxsize=1024)
+def dense_plan(p, has_hist: bool, n_vocab: int) -> float | None:
+    """The temperature (1.0 when none applies) of a chain that draws over the whole
+    vocabulary without a grammar: no truncation, every active step pre-selectable and
+    touching nothing (no bias, no penalties), no trace; None otherwise."""
+    if p.trace:
+        return None
+    active, first = _steps_to_run(p, has_hist, n_vocab)
+    if first is not None or any(not st.preselected or st.touches is not None for st in active):
+        return None
+    return p.temperature if TEMPERATURE in active else 1.0
+
+
+R.on_change(dense_plan.cache_clear)
+
+
+def dense_key(s: SequenceSampler, pre) -> int | None:
+    """The group (the blocks' length) of a row without a grammar that `dense_tick` can
+    take, or None (``fastpath.sample`` decides it, or says why not)."""
+    if pre.order.touched.size or pre.blocks is None or pre.dense is None:
+        return None
+    p = s.params
+    tau = dense_plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+    if tau is None or 1.0 / tau != pre.order.inv_tau:  # else: pre-selected for another plan
+        return None
+    return pre.blocks.size
+
+
+def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: list, fallback,
+               finish) -> None:
+    """The dense draw of rows js (``dense_plan`` said yes, the order's temperature is the
+    chain's, nothing touched, no grammar, finite top and blocks, blocks of one length).
+    A row the matrices cannot decide (no mass, a draw outside the blocks handed back)
+    gets ``fallback(j)`` (``fastpath.sample``: the reason, nothing drawn); a row with
+    nProbs gets ``finish(j, tok, mass, total)`` (``fastpath._dense_result``); the others
+    draw their uniform and get the token."""
+    # float64 copies of float32 values (exact), as _dense's astype (concatenate: cheaper than stack)
+    blocks = np.concatenate([pres[j].blocks for j in js], dtype=np.float64).reshape(len(js), -1)
+    cb = np.add.accumulate(blocks, axis=1)
+    total = cb[:, -1]
+    # the host's walk assumes masses >= 0 (a non-decreasing cumulative sum): else per row
+    ok = (total > 0) & (blocks >= 0).all(axis=1) & np.fromiter(
+        (pres[j].dense is not None and pres[j].order.u is not None for j in js), bool, len(js))
+    for a in np.flatnonzero(~ok).tolist():
+        out[js[a]] = fallback(js[a])
+    g = np.flatnonzero(ok)
+    if not g.size:
+        return
+    gl = [js[a] for a in g.tolist()]
+    blocks, cb, total = blocks[g], cb[g], total[g]
+    m, nb = blocks.shape
+    rows = np.arange(m)
+    # the uniform order() peeked (the graph's blocks around the draw are for it); the
+    # stream is checked at the end (a draw that is not it is taken back: _undraw)
+    u = np.fromiter((pres[j].order.u for j in gl), np.float64, m)
+    target = u * total
+    b = np.minimum((cb <= target[:, None]).sum(axis=1), nb - 1)  # searchsorted(cb, target, "right")
+    if not (blocks[rows, b] > 0).all():  # back to the last block with mass (the host's while blocks[b] <= 0)
+        b = np.maximum.accumulate(np.where(blocks > 0, np.arange(nb), -1), axis=1)[rows, b]
+    chunks = [pres[j].dense.get(bb) for j, bb in zip(gl, b.tolist())]
+    have = np.fromiter((c is not None and c.size == BLOCK for c in chunks), bool, m)
+    if not have.all():
+        for x in np.flatnonzero(~have).tolist():
+            out[gl[x]] = fallback(gl[x])
+        keep = np.flatnonzero(have)
+        if not keep.size:
+            return
+        gl = [gl[x] for x in keep.tolist()]
+        chunks = [chunks[x] for x in keep.tolist()]
+        b, target, total, cb = b[keep], target[keep], total[keep], cb[keep]
+        m = len(gl)
+        rows = np.arange(m)
+    # in place: the float64 copy becomes the cumulative masses, then offset by the mass before
+    within = np.concatenate(chunks, dtype=np.float64).reshape(m, BLOCK)
+    np.add.accumulate(within, axis=1, out=within)
+    within += np.where(b > 0, cb[rows, b - 1], 0.0)[:, None]
+    j = (within <= target[:, None]).sum(axis=1).tolist()  # searchsorted(within, target, "right")
+    lost = [False] * m
+    for x in range(m):
+        if j[x] >= BLOCK:  # past the block's last mass: its last token with mass
+            has = np.flatnonzero(chunks[x] > 0)
+            lost[x] = not has.size  # no mass in the block (the host's walk fails on it)
+            j[x] = int(has[-1]) if has.size else 0
+    tok = [bb * BLOCK + jj for bb, jj in zip(b.tolist(), j)]
+    mass = [float(c[jj]) for c, jj in zip(chunks, j)]
+    tot = total.tolist()
+    for x, (jj, t) in enumerate(zip(gl, tok)):
+        s = samplers[jj]
+        if lost[x]:
+            out[jj] = fallback(jj)
+        elif s.params.n_probs > 0:  # finish draws only once the log-probabilities are had
+            out[jj] = finish(jj, t, mass[x], tot[x]) if s.peek() == pres[jj].order.u else fallback(jj)
+        elif s.draw() == pres[jj].order.u:
+            out[jj] = SampleResult(t, n_candidates=s.n_vocab, path="graph")
+        else:  # the stream moved since order(): taken back, and the row decided alone
+            _undraw(s)
+            out[jj] = fallback(jj)
+
+
+def _undraw(s: SequenceSampler) -> None:
+    """Take back the uniform ``s.draw()`` just took (its generator one step back; a
+    buffered 32-bit half, which a double's draw leaves alone, kept as it was)."""
+    bg = s._rng.bit_generator
+    st = bg.state
+    bg.advance(-1)
+    back = bg.state
+    back["has_uint32"], back["uinteger"] = st["has_uint32"], st["uinteger"]
+    bg.state = back
