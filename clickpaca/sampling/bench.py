@@ -79,8 +79,10 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
 
     best, missed = float("inf"), 0
     ks = [fastpath.K_MIN] * TICK_ROWS  # each sequence's K, doubled after a miss as the engine does
+    # each sequence its own seed, as requests have (a tick must batch them all the same)
+    own = [s.params.replace(seed=(s.params.seed or 0) + i) for i in range(TICK_ROWS)]
     for _ in range(rounds + 1):  # the first round warms up (and lets K adapt)
-        forks = [s.fork() for _ in range(TICK_ROWS)]
+        forks = [SequenceSampler(p, s.n_vocab, list(s.history)) for p in own]
         t0 = time.thread_time_ns()
         orders = [fastpath.order(f, mask, k) for f, k in zip(forks, ks)]
         t_order = time.thread_time_ns() - t0

@@ -92,9 +92,10 @@ def tick(samplers, pres, js: list[int], out: list, fallback) -> None:
     groups: dict = {}
     for j in js:
         s = samplers[j]
-        groups.setdefault((s.params, plan(s), s.n_vocab), []).append(j)
-    for (p, pl, V), g in groups.items():
-        _group(samplers, pres, g, p, pl, V, out, fallback)
+        # by everything but the seed: sequences of one chain with their own seeds batch together
+        groups.setdefault((s.params.chain_key, plan(s), s.n_vocab), []).append(j)
+    for (_, pl, V), g in groups.items():
+        _group(samplers, pres, g, samplers[g[0]].params, pl, V, out, fallback)
 
 
 def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:

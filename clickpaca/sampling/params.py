@@ -123,6 +123,12 @@ class SamplerParams:
         """Steps after the grammar, in order (the grammar is handled separately)."""
         return tuple(x for x in self.samplers if x != "grammar")
 
+    @cached_property
+    def chain_key(self) -> tuple:
+        """Every parameter but the seed: what makes two sequences' chains compute alike
+        (their random streams are their own), so a tick batches them together."""
+        return tuple(v for p, v in zip(_tables()[0], self._key) if p.field != "seed")
+
     @property
     def penalties_active(self) -> bool:
         """Whether the penalties step can change anything (else it is skipped)."""
