@@ -183,8 +183,8 @@ class Store:
                 problem = self.conn.execute("PRAGMA quick_check").fetchone()[0]
                 if problem != "ok":
                     raise sqlite3.DatabaseError(f"integrity check: {problem}")
-            self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA busy_timeout=60000")
+            _set_wal(self.conn)
             self.conn.execute("PRAGMA foreign_keys=ON")
             if version < SCHEMA_VERSION:
                 migrate(self.conn)
@@ -197,6 +197,7 @@ class Store:
 
     def close(self) -> None:
         self.conn.close()
+
 
     def __enter__(self) -> Store:
         return self
@@ -344,3 +345,19 @@ class Store:
             alive = same_host and _pid_alive(rec.get("pid"), rec.get("proc_start"))
             rec["status"] = "running" if alive else "incomplete"
         return rec
+
+
+def _set_wal(conn: sqlite3.Connection, wait_s: float = 60.0) -> None:
+    """WAL mode. Switching a new file to it while another process does the same can answer
+    "database is locked" at once (the busy timeout does not cover it): retry for a while."""
+    import time
+
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > end:
+                raise
+            time.sleep(0.05)
