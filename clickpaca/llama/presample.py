@@ -37,8 +37,8 @@ Graph reuse stays on. llama.cpp reuses the last graph when the micro-batch has t
 shape and the samplers are the same objects; our ops' shape follows the tick's orders
 (`Plan`: the ordered slots, K, the pieces, a single temperature baked into the softmax).
 So before each decode (`before_decode`, called by core.Context.decode) the plan is
-compared with the one the last graph was built for; when it differs, slot 0's sampler is
-swapped for its twin (``llama_set_sampler``), which makes llama.cpp build a new graph (and
+compared with the one the last graph was built for; when it differs, slot 0 gets a new
+sampler chain (``llama_set_sampler``), which makes llama.cpp build a new graph (and
 re-reserve its scheduler: docs/BENCHMARKS.md has the cost). On a reused graph only the
 inputs are uploaded again (the rows, 1/tau, u, the touched ids, the masks: set_input).
 """
@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ..sampling.steps import canonical_keys
 
 __all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table", "reference"]
 
@@ -246,11 +248,7 @@ def _own_best_rows(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.nd
     ids = ids.astype(np.int32)
     if ids.shape[1] == 1:
         return ids, vals
-    # one int64 key per value: descending value (NaN last, as lexsort puts it), then id
-    bits = (vals + np.float32(0)).view(np.int32).astype(np.int64)  # -0.0 ties 0.0, as in a compare
-    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ascending with the float's order
-    desc = np.where(np.isnan(vals), 0xFFFFFFFF, 0x7FFFFFFF - key).astype(np.uint64)  # < 2^32
-    o = np.argsort((desc << np.uint64(32)) | ids.astype(np.uint64), axis=1)
+    o = np.argsort(canonical_keys(ids, vals), axis=1)
     return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)
 
 
@@ -362,8 +360,8 @@ class Presampler:
 
     def before_decode(self, one_micro_batch: bool = False) -> None:
         """Right before llama_decode (core.Context.decode): when the orders ask for ops of
-        another shape than the graph llama.cpp holds, make it build a new one (slot 0's
-        sampler swapped for its twin); equal plans may reuse it (their inputs are set
+        another shape than the graph llama.cpp holds, make it build a new one (slot 0
+        given a new sampler chain); equal plans may reuse it (their inputs are set
         again). Counted in ``rebuilds``. ``one_micro_batch``: the decode is certain to
         run as one micro-batch (one output token per sequence, within n_ubatch), so a
         whole row can be read from the graph's logits afterwards (`full_row`) and none

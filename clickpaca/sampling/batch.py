@@ -36,6 +36,7 @@ import numpy as np
 from . import registry as R
 from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
 from .cut import _default_cols
+from .steps import canonical_keys
 from .params import SamplerParams
 from .workers import run_all
 
@@ -240,7 +241,7 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
     uint64 key per entry, the value's order-preserving bits above the id: one sort with
     distinct keys, whatever the sort's stability; other values by two stable sorts.
     Rows already in canonical order (the pre-selection hands its K best back so:
-    presample's _own_best and reference) are checked, not sorted: None then."""
+    presample's read and reference) are checked, not sorted: None then."""
     m, n = v.shape
     if n > 1:
         a, b = v[:, :-1], v[:, 1:]
@@ -248,9 +249,7 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
             return None
     f = v.astype(np.float32)
     if ids.size and (f == v).all() and ids.min() >= 0 and ids.max() < 2**32:
-        bits = (-f + np.float32(0.0)).view(np.uint32)  # + 0.0: -0.0 sorts as 0.0 (they are equal)
-        bits = bits ^ np.where(bits >> 31, np.uint32(0xFFFFFFFF), np.uint32(0x80000000))
-        return np.argsort((bits.astype(np.uint64) << np.uint64(32)) | ids.astype(np.uint64), axis=1)
+        return np.argsort(canonical_keys(ids, f), axis=1)
     by_id = np.argsort(ids, axis=1, kind="stable")
     return np.take_along_axis(by_id, np.argsort(-np.take_along_axis(v, by_id, 1), axis=1, kind="stable"), 1)
 
