@@ -3,4 +3,6 @@ them. paths.py is where clickpaca keeps what it downloads and builds ($CLICKPACA
 and how it fingerprints files; fieldcheck.py checks a request's fields and words their
 errors, one style for the protocol (wire/protocol.py) and the sampler step registry
 (sampling/registry.py); offline.py takes a download from the offline bundle
-($CLICKPACA_BUNDLE, `make setup BUNDLE=dir`) or refuses it by name."""
+($CLICKPACA_BUNDLE, `make setup BUNDLE=dir`) or refuses it by name; order.py is the
+canonical order of a candidate set as one sortable key (the sampler chain's and the
+pre-selection's)."""

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from ..sampling.steps import canonical_keys
+from ..base.order import canonical_keys
 
 __all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table", "reference"]
 

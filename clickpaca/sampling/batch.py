@@ -36,7 +36,7 @@ import numpy as np
 from . import registry as R
 from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
 from .cut import _default_cols
-from .steps import canonical_keys
+from ..base.order import canonical_keys
 from .params import SamplerParams
 from .workers import run_all
 

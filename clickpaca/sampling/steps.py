@@ -101,17 +101,6 @@ def penalties(ids: np.ndarray, logits: np.ndarray, hist_ids: np.ndarray, hist_co
     return ids, out
 
 
-def canonical_keys(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """One uint64 per entry whose ascending order is the canonical order of float32
-    values: value descending (NaN last, as lexsort puts it; -0.0 equal to 0.0), then id
-    ascending (ids in [0, 2^32)). The keys are distinct where the ids are, so any sort
-    of them (an argsort along a row of a matrix) gives ``canonical_order``'s order."""
-    bits = (values.astype(np.float32, copy=False) + np.float32(0)).view(np.int32).astype(np.int64)
-    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ascending with the float's order
-    desc = np.where(np.isnan(values), 0xFFFFFFFF, 0x7FFFFFFF - key).astype(np.uint64)  # < 2^32
-    return (desc << np.uint64(32)) | ids.astype(np.uint64)
-
-
 def canonical_order(ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """Indices sorting the set by logit descending, then id ascending. A big set is
     sorted by logit alone (an unstable sort, 3x faster than lexsort at 262k), then only
