@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -350,8 +351,6 @@ class Store:
 def _set_wal(conn: sqlite3.Connection, wait_s: float = 60.0) -> None:
     """WAL mode. Switching a new file to it while another process does the same can answer
     "database is locked" at once (the busy timeout does not cover it): retry for a while."""
-    import time
-
     end = time.monotonic() + wait_s
     while True:
         try:
