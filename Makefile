@@ -24,7 +24,7 @@ export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
 endif
 endif
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study bundle gpu-check clean help
+.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study bundle gpu-check clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -70,13 +70,13 @@ $(VENV)/.installed: pyproject.toml | prereqs
 mainline: prereqs venv model
 	$(PY) native/build.py mainline --preset $(PRESET)
 
-## patched: the pinned source + both of our patch sets, native/turboquant (the turbo KV cache
-## types) and native/activations (per-sequence control vectors, a live eval callback), in one
-## build -> builds/patched, also linked as builds/turboquant and builds/activations
+## patched: the pinned source + our patch sets, native/turboquant (the turbo KV cache types),
+## native/activations (per-sequence control vectors, a live eval callback) and native/kvcenter
+## (key centering in the graph), in one build -> builds/patched, also linked by each set's name
 patched: prereqs venv model
 	$(PY) native/build.py patched --preset $(PRESET)
-## turboquant, activations: the patched build, by the name of the patch set you want
-turboquant activations: patched
+## turboquant, activations, kvcenter: the patched build, by the name of the patch set you want
+turboquant activations kvcenter: patched
 
 ## peer: llama-server (the peer of `clickpaca bench peer`) from the mainline tree -> builds/peer/bin
 peer: prereqs venv

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSIONS = ["0.3.2", "0.3.9", "0.3.16", "0.3.36"]
 TURBOQUANT = "turboquant"
 # The patched builds of the current pin by the names they are loaded by (native/build.py
-# BUILD_NAMES: one patched flavor holds both patch sets), checked from their headers.
-PATCHED = (TURBOQUANT, "activations")
+# BUILD_NAMES: one patched flavor holds every patch set), checked from their headers.
+PATCHED = (TURBOQUANT, "activations", "kvcenter")
 
 
 def _load_by_path(name: str, path: Path) -> Any:
@@ -120,14 +120,9 @@ def patched_include(name: str) -> Path:
     archive = sdist_archive(lock["version"])
     src = nb.extract_sdist(archive, lock["subdir"])  # the patch plan reads the whole tree
     texts: dict[Path, str] = {}
-    for name in nb.PATCH_SETS[flavor]:
+    for name in nb.PATCH_SETS[flavor]:  # in the build's order, each set over the earlier ones' texts
         apply = _load_by_path(f"clickpaca_{name}_apply", ROOT / "native" / name / "apply.py")
-        planned = {p.resolve(): t for p, t in apply.plan(src).items()}
-        # each plan reads the unpatched tree: sets that edited one file would need a patched copy
-        if planned.keys() & texts.keys():
-            raise SystemExit(f"api-report: patch set {name} edits a file another set of {flavor} edits: "
-                             f"{sorted(str(p) for p in planned.keys() & texts.keys())}")
-        texts.update(planned)
+        texts.update(apply.PATCH.plan(src.resolve(), texts))
     digest = nb.patches_digest(nb.patch_files(flavor))[:16]
     return flat_include(src, nb.cache_dir() / "headers" / f"{flavor}-{digest}" / "include", texts)
 

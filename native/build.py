@@ -3,13 +3,13 @@
 
 Why a script and not only CMake: the source comes from a package registry (the
 llama-cpp-python sdist vendors llama.cpp), must be verified against a pinned sha256,
-may be patched (the patched flavor: the turboquant and activations patch sets in one
-build, loaded as builds/turboquant and builds/activations), and a finished build is reused
+may be patched (the patched flavor: the turboquant, activations and kvcenter patch sets in
+one build, loaded by any of those names), and a finished build is reused
 whenever the same source, preset, patches and recipe are asked for again. CMake does the
 compiling through the top-level CMakeLists.txt and CMakePresets.json.
 
     python3 native/build.py mainline [--preset linux-cpu]
-    python3 native/build.py patched        # also: turboquant, activations (the same build)
+    python3 native/build.py patched        # also: turboquant, activations, kvcenter (the same build)
     python3 native/build.py compat --sdist-version 0.3.16 [--tools]
     python3 native/build.py turboquant --cpu-isa sse42   # the CPU backend for SSE4.2, keyed apart
     CUDA_ARCH=90 python3 native/build.py mainline --preset linux-cuda --only-tools ""   # GPU, library only
@@ -56,13 +56,13 @@ TOOL_ALIASES = {"ggml-rpc-server": "rpc-server"}
 HEADER_DIRS = ["include", "ggml/include"]
 # The flavors of the pinned source and the patch sets each applies, in order: native/<set>/,
 # applied by its apply.py. mainline is upstream's, the oracle the others are compared with.
-# One patched flavor holds both of our patch sets (they touch disjoint files, ggml's and
-# llama's, and each is inert unless asked for), so a cold set-up compiles llama.cpp twice,
+# One patched flavor holds all of our patch sets (turboquant touches ggml's files, the other
+# two llama's at distinct anchors, and each is inert unless asked for), so a cold set-up compiles llama.cpp twice,
 # not three times (issue #37).
-PATCH_SETS = {"mainline": (), "patched": ("turboquant", "activations")}
+PATCH_SETS = {"mainline": (), "patched": ("turboquant", "activations", "kvcenter")}
 # The names a flavor's build is loaded by (builds/<name>, init's `build`): the patched
 # build answers to the name of each patch set it holds.
-BUILD_NAMES = {"mainline": ("mainline",), "patched": ("patched", "turboquant", "activations")}
+BUILD_NAMES = {"mainline": ("mainline",), "patched": ("patched", "turboquant", "activations", "kvcenter")}
 FLAVOR_OF = {name: flavor for flavor, names in BUILD_NAMES.items() for name in names}
 # The applier every patch set imports (native/patchset.py): in every patched flavor's key.
 SHARED_PATCH_FILES = [NATIVE / "patchset.py"]

@@ -42,8 +42,9 @@ class PatchSet:
     new_files: tuple[tuple[str, str], ...] = ()  # (file in `here`, destination in the tree)
     requires: tuple[str, ...] = ("include/llama.h",)  # what makes a tree llama.cpp's
 
-    def plan(self, src: Path) -> dict[Path, str]:
-        """Every edited file's new text, in memory; PatchError on any problem."""
+    def plan(self, src: Path, over: dict[Path, str] | None = None) -> dict[Path, str]:
+        """Every edited file's new text, in memory; PatchError on any problem. `over`: texts
+        that stand for files of `src` (earlier sets' plans, for a set applied after them)."""
         if not all((src / r).is_file() for r in self.requires):
             raise PatchError(f"{src} is not a llama.cpp source tree (no {', '.join(self.requires)})")
         for _, dest in self.new_files:
@@ -54,9 +55,9 @@ class PatchSet:
         for hook in self.hooks:
             path = src / hook.path
             if path not in texts:
-                if not path.is_file():
+                if not path.is_file() and not (over and path in over):
                     raise PatchError(f"{hook.path}: file not found ({hook.why})")
-                texts[path] = path.read_text()
+                texts[path] = over[path] if over and path in over else path.read_text()
                 if self.mark in texts[path]:
                     raise PatchError(f"{hook.path} already carries the {self.mark} patch")
             text = texts[path]

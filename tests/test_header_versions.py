@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C c
 EXPECTED = {  # version -> (commit, build number) of the vendored llama.cpp
     "0.3.2": ("74d73dc85", 4094), "0.3.9": ("8733e0cf6", 5308),
     "0.3.16": ("4227c9be4", 6170), "0.3.36": ("0c1e57098", 11312), "turboquant": ("0c1e57098", 11312),
-    "activations": ("0c1e57098", 11312),
+    "activations": ("0c1e57098", 11312), "kvcenter": ("0c1e57098", 11312),
 }
 
 

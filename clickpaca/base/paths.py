@@ -27,7 +27,7 @@ def sha256_file(path: Path) -> str:
 
 
 #: The builds the Makefile has a target of their own for (`make activations`, ...).
-MAKE_TARGETS = ("mainline", "patched", "turboquant", "activations")
+MAKE_TARGETS = ("mainline", "patched", "turboquant", "activations", "kvcenter")
 
 
 def make_target(build: str) -> str:
