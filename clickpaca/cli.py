@@ -13,7 +13,7 @@ from .llama.cachetypes import DEFAULT, EXACT, STUDY_CACHE
 #: Commands whose native code may die from a signal, in this process (ppl, bench kv) or in
 #: a server they spawned: they run in a child process, so that a death is one line naming
 #: the signal and its likely cause, never a traceback or a shell's bare "Illegal instruction".
-GUARDED = {"demo", "bench", "ppl", "kv-retrieval", "cvec"}
+GUARDED = {"demo", "bench", "ppl", "kv-retrieval", "cvec", "kv-center"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preselect", action="store_true",
                    help="batch: also a server with init preselect (the decode pre-selects each sampled row's "
                         "values), in the same alternating rounds (docs/BENCHMARKS.md)")
+    p.add_argument("--center", default=None,
+                   help="batch: also a server with init kvCenter FILE (keys stored minus that center), in the "
+                        "same alternating rounds; needs --build kvcenter (docs/KV-RESEARCH.md)")
     p.add_argument("--chain", default=None,
                    help="batch: every sequence's sampler chain: greedy (default) or a bench sampler scenario "
                         "without a grammar (default, n_probs_5, temperature_only, top_p_only, bias_penalties)")
@@ -221,7 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("kv-retrieval", help="retrieval of facts from a held haystack per cache type "
                        "(accuracy, answer log-probability, KL) beside the noise floor")
-    p.add_argument("--cache", default=STUDY_CACHE, help="comma list; K/V pairs as q8_0/turbo3")
+    p.add_argument("--cache", default=STUDY_CACHE,
+                   help="comma list; K/V pairs as q8_0/turbo3; K+c/V: K centered (needs --center)")
+    p.add_argument("--center", default=None,
+                   help="the key center of the K+c/V pairs (a file `clickpaca kv-center` wrote)")
     p.add_argument("--lengths", default="1024,2048,4096", help="comma list of haystack lengths in tokens")
     p.add_argument("--needles", type=int, default=8, help="needles (questions) per haystack (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles' facts")
@@ -257,9 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_rpc_server)
 
     from .activations.cvec import add_parser as add_cvec
+    from .measure.kvsim.center import add_parser as add_kv_center
     from .results.cli import add_parser as add_results
 
     add_cvec(sub)
+    add_kv_center(sub)
     add_results(sub)
     return ap
 

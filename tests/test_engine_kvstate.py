@@ -26,7 +26,8 @@ PAYLOAD = bytes(range(256)) * 40
 
 def fake_ctx(tmp_path, payload: bytes = PAYLOAD, type_k: str = "f16", type_v: str = "f16",
              model_bytes: bytes = b"GGUF" + b"\x01" * 5000, commit: str = "abc1234",
-             n_ctx_seq: int = 4096, kv_unified: bool = True, n_seq_max: int = 4):
+             n_ctx_seq: int = 4096, kv_unified: bool = True, n_seq_max: int = 4,
+             k_center: str | None = None):
     model_file = tmp_path / f"model-{hashlib.sha1(model_bytes).hexdigest()[:8]}.gguf"
     model_file.write_bytes(model_bytes)
     model = SimpleNamespace(path=model_file, description="fake 1K F16", n_vocab=1000)
@@ -35,7 +36,7 @@ def fake_ctx(tmp_path, payload: bytes = PAYLOAD, type_k: str = "f16", type_v: st
     def seq_state_get(slot):
         return payload
 
-    return SimpleNamespace(model=model, nat=nat, type_k=type_k, type_v=type_v,
+    return SimpleNamespace(model=model, nat=nat, type_k=type_k, type_v=type_v, k_center=k_center,
                            n_ctx_seq=n_ctx_seq, seq_state_get=seq_state_get,
                            kv_unified=kv_unified, n_seq_max=n_seq_max)
 
@@ -70,7 +71,7 @@ def test_layout_and_round_trip(saved):
     header, body = split(data)
     assert header["format_version"] == kvstate.FORMAT_VERSION
     assert header["tokens"] == len(TOKENS) and header["payload_bytes"] == len(PAYLOAD)
-    assert header["cache"] == {"type_k": "f16", "type_v": "f16"}
+    assert header["cache"] == {"type_k": "f16", "type_v": "f16", "k_center": None}
     assert header["streams"] == 1
     assert header["build"] == {"flavor": "mainline", "commit": "abc1234", "build_number": 7000}
     assert header["model"] == kvstate.model_identity(ctx.model)
@@ -248,11 +249,18 @@ def test_incompatible_contexts(saved, tmp_path):
         (fake_ctx(tmp_path, type_v="q4_0"), "uses f16/q4_0"),
         (fake_ctx(tmp_path, n_ctx_seq=len(TOKENS)), "more than the context"),
         (fake_ctx(tmp_path, kv_unified=False, n_seq_max=8), "1 stream\\(s\\); this server's has 8"),
+        (fake_ctx(tmp_path, k_center="ab" * 32), "under no key center; this server runs with the key center abababababab"),
     ]
     for other, match in cases:
         with pytest.raises(StateFileError, match=match):
             kvstate.check_compatible(other, header)
     kvstate.check_compatible(fake_ctx(tmp_path, n_ctx_seq=len(TOKENS) + 1), header)
+    centered = dict(header, cache=dict(header["cache"], k_center="cd" * 32))
+    with pytest.raises(StateFileError, match="under the key center cdcdcdcdcdcd; this server runs with no key center"):
+        kvstate.check_compatible(fake_ctx(tmp_path), centered)
+    kvstate.check_compatible(fake_ctx(tmp_path, k_center="cd" * 32), centered)
+    del header["cache"]["k_center"]  # a file from before centering: uncentered
+    kvstate.check_compatible(fake_ctx(tmp_path), header)
     del header["streams"]  # a file from before streams were recorded: llama.cpp is the judge
     kvstate.check_compatible(fake_ctx(tmp_path, kv_unified=False, n_seq_max=8), header)
 
@@ -356,7 +364,7 @@ def test_real_state_round_trip_continues_bit_for_bit(real_ctx, model, tmp_path):
     header, got, payload = kvstate.read(path)
     assert got == toks and size == path.stat().st_size
     assert header["model"]["description"] == model.description
-    assert header["cache"] == {"type_k": "f16", "type_v": "f16"}
+    assert header["cache"] == {"type_k": "f16", "type_v": "f16", "k_center": None}
     assert header["streams"] == 1
     assert kvstate.load(ctx, 1, path) == toks
     assert ctx.seq_pos_max(1) == len(toks) - 1 and ctx.seq_pos_min(1) == 0

@@ -49,7 +49,7 @@ def test_a_missing_function_refuses_only_its_option():
     assert rows["rpc"]["refused"] == "rpcServers"
     assert all(r["status"] == "works" for name, r in rows.items() if name != "rpc")
     req = SimpleNamespace(rpcServers=("127.0.0.1:9",), outputLocal=False, deterministic=False,
-                          kvUnified=True, swaFull=True, preselect=False)
+                          kvUnified=True, swaFull=True, preselect=False, kvCenter=None)
     e = features.first_refusal(have, req, "old")
     assert e.field == "rpcServers" and str(e).startswith("rpcServers: build 'old' lacks ggml_backend_rpc_add_server")
     assert features.first_refusal(have, SimpleNamespace(**{**vars(req), "rpcServers": None}), "old") is None
@@ -68,7 +68,7 @@ def test_fields_enum_values_and_callbacks_are_names_too():
 def test_init_itself_is_refused_first_naming_the_build_field():
     have = features.for_manifest(manifest({"llama_get_memory", "ggml_backend_rpc_add_server"}))
     req = SimpleNamespace(rpcServers=("127.0.0.1:9",), outputLocal=False, deterministic=False,
-                          kvUnified=True, swaFull=True, preselect=False)
+                          kvUnified=True, swaFull=True, preselect=False, kvCenter=None)
     e = features.first_refusal(have, req, "old")
     assert e.field == "build" and "llama_get_memory" in str(e) and "so init is refused" in str(e)
 
@@ -76,12 +76,12 @@ def test_init_itself_is_refused_first_naming_the_build_field():
 @pytest.mark.parametrize("feature,ask", [
     ("output-local", {"outputLocal": True}), ("repack-off", {"deterministic": True}),
     ("kv-streams", {"kvUnified": False}), ("swa-small", {"swaFull": False}),
-    ("backend-sampling", {"preselect": True})])
+    ("backend-sampling", {"preselect": True}), ("kv-center", {"kvCenter": "/x/center.npz"})])
 def test_each_option_asks_for_its_feature_only_when_set(feature, ask):
     f = features.BY_NAME[feature]
     have = features.for_manifest(manifest(set(f.needs)))
     base = dict(rpcServers=None, outputLocal=False, deterministic=False, kvUnified=True, swaFull=True,
-                preselect=False)
+                preselect=False, kvCenter=None)
     assert features.first_refusal(have, SimpleNamespace(**base), "old") is None
     e = features.first_refusal(have, SimpleNamespace(**{**base, **ask}), "old")
     assert e is not None and e.field == f.field and f.needs[0] in str(e)
@@ -102,7 +102,7 @@ def test_a_request_field_feature_refuses_its_field_never_init():
     f = features.BY_NAME["cvec-seq"]
     have = features.for_manifest(manifest(set(f.needs)))
     req = SimpleNamespace(rpcServers=None, outputLocal=False, deterministic=False, kvUnified=True, swaFull=True,
-                          preselect=False)
+                          preselect=False, kvCenter=None)
     assert features.first_refusal(have, req, "mainline") is None
     e = features.refusal(f, features.lacking(f, have), "mainline")
     assert e.field == "controlVectorStrength"
@@ -124,8 +124,10 @@ def test_mainline_has_every_feature():
     assert not have("llama_context_params.flash_attn")  # b11312 has flash_attn_type only
     assert not have("llama_kv_self_seq_rm") and not have("struct llama_no_such_record")
     every_option = dict(rpcServers=("127.0.0.1:9",), outputLocal=True, deterministic=True,
-                        kvUnified=False, swaFull=False, preselect=True)
+                        kvUnified=False, swaFull=False, preselect=True, kvCenter=None)
     assert features.first_refusal(have, SimpleNamespace(**every_option), "mainline") is None
+    e = features.first_refusal(have, SimpleNamespace(**{**every_option, "kvCenter": "c.npz"}), "mainline")
+    assert str(e).startswith("kvCenter: build 'mainline' lacks llama_set_kv_center") and "make kvcenter" in str(e)
 
 
 @pytest.mark.parametrize("line,feature", [

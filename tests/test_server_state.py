@@ -427,7 +427,7 @@ def test_a_file_with_another_cache_type_is_refused(doc_file, second, tmp_path, c
         req(q8, "prefill", 0, prompt=DOC)
         path = tmp_path / "q8.kv"
         req(q8, "save", 0, path=str(path))
-        assert kvstate.read(path)[0]["cache"] == {"type_k": other_k, "type_v": TEST_CACHE_V}
+        assert kvstate.read(path)[0]["cache"] == {"type_k": other_k, "type_v": TEST_CACHE_V, "k_center": None}
         assert path.stat().st_size < doc_file.stat().st_size
     finally:
         q8.close()

@@ -58,7 +58,8 @@ def _header(ctx, n_tokens: int, payload_len: int, digest: str) -> dict:
         "model": model_identity(ctx.model),
         "build": {"flavor": ctx.nat.name, "commit": ctx.nat.info.get("commit"),
                   "build_number": ctx.nat.info.get("build_number")},
-        "cache": {"type_k": ctx.type_k, "type_v": ctx.type_v},
+        # k_center: the key center's digest (init's kvCenter): the keys stored are k - center
+        "cache": {"type_k": ctx.type_k, "type_v": ctx.type_v, "k_center": ctx.k_center},
         "streams": kv_streams(ctx),
         "tokens": n_tokens,
         "payload_bytes": payload_len,
@@ -183,6 +184,12 @@ def check_compatible(ctx, header: dict) -> None:
     if (c["type_k"], c["type_v"]) != (ctx.type_k, ctx.type_v):
         raise StateFileError(f"the file holds a {c['type_k']}/{c['type_v']} KV cache; this server "
                              f"uses {ctx.type_k}/{ctx.type_v}")
+    if c.get("k_center") != ctx.k_center:  # (files from before centering: None, uncentered)
+        def shown(d: str | None) -> str:
+            return f"the key center {d[:12]}" if d else "no key center"
+        raise StateFileError(f"the file's keys were stored under {shown(c.get('k_center'))}; this "
+                             f"server runs with {shown(ctx.k_center)} (init's kvCenter): its keys "
+                             "would be read against the wrong mean")
     if header["tokens"] >= ctx.n_ctx_seq:
         raise StateFileError(f"the file holds {header['tokens']} tokens, more than the context "
                              f"per sequence ({ctx.n_ctx_seq})")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import rpc
-from ..llama import cachetypes, core, cpu, deterministic, features, gpu
+from ..llama import cachetypes, core, cpu, deterministic, features, gpu, kvcenter
 from ..wire import chat, pretokenize
 from . import statedir
 from ..activations import steer
@@ -52,6 +52,7 @@ class Runtime:
             self.cvec = ContextVector.open(ctx, req)
         except steer.SteerError as e:
             raise ProtocolError(str(e), request="init") from None
+        self.center = open_center(ctx, req.kvCenter)  # before the warm-up too (llama/kvcenter.py)
         self._warm_up()
         self.vocab = pretokenize.Vocab(model)  # tokenizing in linear time (pretokenize.py)
         self.grammars = GrammarEngine.start(model)
@@ -87,6 +88,7 @@ class Runtime:
             outputLocal=bool(req.outputLocal),
             capture=self.readout.mode,
             controlVector=self.cvec.ready() if self.cvec is not None else None,
+            kvCenter=self.center.ready(req.kvCenter) if self.center is not None else None,
             devices=rpc.device_rows(model.nat, self.workers, model.load_log + ctx.init_log,
                                     output_layer=model.n_layer if req.outputLocal else None),
         )
@@ -104,6 +106,8 @@ class Runtime:
         later calls `on_worker_lost` with a message naming it (rpc/loss.py)."""
         types = (req.cacheTypeK, req.cacheTypeV)
         build = req.build or cachetypes.build_for(*types)
+        if req.build is None and req.kvCenter is not None and build == cachetypes.MAINLINE:
+            build = features.BY_NAME["kv-center"].build  # the patched build, mainline's types and all
         det = req.deterministic  # the edge (protocol.py) set its flashAttn and kvUnified
         flash_attn = attention_for(types, req.flashAttn)
         states = open_state_dir(req.stateDir or state_dir, allow_any_path)
@@ -290,6 +294,18 @@ def cpu_report(model: core.Model) -> dict[str, Any]:
             "amx": bool(built.get("amx")), "portable": bool(built.get("portable")),
             "variant": variant,
             "builtOn": built.get("built_on")}
+
+
+def open_center(ctx: core.Context, path: str | None) -> kvcenter.Center | None:
+    """init's kvCenter read and set on the context; ProtocolError naming kvCenter."""
+    if path is None:
+        return None
+    try:
+        center = kvcenter.read(path)
+        kvcenter.apply(ctx, center)
+    except kvcenter.CenterError as e:
+        raise ProtocolError(f"kvCenter: {e}", request="init") from None
+    return center
 
 
 def open_state_dir(root: str | None, allow_any_path: bool) -> statedir.StateDir:

@@ -371,6 +371,7 @@ class Context(_Owned):
         if presampler is not None:
             presampler.attach(p)
         self.presampler = presampler
+        self.k_center: str | None = None  # the key center's digest (kvcenter.apply)
         sink = log_sink(nat)
         sink.captured.clear()
         sink.capture = True

@@ -121,6 +121,11 @@ FEATURES: tuple[Feature, ...] = (
             field="controlVectorStrength", request="infer", build="activations",
             refused="a per-request controlVectorStrength",
             without="init's controlVector still steers every sequence alike (llama_set_adapter_cvec)"),
+    Feature("kv-center", "key centering in the graph: each key stored minus its layer's "
+            "calibrated mean key (llama/kvcenter.py, docs/KV-RESEARCH.md)",
+            ("llama_set_kv_center",),
+            field="kvCenter", asked=lambda r: r.kvCenter is not None,
+            refused="init's kvCenter", build="kvcenter"),
     Feature("backend-modules", "a CPU backend loaded at run time (a PORTABLE=1 build's variants)",
             ("ggml_backend_load_all_from_path",),
             without="a build whose CPU backend is a run-time module (PORTABLE=1) is refused at "

@@ -423,6 +423,9 @@ class InitRequest(Request):
     controlVector: Any = wire(_opt(_cvec("control_vector")), None)
     controlVectorLayers: tuple[int, int] | None = wire(_opt(_cvec("layer_range")), None)
     controlVectorStrength: float = wire(_cvec("strength"), 1.0)
+    # key centering (docs/KV-RESEARCH.md, "Key centering in the graph"): a center file that
+    # `clickpaca kv-center` wrote; every key is stored minus its layer's mean key
+    kvCenter: str | None = wire(_opt(_str(True)), None)
     # the fields the client gave: a shared server compares those with what it runs
     given: frozenset[str] = _given()
 

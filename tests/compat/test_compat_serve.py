@@ -39,6 +39,7 @@ ASKS = {
     "kv-streams": {"kvUnified": False},
     "swa-small": {"swaFull": False},
     "backend-sampling": {"preselect": True},
+    "kv-center": {"kvCenter": "/nonexistent/center.npz"},  # refused before the file is read
 }
 INIT = dict(nCtx=1024, nSeqMax=4, nBatch=256, nThreads=2)
 

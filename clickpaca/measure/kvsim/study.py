@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ...llama import core
+from ...llama import core, kvcenter
 from ...llama.cachetypes import build_for, get
 from ...results.paired import bootstrap, delta_ppl, mean_ci
 from ...results.table import markdown
@@ -59,21 +59,8 @@ def parse_sim(text: str, n_layer: int) -> tuple[str, str, frozenset[int] | None]
 
 
 def parse_real(text: str) -> tuple[str, str, bool]:
-    """`q4_0` -> (q4_0, q4_0, False); `q5_0+c/turbo3` -> (q5_0, turbo3, True): real cache
-    types, K centered with `+c` (V cannot be: its mean would have to be added to the
-    attention output, which the callback does not reach). UnknownCacheType (a ValueError)
-    for a name that is no cache type."""
-    k, sep, v = text.strip().partition("/")
-    center = k.endswith("+c")
-    k = k.removesuffix("+c")
-    if not sep:
-        if center:
-            raise ValueError(f"--real {text!r}: write K+c/V, e.g. q4_0+c/q4_0")
-        v = k
-    if "+" in k or "+" in v:
-        raise ValueError(f"--real {text!r}: only K takes a modifier, and only +c (centering)")
-    get(k, f"--real {text!r}: K"), get(v, f"--real {text!r}: V")
-    return k, v, center
+    """--real's `T`, `K/V` or `K+c/V` (kvcenter.parse_pair)."""
+    return kvcenter.parse_pair(text, "--real")
 
 
 def real_name(k: str, v: str, center: bool) -> str:
@@ -133,6 +120,13 @@ def calibrate(model: str, tokens: np.ndarray, threads: int | None,
         m.close()
 
 
+def calib_window(full: list[int], n_scored: int, ctx: int) -> np.ndarray:
+    """The calibration tokens: one window of `ctx` after the next window past the scored
+    text, never scored (the same for every row of a run, and for `clickpaca kv-center`)."""
+    lo = n_scored + ctx
+    return np.asarray(full[lo:lo + ctx])
+
+
 def n_layers(model: str, build: str) -> int:
     m = core.Model(model, build=build)
     try:
@@ -160,8 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      for k, v, _ in sims for s in (k, v)) or any(c for _, _, c in reals)
     calib: dict = {}
     if need_calib:
-        lo = len(tokens) + args.ctx  # a window after the scored text, never scored
-        calib, _ = calibrate(model, np.asarray(full[lo:lo + args.ctx]), args.threads, build)
+        calib, _ = calibrate(model, calib_window(full, len(tokens), args.ctx), args.threads, build)
     variants = [F32_REF, NOISE_BASE]
     centered = []
     for k, v, c in reals:
