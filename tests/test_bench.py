@@ -215,6 +215,15 @@ def test_cli_parses_bench_and_ppl():
     assert ap.parse_args(["bench", "batch", "--chain", "n_probs_5"]).chain == "n_probs_5"
 
 
+def test_bench_batch_side_servers_are_the_ones_asked_for():
+    from clickpaca.measure.bench.batch import side_servers
+
+    ap = build_parser()
+    assert side_servers(ap.parse_args(["bench", "batch"])) == {}
+    got = side_servers(ap.parse_args(["bench", "batch", "--preselect", "--center", "c.npz", "--build", "kvcenter"]))
+    assert got == {"preselect": ("pre", {"preselect": True}), "centered": ("cen", {"kvCenter": "c.npz"})}
+
+
 def test_bench_batch_chain_fields():
     """--chain: a scenario's fields that differ from the defaults, the EOG bans merged into
     its own logit_bias (a ban wins over the scenario's bias of the same token)."""

@@ -14,6 +14,7 @@ import pytest
 from clickpaca.measure.retrieval.command import BASE, F32_REF, NOISE, _not_run, floor_name, plan, summarize
 from clickpaca.measure.retrieval.haystack import assemble, depths, make_needles
 from clickpaca.measure.retrieval.stats import above_noise, exact_match, floor, kl_rows, mean_ci, paired_diff
+from clickpaca.measure.retrieval.runner import run
 
 
 def test_needles_are_reproducible_distinct_and_answerable():
@@ -188,3 +189,12 @@ def test_noise_of_without_noise_is_refused_naming_the_option(command, tmp_path):
     p = subprocess.run([sys.executable, "-m", "clickpaca", command, "--cache", "f16,turbo3", "--noise-of", "turbo3",
                         "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode != 0 and "--noise-of: needs --noise" in p.stderr, p.stderr[-2000:]
+
+
+def test_centered_pairs_run_last_and_name_their_centering():
+    p = plan([("f16", "f16"), ("q4_0", "q4_0")], "f16", False, None, [("q5_0", "turbo3"), ("q4_0", "q4_0")])
+    assert [(s.name, s.centered) for _, s in p[2:]] == [("q4_0", False), ("q5_0+c/turbo3", True),
+                                                         ("q4_0+c/q4_0", True)]
+    assert p[-2][1].flash_attn == "on"  # a quantized V needs flash attention, centered or not
+    with pytest.raises(ValueError, match="needs the center"):
+        run(None, p[-1][1], np.zeros(4, dtype=np.int32), [], 1)

@@ -56,6 +56,21 @@ def server_init(model: str, build: str, t: int, max_seqs: int, p: int, g: int, *
             "nCtx": max(512, max_seqs * (p + g) + 64), "nBatch": max(512, max_seqs * p), **extra}
 
 
+#: The servers beside the default one, each a side of the same alternating rounds: its
+#: name, the prefix of its row keys, and its init fields from the arguments (None: not
+#: asked). --center FILE: keys stored minus that center, what the subtraction costs a decode.
+SIDES = (
+    ("deterministic", "det", lambda a: {"deterministic": True} if getattr(a, "deterministic", False) else None),
+    ("preselect", "pre", lambda a: {"preselect": True} if getattr(a, "preselect", False) else None),
+    ("centered", "cen", lambda a: {"kvCenter": a.center} if getattr(a, "center", None) else None),
+)
+
+
+def side_servers(args: Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name -> (row key prefix, init fields) of the SIDES the arguments ask for."""
+    return {name: (key, init) for name, key, fields in SIDES if (init := fields(args)) is not None}
+
+
 def run_server_group(server: Server, n: int, p: int, g: int, params: dict) -> dict[str, Any]:
     runs = run_group(server, [exact_prompt(p)] * n,
                      {"maxTokens": g, "reusePrefix": False, **params})
@@ -72,10 +87,15 @@ def measure(args: Any) -> dict[str, Any]:
     m0 = machine()
     progress(f"batch: starting the server (nSeqMax {max(seqs)})")
     server = Server(server_init(model, args.build, t, max(seqs), p, g))
-    det = Server(server_init(model, args.build, t, max(seqs), p, g, deterministic=True)) \
-        if getattr(args, "deterministic", False) else None
-    pre = Server(server_init(model, args.build, t, max(seqs), p, g, preselect=True)) \
-        if getattr(args, "preselect", False) else None
+    others: dict[str, tuple[str, Server]] = {}
+    try:
+        for name, (key, init) in side_servers(args).items():
+            others[name] = (key, Server(server_init(model, args.build, t, max(seqs), p, g, **init)))
+    except BaseException:
+        for _, s in others.values():
+            s.close()
+        server.close()
+        raise
     chain = getattr(args, "chain", None) or "greedy"
     params = chain_params(chain, server.ban_eog())
     rows = []
@@ -85,10 +105,8 @@ def measure(args: Any) -> dict[str, Any]:
                 "server": lambda r, n=n: run_server_group(server, n, p, g, params),
                 "llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build),
             }
-            if det is not None:
-                sides["deterministic"] = lambda r, n=n: run_server_group(det, n, p, g, params)
-            if pre is not None:
-                sides["preselect"] = lambda r, n=n: run_server_group(pre, n, p, g, params)
+            for name, (_, other) in others.items():
+                sides[name] = lambda r, n=n, other=other: run_server_group(other, n, p, g, params)
             res = alternate(sides, args.repeats, f"batch N={n}")
             srv, nat = res["server"], res["llama-batched-bench"]
             s_wall = [x["wall_tps"] for x in srv]
@@ -106,25 +124,19 @@ def measure(args: Any) -> dict[str, Any]:
                    "server_tokens": [x["tokens"] for x in srv],
                    "server_prompt_tokens": srv[-1]["prompt_tokens"],
                    "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
-            if det is not None:
-                d_wall = [x["wall_tps"] for x in res["deterministic"]]
-                row.update({"det_wall_tps": summary(d_wall), "det_ratio_to_default": ratio(median(d_wall), median(s_wall)),
-                            "det_paired_ratios": [round(a / b, 4) for a, b in zip(d_wall, s_wall) if a and b],
-                            "det_tokens": [x["tokens"] for x in res["deterministic"]]})
-            if pre is not None:
-                q_wall = [x["wall_tps"] for x in res["preselect"]]
-                row.update({"pre_wall_tps": summary(q_wall), "pre_ratio_to_default": ratio(median(q_wall), median(s_wall)),
-                            "pre_ratio_to_native": ratio(median(q_wall), median(n_tg)),
-                            "pre_paired_ratios": [round(a / b, 4) for a, b in zip(q_wall, s_wall) if a and b],
-                            "pre_tokens": [x["tokens"] for x in res["preselect"]]})
+            for name, (key, _) in others.items():
+                o_wall = [x["wall_tps"] for x in res[name]]
+                row.update({f"{key}_wall_tps": summary(o_wall),
+                            f"{key}_ratio_to_default": ratio(median(o_wall), median(s_wall)),
+                            f"{key}_ratio_to_native": ratio(median(o_wall), median(n_tg)),
+                            f"{key}_paired_ratios": [round(a / b, 4) for a, b in zip(o_wall, s_wall) if a and b],
+                            f"{key}_tokens": [x["tokens"] for x in res[name]]})
             rows.append(row)
             progress(f"batch N={n}: server {median(s_wall)} tok/s, native {median(n_tg)} tok/s")
     finally:
         server.close()
-        if det is not None:
-            det.close()
-        if pre is not None:
-            pre.close()
+        for _, other in others.values():
+            other.close()
     notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
              "span tok/s also counts ticks where some prompts were still being processed",
              "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
@@ -138,8 +150,8 @@ def measure(args: Any) -> dict[str, Any]:
             notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
                        "repeats": args.repeats, "build": args.build, "model": model,
-                       "deterministic": det is not None, "preselect": pre is not None, "chain": chain,
-                       "infer_fields": params},
+                       "deterministic": "deterministic" in others, "preselect": "preselect" in others,
+                       "center": getattr(args, "center", None), "chain": chain, "infer_fields": params},
             "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
             "server_problems": server.problems}
 
@@ -152,17 +164,14 @@ def table(out: dict[str, Any]) -> str:
                      r["server_latency_ms"]["median"], r["native_latency_ms"]["median"]))
     text = markdown(["seqs", "server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
                      "ratio", "goal", "server ms/token/seq", "native ms/token/seq"], rows)
-    det = [(r["seqs"], r["det_wall_tps"]["median"], r["server_wall_tps"]["median"], r["det_ratio_to_default"],
-            ", ".join(f"{x:.3f}" for x in r["det_paired_ratios"])) for r in out["rows"] if "det_wall_tps" in r]
-    if det:
-        text += "\n\n" + markdown(["seqs", "deterministic tok/s", "default tok/s", "ratio of medians",
-                                    "per-round ratios"], det)
-    pre = [(r["seqs"], r["pre_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
-            r["pre_ratio_to_default"], r["pre_ratio_to_native"], ", ".join(f"{x:.3f}" for x in r["pre_paired_ratios"]))
-           for r in out["rows"] if "pre_wall_tps" in r]
-    if pre:
-        text += "\n\n" + markdown(["seqs", "preselect tok/s", "host-path tok/s", "batched-bench S_TG",
-                                    "preselect / host", "preselect / native", "per-round ratios (vs host)"], pre)
+    for name, key, _ in SIDES:
+        side = [(r["seqs"], r[f"{key}_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
+                 r[f"{key}_ratio_to_default"], r.get(f"{key}_ratio_to_native"),
+                 ", ".join(f"{x:.3f}" for x in r[f"{key}_paired_ratios"]))
+                for r in out["rows"] if f"{key}_wall_tps" in r]
+        if side:
+            text += "\n\n" + markdown(["seqs", f"{name} tok/s", "default tok/s", "batched-bench S_TG",
+                                        f"{name} / default", f"{name} / native", "per-round ratios (vs default)"], side)
     return text
 
 

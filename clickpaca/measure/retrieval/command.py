@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ...llama import cachetypes, core
+from ...llama import cachetypes, core, features, kvcenter
 from ..common import model_path, out_dir, png
 from ...llama.cachetypes import DEFAULT, EXACT, attention, build_for, pair_name, parse_pair
 from ...results.report import RETRIEVAL_PLOTS, draw_retrieval, emit, machine
@@ -61,8 +61,10 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def plan(pairs: list[tuple[str, str]], ref: str, noise: bool,
-         noise_of: tuple[str, str] | None = None) -> list[tuple[str, Setup]]:
-    """(role, setup) in the order they run: ref, base, control, noise, the other types.
+         noise_of: tuple[str, str] | None = None,
+         centered: list[tuple[str, str]] | tuple = ()) -> list[tuple[str, Setup]]:
+    """(role, setup) in the order they run: ref, base, control, noise, the other types, then
+    the `centered` pairs (K stored minus the center: `K+c/V`).
     noise_of: the floor of that type (one of `pairs`) instead of f16's: the type runs right
     before its noise rows, which leave out flash attention off for a quantized V (it needs it)."""
     if ref not in (DEFAULT, EXACT):
@@ -82,6 +84,7 @@ def plan(pairs: list[tuple[str, str]], ref: str, noise: bool,
     if noise:
         out += [("noise", n) for n in noise_setups(of or BASE)]
     out += [("type", t) for t in types]
+    out += [("type", Setup(f"{k}+c/{v}", k, v, flash_attn=attention(k, v), centered=True)) for k, v in centered]
     return out
 
 
@@ -115,13 +118,20 @@ def measure(args: Any) -> dict[str, Any]:
     path = model_path(args)
     m0 = machine()
     threads = getattr(args, "threads", None)
-    pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
+    specs = [kvcenter.parse_pair(s, "--cache") for s in parse_list(args.cache, str)]  # K/V, or K+c/V
+    pairs = [(k, v) for k, v, c in specs if not c]
+    centered = [(k, v) for k, v, c in specs if c]
+    center = kvcenter.read(args.center) if getattr(args, "center", None) else None
+    if centered and center is None:
+        raise ValueError("--cache: a centered pair (K+c/V) needs --center FILE (`clickpaca kv-center` writes one)")
     lengths = parse_list(args.lengths, int)
-    build = build_for(*(t for pair in pairs for t in pair))
+    build = build_for(*(t for k, v, _ in specs for t in (k, v)))
+    if centered and build == cachetypes.MAINLINE:
+        build = features.BY_NAME["kv-center"].build  # the patched build: mainline's types and the subtraction
     noise_of = parse_pair(args.noise_of) if getattr(args, "noise_of", None) else None
     if noise_of and not args.noise:
         raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
-    setups = plan(pairs, args.ref, bool(args.noise), noise_of)
+    setups = plan(pairs, args.ref, bool(args.noise), noise_of, centered)
     floor_of = floor_name(setups, noise_of)
     text, text_path = read_text(args.text)
     needles = make_needles(args.needles, args.seed)
@@ -157,7 +167,7 @@ def measure(args: Any) -> dict[str, Any]:
                 progress(f"kv-retrieval: {L} tokens, {name} ({time.strftime('%H:%M:%S', time.gmtime())} UTC)")
                 try:
                     answers, t = run(models[s.repack], s, control if role == "control" else hay, qa, max_new,
-                                     threads)
+                                     threads, center)
                 except KeyboardInterrupt as e:
                     stopped = _not_run(setups, lengths, L, name, str(e) or "SIGINT")
                     break
@@ -217,7 +227,12 @@ def measure(args: Any) -> dict[str, Any]:
     if split:
         notes.append(f"question and answer tokenize differently joined than apart for: {', '.join(split)} "
                      "(the answer is scored as tokenized apart)")
-    return {"params": {"cache": [pair_name(k, v) for k, v in pairs], "lengths": lengths, "needles": len(needles),
+    if center is not None:
+        notes.append(f"K+c: keys stored minus the center {args.center} (digest {center.digest[:12]}; calibrated "
+                     f"on {center.meta.get('text')} tokens {center.meta.get('window')}), in the graph (kvcenter)")
+    return {"params": {"cache": [pair_name(k, v) for k, v in pairs] + [f"{k}+c/{v}" for k, v in centered],
+                       "center": ({"path": args.center, "digest": center.digest} if center is not None else None),
+                       "lengths": lengths, "needles": len(needles),
                        "seed": args.seed, "ref": args.ref, "noise": bool(args.noise), "noise_of": floor_of,
                        "text": text_path,
                        "model": path, "build": build, "threads": threads or os.cpu_count(),

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ...llama import core
+from ...llama import core, kvcenter
 from ...llama.cachetypes import DEFAULT
 from ...wire.scoring import log_softmax
 
@@ -35,6 +35,7 @@ class Setup:
     chunk: int = 256  # haystack tokens per decode (prompt chunking)
     offset: int = 0  # cells another sequence holds before the haystack's (cell placement)
     solo: bool = False  # questions one per decode instead of all forks in one (batch shape)
+    centered: bool = False  # keys stored minus the study's center (--center; llama/kvcenter.py)
 
     @property
     def pair(self) -> str:
@@ -56,8 +57,12 @@ def _ctx_size(hay: int, qa: list[tuple[np.ndarray, np.ndarray]], offset: int, ma
 
 
 def run(model: core.Model, s: Setup, hay: np.ndarray, qa: list[tuple[np.ndarray, np.ndarray]],
-        max_new: int, threads: int | None = None) -> tuple[list[Answer], dict[str, Any]]:
-    """(one Answer per question, timings). qa: (question tokens, answer tokens) pairs."""
+        max_new: int, threads: int | None = None,
+        center: kvcenter.Center | None = None) -> tuple[list[Answer], dict[str, Any]]:
+    """(one Answer per question, timings). qa: (question tokens, answer tokens) pairs;
+    `center`: the key center a `centered` setup sets on its context."""
+    if s.centered and center is None:
+        raise ValueError(f"{s.name}: a centered setup needs the center (--center)")
     hay = np.asarray(hay, dtype=np.int32)
     groups = [[i] for i in range(len(qa))] if s.solo else [list(range(len(qa)))]
     feed = [np.concatenate([q, a[:-1]]).astype(np.int32) for q, a in qa]
@@ -65,6 +70,8 @@ def run(model: core.Model, s: Setup, hay: np.ndarray, qa: list[tuple[np.ndarray,
     ctx = core.Context(model, n_ctx=_ctx_size(len(hay), qa, s.offset, max_new), n_batch=n_batch,
                        n_ubatch=n_batch, n_seq_max=len(qa) + 2, type_k=s.type_k, type_v=s.type_v,
                        n_threads=threads, flash_attn=s.flash_attn)
+    if s.centered:
+        kvcenter.apply(ctx, center)
     batch = core.Batch(model.nat, n_batch)
     other = len(qa) + 1  # the sequence whose cells come first (offset)
 
