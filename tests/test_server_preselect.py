@@ -216,3 +216,23 @@ def test_whole_rows_read_from_the_graph_on_one_kv_stream():
         for x, y in zip(f["top"], h["top"]):
             assert x["token"] == y["token"]
             _close(x["logprob"], y["logprob"], "top", worst)
+
+
+def test_a_full_server_of_ordered_rows_fits_the_graph():
+    """Every slot's sampler reports its share of the ops when llama.cpp sizes the graph,
+    ordered or not: once only slot 0 did (the others have no order at context creation),
+    and 64 sequences pre-selected in one decode with nBatch 2048 overflowed the graph's
+    context (ggml's GGML_ASSERT(obj_new): the server died; `bench batch --seqs 64
+    --preselect` found it; with nBatch 512 the same 64 rows fitted)."""
+    n = 64
+    c = Client.spawn()
+    try:
+        c.init(nCtx=n * 64, nSeqMax=n, nBatch=n * 32, build=TEST_BUILD, preselect=True,
+               stateDir=tempfile.mkdtemp(prefix="clkp-state-"))
+        c.send_raw(b"".join(json.dumps({"type": "infer", "seq_id": s, "prompt": PROMPT, "maxTokens": 3,
+                                        "temperature": 0}).encode() + b"\n" for s in range(n)))
+        for s in range(n):
+            _, done = c.collect(s)
+            assert done["type"] == "done" and done["samplingPath"]["graph"] == 3, done
+    finally:
+        c.close()

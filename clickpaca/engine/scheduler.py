@@ -323,22 +323,23 @@ class Scheduler:
             if not isinstance(e, faults.StageFailed):
                 traceback.print_exc(file=sys.stderr)
             results = [self._guard(d[0], "sampling", fastpath.sample, d[2], p, m) for d, m, p in fast]
-        for (d, mask, _), res in zip(fast, results):
+        for (d, mask, pre), res in zip(fast, results):
             seq, row, sampler = d
             if res is _FAILED:
                 continue
             if isinstance(res, str):
-                res = self._guard(seq, "sampling", self._whole_row, ps, seq, row, sampler, mask, res, n_out)
+                res = self._guard(seq, "sampling", self._whole_row, ps, seq, row, sampler, mask, res, n_out, pre)
                 if res is _FAILED:
                     continue
             self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
         return rest, rest_masks
 
     @staticmethod
-    def _whole_row(ps: Any, seq: Sequence, row: int, sampler: Any, mask: Any, why: str, n_out: int) -> Any:
+    def _whole_row(ps: Any, seq: Sequence, row: int, sampler: Any, mask: Any, why: str, n_out: int,
+                   pre: Any = None) -> Any:
         """The host path on a pre-selected row's whole row, when its values could not
-        decide (`why`: the result's `path` says it)."""
-        full = ps.full_row(row, n_out)
+        decide (`why`: the result's `path` says it; `pre`: the row's pack)."""
+        full = ps.full_row(row, n_out, pre)
         if full is None:
             raise RuntimeError(f"the whole row is needed ({why}) and this build does not keep it")
         paths = getattr(seq.job, "paths", None)

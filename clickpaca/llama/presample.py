@@ -435,13 +435,14 @@ class Presampler:
                 out[a] = pre
         return out
 
-    def full_row(self, row: int, n_outputs: int) -> np.ndarray | None:
+    def full_row(self, row: int, n_outputs: int, pre: Any = None) -> np.ndarray | None:
         """The whole raw row of a pre-selected output row (valid until the next decode),
         or None where it is not to be had. A decode of several micro-batches copied it
         beside the pack (llama.cpp's sampled-probs block); a decode of one is read on
         demand from the graph's logits (llama.cpp keeps them, an output of the graph,
         until the next decode: one row crosses, not every row), and checked against the
-        row's own pack (its K best and touched values) before it is handed out."""
+        row's own pack (its K best and touched values; `pre`, the row's read pack where the
+        caller has it, else it is read again) before it is handed out."""
         lib, ffi = self.nat.lib, self.nat.ffi
         i = row - n_outputs
         if lib.llama_get_sampled_probs_count_ith(self._ctx, i) == self.n_vocab:
@@ -454,14 +455,14 @@ class Presampler:
             return None
         out = np.empty(self.n_vocab, np.float32)
         lib.ggml_backend_tensor_get(src, ffi.from_buffer(out), at * int(src.nb[1]), out.nbytes)
-        if not self._same_as_pack(out, slot, row, n_outputs):
+        if not self._same_as_pack(out, pre if pre is not None else self.read(slot, row, n_outputs)):
             return None
         return out
 
-    def _same_as_pack(self, x: np.ndarray, slot: int, row: int, n_outputs: int) -> bool:
+    @staticmethod
+    def _same_as_pack(x: np.ndarray, pre: Any) -> bool:
         """The row read on demand holds the values the pack was made from (a guard: a
         row of another micro-batch's graph would not)."""
-        pre = self.read(slot, row, n_outputs)
         if pre is None:
             return False
         o = pre.order
@@ -500,17 +501,20 @@ class Presampler:
         t0 = time.thread_time_ns()
         try:
             slot = self._slot_of[int(self.nat.ffi.cast("uintptr_t", smpl))]
-            o = self.orders.get(slot)
-            if o is None:
-                return  # the row passes through whole
             view = data.logits
             src = view.view_src
             if src == self.nat.ffi.NULL:
                 # llama.cpp probing how many graph nodes the sampler adds (it sizes the
-                # graph by that): a share of the shared ops, counted as tensors of its context
+                # graph by that, at creation and at each llama_set_sampler): a share of the
+                # shared ops, counted as tensors of its context, whether or not the slot has
+                # an order now (at creation none has: a budget of the probe's own tensor per
+                # slot overflowed the graph's context at 64 ordered rows)
                 for _ in range(PROBE_NODES):
                     self.nat.lib.ggml_new_tensor_1d(ctx, self.nat.lib.GGML_TYPE_F32, 1)
                 return
+            o = self.orders.get(slot)
+            if o is None:
+                return  # the row passes through whole
             row = int(view.view_offs) // int(src.nb[1])
             if self._graph != ctx or self._shared is None:
                 self._graph = ctx

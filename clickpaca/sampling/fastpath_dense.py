@@ -59,6 +59,13 @@ def dense_key(s: SequenceSampler, pre) -> int | None:
     return pre.blocks.size
 
 
+def _keep(ok: np.ndarray, js: list[int], out: list, fallback) -> np.ndarray:
+    """Rows js[a] where ok[a] is False get ``fallback``; the positions a where it is True."""
+    for a in np.flatnonzero(~ok).tolist():
+        out[js[a]] = fallback(js[a])
+    return np.flatnonzero(ok)
+
+
 def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: list, fallback,
                finish) -> None:
     """The dense draw of rows js (``dense_plan`` said yes, the order's temperature is the
@@ -74,9 +81,7 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
     # the host's walk assumes masses >= 0 (a non-decreasing cumulative sum): else per row
     ok = (total > 0) & (blocks >= 0).all(axis=1) & np.fromiter(
         (pres[j].dense is not None and pres[j].order.u is not None for j in js), bool, len(js))
-    for a in np.flatnonzero(~ok).tolist():
-        out[js[a]] = fallback(js[a])
-    g = np.flatnonzero(ok)
+    g = _keep(ok, js, out, fallback)
     if not g.size:
         return
     gl = [js[a] for a in g.tolist()]
@@ -93,9 +98,7 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
     chunks = [pres[j].dense.get(bb) for j, bb in zip(gl, b.tolist())]
     have = np.fromiter((c is not None and c.size == BLOCK for c in chunks), bool, m)
     if not have.all():
-        for x in np.flatnonzero(~have).tolist():
-            out[gl[x]] = fallback(gl[x])
-        keep = np.flatnonzero(have)
+        keep = _keep(have, gl, out, fallback)
         if not keep.size:
             return
         gl = [gl[x] for x in keep.tolist()]
