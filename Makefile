@@ -24,7 +24,7 @@ export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
 endif
 endif
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study bundle gpu-check clean help
+.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study kv-center-study bundle gpu-check clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -241,6 +241,32 @@ kv-sim-study: setup patched
 		--smollm2-retrieval bench-results/kv-smollm2-retrieval/kv-retrieval.json,bench-results/kv-smollm2-retrieval-4k/kv-retrieval.json \
 		--sim "Gemma 3 270M=$(KV_SIM_OUT)/gemma.json,$(KV_SIM_OUT)/gemma-2.json" \
 		"SmolLM2-135M=$(KV_SIM_OUT)/smollm2.json,$(KV_SIM_OUT)/smollm2-2.json"
+
+## kv-center-study: key centering served natively (init kvCenter, native/kvcenter): each model's center
+## calibrated on Othello (not the haystacks' Hamlet), retrieval at 1-4k of the centered winners beside
+## their uncentered types, the perplexity study's centered rows with the Othello center instead of its
+## own (does the calibration text matter), then what the subtraction costs a decode (bench batch --center)
+KV_CENTER_OUT ?= bench-results/kv-center
+KV_CENTER_GEMMA ?= f16,q4_0,turbo4,q5_0/turbo3,q5_0+c/turbo3,iq4_nl,iq4_nl+c/iq4_nl
+KV_CENTER_SMOL ?= f16,q4_0,iq4_nl,iq4_nl+c/q4_0,iq4_nl+c/iq4_nl
+kv-center-study: KV_GROUP := kv-center-study-$(shell date -u +%Y%m%dT%H%M%SZ)
+kv-center-study: setup patched
+	$(PY) -m bindgen
+	mkdir -p $(KV_CENTER_OUT)
+	for m in gemma3-270m smollm2; do $(PY) -m clickpaca kv-center --model $$m -o $(KV_CENTER_OUT)/$$m-othello.npz \
+		--text "$$($(PY) -c 'from clickpaca.measure.texts import default_text_path as p; print(p("othello_gut.txt"))')" \
+		|| exit 1; done
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca kv-retrieval --model gemma3-270m --cache $(KV_CENTER_GEMMA) \
+		--center $(KV_CENTER_OUT)/gemma3-270m-othello.npz --lengths 1024,2048,4096 --needles 12 --out $(KV_CENTER_OUT)/gemma
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca kv-retrieval --model smollm2 --cache $(KV_CENTER_SMOL) \
+		--center $(KV_CENTER_OUT)/smollm2-othello.npz --lengths 1024,2048,4096 --needles 12 --out $(KV_CENTER_OUT)/smollm2
+	$(PY) -m clickpaca.measure.kvsim --model gemma3-270m --chunks 2 --threads 1 --real "q4_0,q5_0+c/turbo3,iq4_nl+c/iq4_nl" \
+		--center $(KV_CENTER_OUT)/gemma3-270m-othello.npz --out $(KV_CENTER_OUT) --name gemma-othello-center
+	$(PY) -m clickpaca.measure.kvsim --model smollm2 --chunks 2 --threads 1 --real "q4_0,iq4_nl+c/q4_0,iq4_nl+c/iq4_nl" \
+		--center $(KV_CENTER_OUT)/smollm2-othello.npz --out $(KV_CENTER_OUT) --name smollm2-othello-center
+	CLICKPACA_RUN_GROUP=$(KV_GROUP) $(PY) -m clickpaca bench batch --build kvcenter --center \
+		$(KV_CENTER_OUT)/gemma3-270m-othello.npz --seqs 8,64 --tokens 32 --prompt-tokens 32 --repeats 3 --out $(KV_CENTER_OUT)
+	@echo "recorded as group $(KV_GROUP): .venv/bin/clickpaca results list --group $(KV_GROUP)"
 
 ## clean: remove the venv and the build links (the build cache in ~/.cache/clickpaca stays)
 clean:

@@ -74,8 +74,14 @@ def test_ready_reports_the_center_and_the_build(centered, center_path):
     assert r["kvCenter"]["calibration"]["tokens"] == 128 and r["kvCenter"]["path"] == center_path
 
 
-def test_a_centered_sequence_runs_as_it_runs_alone(centered):
+def test_a_centered_sequence_runs_as_it_runs_alone(centered, center_path):
+    """Beside neighbours and in a new process: the same bits (deterministic mode's promise)."""
     alone = {p: greedy(centered, 0, p) for p in PROMPTS}
+    again = spawn(kvCenter=center_path)
+    try:
+        assert greedy(again, 3, PROMPTS[0]) == alone[PROMPTS[0]]
+    finally:
+        again.close()
     lines = [json.dumps({"type": "infer", "seq_id": s, "prompt": p, "maxTokens": N_GEN, "temperature": 0,
                          "nProbs": 3}).encode() + b"\n" for s, p in enumerate(PROMPTS)]
     centered.send_raw(b"".join(lines))
@@ -97,6 +103,8 @@ def test_a_state_loads_under_its_own_center_only(centered, center_path, tmp_path
     plain = spawn(build="kvcenter")
     try:
         assert plain.ready["kvCenter"] is None
+        # the center is really in the graph: the same prompt's numbers move (by rounding, in f16)
+        assert greedy(plain, 3, PROMPTS[0]) != greedy(centered, 3, PROMPTS[0])
         with pytest.raises(ServerError) as e:
             plain.request({"type": "load", "seq_id": 0, "path": str(path)})
         msg = e.value.event["message"]

@@ -144,3 +144,22 @@ def test_study_runs_a_centered_real_type(model_path, tmp_path):
         assert r["kl_ratio_ci"][0] <= r["kl_ratio"] <= r["kl_ratio_ci"][1]
         assert r["dppl_rel_ci"][0] <= r["dppl_rel"] <= r["dppl_rel_ci"][1]
     assert study.main(["--model", str(model_path), "--real", "q4_0+c/lm4"]) == 2
+
+
+def test_kv_center_writes_the_studys_own_center(model_path, tmp_path):
+    """`clickpaca kv-center` with a run's --ctx/--chunks is that run's calibration to every bit:
+    the study with --center FILE gives its centered row exactly as with its own calibration."""
+    from clickpaca.llama import kvcenter
+    from clickpaca.measure.kvsim.center import make_center
+
+    path = tmp_path / "c.npz"
+    make_center(str(model_path), None, 128, 2, 2).save(path)
+    args = ["--model", str(model_path), "--ctx", "128", "--chunks", "2", "--threads", "2",
+            "--real", "q4_0,q4_0+c/q4_0", "--out", str(tmp_path)]
+    assert study.main(args + ["--name", "own"]) == 0
+    assert study.main(args + ["--name", "file", "--center", str(path)]) == 0
+    own, got = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("own", "file"))
+    assert got["center"] == str(path) and own["center"] is None
+    rows = [{r["name"]: r for r in out["rows"]}["q4_0+c/q4_0 (real)"] for out in (own, got)]
+    assert rows[0]["token_kl_f16"] == rows[1]["token_kl_f16"] and rows[0]["ppl"] == rows[1]["ppl"]
+    assert kvcenter.read(path).meta["tokens"] == 128

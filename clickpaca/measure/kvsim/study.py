@@ -127,6 +127,12 @@ def calib_window(full: list[int], n_scored: int, ctx: int) -> np.ndarray:
     return np.asarray(full[lo:lo + ctx])
 
 
+def file_calib(path: str) -> dict:
+    """A center file (`clickpaca kv-center`) as the K means hook.Center subtracts."""
+    center = kvcenter.read(path)
+    return {(True, il): quant.Calib(mean=m, rms=np.ones_like(m)) for il, m in enumerate(center.layers)}
+
+
 def n_layers(model: str, build: str) -> int:
     m = core.Model(model, build=build)
     try:
@@ -157,9 +163,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         calib, _ = calibrate(model, calib_window(full, len(tokens), args.ctx), args.threads, build)
     variants = [F32_REF, NOISE_BASE]
     centered = []
+    # --center FILE: the real +c rows subtract that file's center (another text's, say)
+    # instead of this run's calibration; the simulated +c specs keep the run's
+    real_calib = file_calib(args.center) if getattr(args, "center", None) else calib
     for k, v, c in reals:
         if c:
-            centered.append(_Centered(calib))
+            centered.append(_Centered(real_calib))
         variants.append(Variant(real_name(k, v, c), k, v, hook=centered[-1] if c else None))
     factories = []
     for k, v, layers in sims:
@@ -222,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
     against_real(rows)
     return {"model": model, "head": head, "layers": n_layer, "text": text_path, "ctx": args.ctx,
-            "chunks": chunks, "threads": args.threads, "rows": rows}
+            "chunks": chunks, "threads": args.threads, "center": getattr(args, "center", None), "rows": rows}
 
 
 #: the row every other row's KL is read against (issue 42's goal: half of real q4_0's KL)
@@ -273,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--real", default="", help="comma list of real cache types beside: T, K/V, or K+c/V "
                     "(K centered by the calibrated mean, then quantized by the real type): q4_0,turbo4,q4_0+c/q4_0")
+    ap.add_argument("--center", default=None, help="the real K+c/V rows subtract this center file's means "
+                    "(`clickpaca kv-center`) instead of the run's own calibration")
     ap.add_argument("--sim", default="", help="';'-separated K/V[@layers] of quant.py specs")
     ap.add_argument("--floor-of", default=None,
                     help="one of --sim: also its default with prompt chunks of 16 and with cells after 100 "
