@@ -414,7 +414,7 @@ def test_a_cpu_isa_build_is_keyed_apart_and_linked_under_its_own_name():
     assert nb.finished_pinned_build("mainline", "linux-cpu", default) == cached_build()
     assert nb.link_names("patched", None, low) == ["patched-sse42", "turboquant-sse42", "activations-sse42",
                                                    "kvcenter-sse42"]
-    assert nb.link_names("patched", None, default) == ["patched", "turboquant", "activations"]
+    assert nb.link_names("patched", None, default) == ["patched", "turboquant", "activations", "kvcenter"]
     assert nb.link_names("compat", "0.3.16", low) == ["compat-0.3.16"]
     with pytest.raises(nb.BuildError, match="--cpu-isa"):
         nb.cpu_options(amx=False, portable=True, cpu_isa="sse42")

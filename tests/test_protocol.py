@@ -50,7 +50,8 @@ DEFAULTS = {
              "deterministic": False, "preselect": False, "rpcServers": None, "tensorSplit": None,
              "rpcTimeout": 120.0,
              "outputLocal": False, "capture": False,
-             "controlVector": None, "controlVectorLayers": None, "controlVectorStrength": 1.0},
+             "controlVector": None, "controlVectorLayers": None, "controlVectorStrength": 1.0,
+             "kvCenter": None},
     "grammar": {"lenient": False, "numberDigits": 16, "strict": False, "validate": False},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS, **CAPTURE_DEFAULTS,
@@ -228,6 +229,7 @@ BAD = [
     ("init", "controlVectorLayers", [3], "[start, end]"), ("init", "controlVectorLayers", [4, 3], "start <= end"),
     ("init", "controlVectorLayers", [0, 3], "layer 0"),
     ("init", "controlVectorStrength", "1", "finite number"), ("init", "controlVectorStrength", 1e7, "within"),
+    ("init", "kvCenter", "", "empty"), ("init", "kvCenter", 3, "string"),
     # grammar
     ("grammar", "id", 1.5, "string or an integer"), ("grammar", "id", None, "string or an integer"),
     ("grammar", "id", [], "string or an integer"), ("grammar", "id", {"a": 1}, "string or an integer"),
