@@ -6,6 +6,7 @@ them out; without a GPU build they fail at init, never skip.
 - the turbo cache types and deterministic mode are refused by name;
 - capture copies rows out of device memory, and they agree with a run kept on the CPU;
 - per-sequence control vectors steer on the GPU (the patch's ops are ggml ops);
+- key centering (init kvCenter) runs on the GPU, calibrated on the CPU backend;
 - sequences decoded together agree with each alone up to the near-tie rule.
 
 CLICKPACA_GPU_BUILD (default mainline) and CLICKPACA_GPU_PATCHED (default activations)
@@ -170,3 +171,28 @@ def test_sequences_together_agree_with_each_alone_up_to_a_near_tie():
         c.close()
     for a, b in zip(alone, together):
         assert same_up_to_a_near_tie(a, b), (a, b)
+
+
+def test_key_centering_runs_on_the_gpu(tmp_path, model_path):
+    """init kvCenter on the GPU (the centers live in each layer's buffer type): a center
+    calibrated by `clickpaca kv-center` (which runs on the CPU backend of any build) moves
+    the numbers by rounding only, so greedy agrees with the uncentered run up to a near tie."""
+    import sys
+
+    path = tmp_path / "center.npz"
+    out = subprocess.run([sys.executable, "-m", "clickpaca", "kv-center", "-o", str(path), "--model", str(model_path),
+                          "--ctx", "128", "--chunks", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    c = spawn(PATCHED, kvCenter=str(path))
+    try:
+        assert c.ready["kvCenter"]["layers"] == 18
+        centered = greedy(c, 0, PROMPTS[0])
+    finally:
+        c.close()
+    plain = spawn(PATCHED)
+    try:
+        base = greedy(plain, 0, PROMPTS[0])
+    finally:
+        plain.close()
+    assert centered != base  # the center is in the graph
+    assert same_up_to_a_near_tie(base, centered), (base, centered)

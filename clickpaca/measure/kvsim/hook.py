@@ -57,6 +57,10 @@ class _Base:
         try:
             if int(t.type) != self._f32:
                 raise ValueError(f"{ffi.string(t.name).decode()}: type {int(t.type)}, not f32")
+            if t.buffer != ffi.NULL and not self.nat.lib.ggml_backend_buffer_is_host(t.buffer):
+                # the rows are read and written in place: only where they are host memory
+                raise ValueError(f"{ffi.string(t.name).decode()}: in device memory (these hooks run "
+                                 "on the CPU: load the model with no GPU layers)")
             head, heads, tokens = int(t.ne[0]), int(t.ne[1]), int(t.ne[2])
             if int(t.nb[1]) != 4 * head or int(t.nb[2]) != 4 * head * heads:
                 raise ValueError(f"{ffi.string(t.name).decode()}: not contiguous")

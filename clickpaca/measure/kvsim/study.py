@@ -98,8 +98,10 @@ class _Factory:
 
 def calibrate(model: str, tokens: np.ndarray, threads: int | None,
               build: str = "mainline") -> tuple[dict, Any]:
-    """Mean and RMS of K and V per layer and head over one window (Recorder)."""
-    m = core.Model(model, build=build)
+    """Mean and RMS of K and V per layer and head over one window (Recorder). On the CPU
+    whatever the build (the hook reads the rows in host memory; a GPU build's CPU backend
+    computes them), so a GPU machine calibrates too."""
+    m = core.Model(model, build=build, n_gpu_layers=0)
     try:
         rec = hk.Recorder(m.nat)
         n = len(tokens)
