@@ -200,7 +200,7 @@ DIFFERENT = {"modelPath": "/nonexistent/other.gguf", "nGpuLayers": 0, "nCtx": 12
              "flashAttn": "off", "swaFull": False, "kvUnified": False, "stateDir": "/tmp/elsewhere",
              "deterministic": True, "preselect": True, "rpcServers": ["127.0.0.1:50052"], "tensorSplit": [1.0],
              "rpcTimeout": 30.0, "outputLocal": True, "capture": True, "controlVector": "/nonexistent/v.gguf",
-             "controlVectorLayers": [2, 3], "controlVectorStrength": 2.0}
+             "controlVectorLayers": [2, 3], "controlVectorStrength": 2.0, "kvCenter": "/nonexistent/c.npz"}
 #: Fields that only apply with another (the protocol refuses them alone): sent with it.
 WITH = {"controlVectorLayers": "controlVector", "controlVectorStrength": "controlVector"}
 
@@ -216,7 +216,7 @@ def test_client_init_is_checked_against_every_field(sock_server):
                 "nThreads": ready["nThreads"], "build": TEST_BUILD, "flashAttn": "auto", "swaFull": True,
                 "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False, "preselect": False,
                 "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0, "outputLocal": False,
-                "capture": False, "controlVector": None}
+                "capture": False, "controlVector": None, "kvCenter": None}
         assert c.init(**same)["type"] == "ready"  # every field given, each as it runs
         for name, value in DIFFERENT.items():
             if name == "nThreads" and ready["nThreads"] == 1:

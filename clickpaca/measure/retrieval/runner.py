@@ -70,8 +70,6 @@ def run(model: core.Model, s: Setup, hay: np.ndarray, qa: list[tuple[np.ndarray,
     ctx = core.Context(model, n_ctx=_ctx_size(len(hay), qa, s.offset, max_new), n_batch=n_batch,
                        n_ubatch=n_batch, n_seq_max=len(qa) + 2, type_k=s.type_k, type_v=s.type_v,
                        n_threads=threads, flash_attn=s.flash_attn)
-    if s.centered:
-        kvcenter.apply(ctx, center)
     batch = core.Batch(model.nat, n_batch)
     other = len(qa) + 1  # the sequence whose cells come first (offset)
 
@@ -81,6 +79,8 @@ def run(model: core.Model, s: Setup, hay: np.ndarray, qa: list[tuple[np.ndarray,
             raise RuntimeError(f"llama_decode returned {rc} for {s.name}")
 
     try:
+        if s.centered:
+            kvcenter.apply(ctx, center)
         if s.offset:
             batch.clear()
             batch.add(hay[:s.offset], 0, other, output_last=False)
