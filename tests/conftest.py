@@ -114,3 +114,21 @@ def no_leaked_kernel_settings():
     yield
     after = os.environ.get("GGML_CPU_TILED_MM")
     assert after == before, f"this module left GGML_CPU_TILED_MM={after!r} (was {before!r})"
+
+
+def chunked_logits(ctx, model, toks, chunk: int):
+    """Every position's raw logits row, sequence 0's prompt `toks` decoded in chunks of
+    `chunk` tokens (each at most ctx's batch) on a core.Context."""
+    import numpy as np
+
+    from clickpaca.llama import core
+
+    b = core.Batch(model.nat, chunk)
+    out = []
+    for s in range(0, len(toks), chunk):
+        b.clear()
+        b.add(toks[s:s + chunk], s, 0, output_last=False)
+        b.logits[:len(toks[s:s + chunk])] = 1
+        assert ctx.decode(b) == 0
+        out.append(ctx.logits().copy())
+    return np.concatenate(out)

@@ -64,6 +64,15 @@ def greedy(c: Client, seq_id: int, prompt: str, **params) -> list:
     return [(t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top"]]) for t in toks]
 
 
+def greedy_on_a_new_server(build: str, prompt: str, **init) -> list:
+    """`greedy` on a server of its own (spawned with `init`, closed after)."""
+    c = spawn(build, **init)
+    try:
+        return greedy(c, 0, prompt)
+    finally:
+        c.close()
+
+
 def same_up_to_a_near_tie(a: list, b: list) -> bool:
     """Equal token for token, or parting first where `a` had a near-tie (conftest.NEAR_TIE)."""
     for x, y in zip(a, b):
@@ -145,11 +154,7 @@ def test_per_sequence_control_vectors_steer_on_the_gpu(tmp_path):
         on = greedy(c, 1, PROMPTS[0], controlVectorStrength=1.0)
     finally:
         c.close()
-    plain = spawn(PATCHED)
-    try:
-        base = greedy(plain, 0, PROMPTS[0])
-    finally:
-        plain.close()
+    base = greedy_on_a_new_server(PATCHED, PROMPTS[0])
     assert same_up_to_a_near_tie(base, off), (base, off)  # strength 0: no vector
     shift = max(abs(a[1] - b[1]) for a, b in zip(off, on))
     assert [t[0] for t in on] != [t[0] for t in off] or shift > 0.5, (off, on)
@@ -189,10 +194,6 @@ def test_key_centering_runs_on_the_gpu(tmp_path, model_path):
         centered = greedy(c, 0, PROMPTS[0])
     finally:
         c.close()
-    plain = spawn(PATCHED)
-    try:
-        base = greedy(plain, 0, PROMPTS[0])
-    finally:
-        plain.close()
+    base = greedy_on_a_new_server(PATCHED, PROMPTS[0])
     assert centered != base  # the center is in the graph
     assert same_up_to_a_near_tie(base, centered), (base, centered)

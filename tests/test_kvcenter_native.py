@@ -16,6 +16,7 @@ import pytest
 from clickpaca.llama import core, kvcenter
 from clickpaca.llama.models import resolve_model
 from clickpaca.measure.kvsim import hook as hk
+from conftest import chunked_logits
 
 pytestmark = [pytest.mark.turboquant, pytest.mark.model]
 
@@ -45,21 +46,9 @@ def run(model, toks, cache: str, callback=None, center=None, chunk: int = 32) ->
     try:
         if center is not None:
             kvcenter.apply(ctx, center)
-        return _decode(ctx, model, toks, chunk)
+        return chunked_logits(ctx, model, toks, chunk)
     finally:
         ctx.close()
-
-
-def _decode(ctx, model, toks, chunk) -> np.ndarray:
-    b = core.Batch(model.nat, 64)
-    out = []
-    for s in range(0, len(toks), chunk):
-        b.clear()
-        b.add(toks[s:s + chunk], s, 0, output_last=False)
-        b.logits[:len(toks[s:s + chunk])] = 1
-        assert ctx.decode(b) == 0
-        out.append(ctx.logits().copy())
-    return np.concatenate(out)
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +86,15 @@ def test_a_zero_center_and_a_cleared_one_are_upstream_bits(model, toks, center):
     try:
         kvcenter.apply(ctx, center)
         assert ctx.k_center == center.digest
-        centered = _decode(ctx, model, toks[:N], 32)
+        centered = chunked_logits(ctx, model, toks[:N], 32)
         assert not np.array_equal(centered, plain)
         ctx.seq_rm(0, -1, -1)
         kvcenter.apply(ctx, None)  # the graph loses the subtraction: upstream's again
         assert ctx.k_center is None
-        assert np.array_equal(_decode(ctx, model, toks[:N], 32), plain)
+        assert np.array_equal(chunked_logits(ctx, model, toks[:N], 32), plain)
         kvcenter.apply(ctx, center)
         ctx.seq_rm(0, -1, -1)
-        assert np.array_equal(_decode(ctx, model, toks[:N], 32), centered)
+        assert np.array_equal(chunked_logits(ctx, model, toks[:N], 32), centered)
     finally:
         ctx.close()
 

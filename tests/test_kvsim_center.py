@@ -15,6 +15,7 @@ from clickpaca.llama.cachetypes import UnknownCacheType
 from clickpaca.measure.kl import kl_rows, log_softmax
 from clickpaca.measure.kvsim import hook as hk
 from clickpaca.measure.kvsim import study
+from conftest import chunked_logits
 
 N = 128
 
@@ -31,16 +32,10 @@ def _logp(model, toks, cache: str, callback=None, chunk: int = 64) -> np.ndarray
     ctx = core.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=2, type_k=cache,
                        type_v=cache, n_threads=2, flash_attn="off" if cache == "f32" else "on",
                        eval_callback=callback)
-    b = core.Batch(model.nat, 64)
-    out = []
-    for s in range(0, len(toks), chunk):
-        b.clear()
-        b.add(toks[s:s + chunk], s, 0, output_last=False)
-        b.logits[:len(toks[s:s + chunk])] = 1
-        assert ctx.decode(b) == 0
-        out.append(log_softmax(ctx.logits().copy()))
-    ctx.close()
-    return np.concatenate(out)
+    try:
+        return log_softmax(chunked_logits(ctx, model, toks, chunk))
+    finally:
+        ctx.close()
 
 
 def _flips(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
