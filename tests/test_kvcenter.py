@@ -91,3 +91,8 @@ def test_ready_shows_the_calibration():
     r = c.ready("/x/c.npz")
     assert r == {"path": "/x/c.npz", "digest": c.digest, "layers": 1,
                  "calibration": {"model": "m.gguf", "tokens": 7}}
+
+
+def test_a_centered_pair_loads_the_build_with_the_subtraction():
+    assert kvcenter.build_for_centered("q4_0", "q4_0") == "kvcenter"  # mainline's types: the patched build
+    assert kvcenter.build_for_centered("q5_0", "turbo3") == "turboquant"  # the same build, by its types' name

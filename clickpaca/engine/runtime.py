@@ -105,9 +105,8 @@ class Runtime:
         With rpcServers, the workers are checked and connected first, and a worker lost
         later calls `on_worker_lost` with a message naming it (rpc/loss.py)."""
         types = (req.cacheTypeK, req.cacheTypeV)
-        build = req.build or cachetypes.build_for(*types)
-        if req.build is None and req.kvCenter is not None and build == cachetypes.MAINLINE:
-            build = features.BY_NAME["kv-center"].build  # the patched build, mainline's types and all
+        build = req.build or (kvcenter.build_for_centered(*types) if req.kvCenter is not None
+                              else cachetypes.build_for(*types))
         det = req.deterministic  # the edge (protocol.py) set its flashAttn and kvUnified
         flash_attn = attention_for(types, req.flashAttn)
         states = open_state_dir(req.stateDir or state_dir, allow_any_path)

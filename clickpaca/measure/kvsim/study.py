@@ -158,8 +158,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         full = mdl.tokenize(text, add_special=True, parse_special=False)
     finally:
         mdl.close()
+    center_file = getattr(args, "center", None)
+    # the run's own calibration, unless only real +c rows need one and --center gives it
     need_calib = any(quant.parse(s).center or quant.parse(s).kind == "split"
-                     for k, v, _ in sims for s in (k, v)) or any(c for _, _, c in reals)
+                     for k, v, _ in sims for s in (k, v)) \
+        or (any(c for _, _, c in reals) and not center_file)
     calib: dict = {}
     if need_calib:
         calib, _ = calibrate(model, calib_window(full, len(tokens), args.ctx), args.threads, build)
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     centered = []
     # --center FILE: the real +c rows subtract that file's center (another text's, say)
     # instead of this run's calibration; the simulated +c specs keep the run's
-    real_calib = file_calib(args.center) if getattr(args, "center", None) else calib
+    real_calib = file_calib(center_file) if center_file else calib
     for k, v, c in reals:
         if c:
             centered.append(_Centered(real_calib))
@@ -233,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
     against_real(rows)
     return {"model": model, "head": head, "layers": n_layer, "text": text_path, "ctx": args.ctx,
-            "chunks": chunks, "threads": args.threads, "center": getattr(args, "center", None), "rows": rows}
+            "chunks": chunks, "threads": args.threads, "center": center_file, "rows": rows}
 
 
 #: the row every other row's KL is read against (issue 42's goal: half of real q4_0's KL)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ...llama import cachetypes, core, features, kvcenter
+from ...llama import cachetypes, core, kvcenter
 from ..common import model_path, out_dir, png
 from ...llama.cachetypes import DEFAULT, EXACT, attention, build_for, pair_name, parse_pair
 from ...results.report import RETRIEVAL_PLOTS, draw_retrieval, emit, machine
@@ -125,9 +125,8 @@ def measure(args: Any) -> dict[str, Any]:
     if centered and center is None:
         raise ValueError("--cache: a centered pair (K+c/V) needs --center FILE (`clickpaca kv-center` writes one)")
     lengths = parse_list(args.lengths, int)
-    build = build_for(*(t for k, v, _ in specs for t in (k, v)))
-    if centered and build == cachetypes.MAINLINE:
-        build = features.BY_NAME["kv-center"].build  # the patched build: mainline's types and the subtraction
+    types = [t for k, v, _ in specs for t in (k, v)]
+    build = kvcenter.build_for_centered(*types) if centered else build_for(*types)
     noise_of = parse_pair(args.noise_of) if getattr(args, "noise_of", None) else None
     if noise_of and not args.noise:
         raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
