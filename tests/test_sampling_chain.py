@@ -413,6 +413,40 @@ def test_fork_and_seed():
     assert [c.sample(r).token for r in rows] == [d.sample(r).token for r in rows]
 
 
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.sampled_from(["draw", "peek", "undraw", "fork", "reseed"]), max_size=30),
+       seed=st.integers(0, 2**32))
+def test_peek_draw_undraw_keep_the_seeded_stream(ops, seed):
+    """The uniforms a sequence draws are its seed's stream in order, whatever peeks,
+    take-backs (undraw), forks and re-seeds come between: a model of the stream (a list
+    and a position) against the sampler. An undraw comes right after its draw."""
+    V = 100
+    s = SequenceSampler(SamplerParams(seed=seed), V)
+    stream = np.random.default_rng(seed).random(len(ops) + 1).tolist()
+    at, last = 0, None
+    for op in ops:
+        if op == "draw":
+            last = s.draw()
+            assert last == stream[at]
+            at += 1
+        elif op == "peek":
+            assert s.peek() == stream[at]
+            last = None  # undraw takes back only the draw just made
+        elif op == "undraw" and last is not None:
+            s.undraw(last)
+            at, last = at - 1, None
+        elif op == "fork":
+            f = s.fork()
+            assert f.peek() == s.peek() == stream[at]
+            s, last = f, None
+        elif op == "reseed":
+            seed += 1
+            s.set_params(SamplerParams(seed=seed))
+            stream = np.random.default_rng(seed).random(len(ops) + 1).tolist()
+            at, last = 0, None
+    assert s.draw() == stream[at]
+
+
 def test_logprobs():
     V = 300
     rng = np.random.default_rng(5)

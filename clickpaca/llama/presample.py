@@ -154,8 +154,9 @@ def plan_of(orders: dict[int, RowOrder], n_vocab: int, keep: bool = True) -> Pla
 class Preselected:
     """One row's pre-selection, decoded from its packed floats (see the module doc).
 
-    ids/vals: the K best of y (the row with the grammar applied): disallowed tokens
-    may appear with -inf when fewer than K are allowed. top: y's max. blocks: the
+    ids/vals: the K best of y (the row with the grammar applied), in canonical order
+    (value descending, then id; the fast path reads a row's k best as its first k):
+    disallowed tokens may appear with -inf when fewer than K are allowed. top: y's max. blocks: the
     masses exp((y - top) * inv_tau) summed per BLOCK tokens (ggml's softmax in float32,
     summed in float64 per block, over the top's probability; None when not ordered).
     dense: {block id: its BLOCK masses} around the draw.

@@ -228,10 +228,13 @@ def _k_first(seq: np.ndarray, ids: np.ndarray, v: np.ndarray, m: int, k: int):
     return ii[keep].reshape(m, k), vv[keep].reshape(m, k), counts
 
 
-def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """np.take_along_axis(a, idx, 1) for [m, n] a and [m, k] idx, through one flat take."""
-    a = np.ascontiguousarray(a)
-    return np.take(a.reshape(-1), idx + (np.arange(a.shape[0]) * a.shape[1])[:, None])
+def _take(a: np.ndarray, idx: np.ndarray, *more: np.ndarray) -> np.ndarray | tuple:
+    """np.take_along_axis(a, idx, 1) for [m, n] a and [m, k] idx, through one flat take;
+    with ``more`` (matrices of a's shape), the same take of each too (one flat index)."""
+    flat = idx + (np.arange(a.shape[0]) * a.shape[1])[:, None]
+    if not more:
+        return np.take(np.ascontiguousarray(a).reshape(-1), flat)
+    return tuple(np.take(np.ascontiguousarray(x).reshape(-1), flat) for x in (a, *more))
 
 
 def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
@@ -257,7 +260,7 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
               n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None,
-              past=None) -> None:
+              past=None, best: tuple | None = None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -269,34 +272,41 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     (per row, the raw row's log-normaliser) the results carry the log-probabilities, as
     ``SequenceSampler.sample`` computes them from the same candidates. ``flat`` (with
     ``parts`` None): the parts laid end to end, (t per row, row of each candidate in
-    ascending order, ids, float64 values without NaN).
+    ascending order, ids, float64 values without NaN). ``best`` (with ``parts`` None): (t
+    per row, [m, k] ids, [m, k] float64 values without NaN) where each row already holds
+    its k first candidates in canonical order (the pre-selection's rows come sorted:
+    fastpath.py): no selection and no sort then.
 
     Every reduction runs along a row of a C-contiguous [m, .] matrix (numpy reduces it as
     the 1-D row) and every order is a row's own, so a row's result does not depend on
     the other rows; the per-row Python is the draw and the result."""
     m = len(js)
-    if flat is not None:
+    if best is not None:
+        thr, can_ids, can_v = best
+        counts = np.full(m, k)
+    elif flat is not None:
         thr, seq, ids, v = flat
     else:
         thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
         seq = np.repeat(np.arange(m), np.fromiter((ids.size for _, ids, _ in parts), np.intp, m))
         ids = np.concatenate([ids for _, ids, _ in parts])
         v = None
-    if seq.size == 0:
-        for j in js:
-            out[j] = fallback(j)
-        return
-    if v is None:
-        v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
-    # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
-    can_ids, can_v, counts = _k_first(seq, ids, v, m, k)
-    if n_probs or (top_p is not None and top_p < 1.0):  # in canonical order (cut and n best by rank)
-        canon = _canonical(can_ids, can_v)  # None: already (the pre-selection's rows come so)
-        if canon is not None:
-            can_ids, can_v = _take(can_ids, canon), _take(can_v, canon)
+    if best is None:
+        if seq.size == 0:
+            for j in js:
+                out[j] = fallback(j)
+            return
+        if v is None:
+            v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
+        # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
+        can_ids, can_v, counts = _k_first(seq, ids, v, m, k)
+        if n_probs or (top_p is not None and top_p < 1.0):  # in canonical order (cut and n best by rank)
+            canon = _canonical(can_ids, can_v)  # None: already
+            if canon is not None:
+                can_ids, can_v = _take(can_ids, canon, can_v)
     o = np.argsort(can_ids, axis=1)  # the per-sequence set after top-k is in id order
-    top_ids = _take(can_ids, o).astype(np.int32)
-    top_v = _take(can_v, o)  # the id-ordered entry p has canonical rank o[p] (when can_* are canonical)
+    top_ids, top_v = _take(can_ids, o, can_v)  # the id-ordered entry p has canonical rank o[p]
+    top_ids = top_ids.astype(np.int32)
     vmax = top_v.max(axis=1)
     bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
     keep = np.ones((m, k), bool)

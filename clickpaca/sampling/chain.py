@@ -27,9 +27,10 @@ __all__ = ["Candidates", "SampleResult", "SequenceSampler", "StepContext", "appl
 EXPLICIT_MAX = 4096
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SampleResult:
-    """One sampled token.
+    """One sampled token (a value: nothing changes it once made; not frozen, because a
+    frozen dataclass's __init__ costs 4x, about 1 us per token per sequence).
 
     token: the token id, or -1 when ``empty`` (then ``reason`` says why; the caller
       should end the sequence with that error rather than decode on).
@@ -279,6 +280,7 @@ class SequenceSampler:
         self._params = params.validate(self._n_vocab)
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._rng = np.random.default_rng(self._seed)
+        self._next: float | None = None  # the stream's next uniform, once peek() took it
         self._history: list[int] = [] if history is None else history
         self._seen = 0  # how many of _history the window's counts have taken in
         self._counts: dict[int, int] = {}
@@ -320,6 +322,7 @@ class SequenceSampler:
         if params.seed is not None and params.seed != self._seed:
             self._seed = params.seed
             self._rng = np.random.default_rng(self._seed)
+            self._next = None
             self._streams = {}
         if params.penalty_last_n != old.penalty_last_n:
             self._recount()
@@ -339,10 +342,12 @@ class SequenceSampler:
         if seed is None:
             other._seed = self._seed
             other._rng = copy.deepcopy(self._rng)
+            other._next = self._next
             other._streams = copy.deepcopy(self._streams)
         else:
             other._seed = int(seed)
             other._rng = np.random.default_rng(other._seed)
+            other._next = None
             other._streams = {}
         return other
 
@@ -421,16 +426,23 @@ class SequenceSampler:
     def draw(self) -> float:
         """The one uniform number a ``sample`` call draws (``batch.sample_tick`` takes it
         for the rows it samples itself, so the stream stays where ``sample`` leaves it)."""
-        return float(self._rng.random())
+        u = self._next
+        if u is None:
+            return float(self._rng.random())
+        self._next = None
+        return u
 
     def peek(self) -> float:
         """The uniform the next ``draw`` will give, without taking it (the pre-selection
-        needs it before the decode: fastpath.py)."""
-        bg = self._rng.bit_generator
-        state = bg.state
-        u = float(self._rng.random())
-        bg.state = state
-        return u
+        needs it before the decode: fastpath.py). Taken from the generator once and kept
+        for that draw: a peek is as cheap as a draw, and the stream's values are the same."""
+        if self._next is None:
+            self._next = float(self._rng.random())
+        return self._next
+
+    def undraw(self, u: float) -> None:
+        """Take back ``u``, the uniform ``draw`` just gave: the next draw gives it again."""
+        self._next = u
 
     def sample(self, logits_row: np.ndarray, allowed_bitmask: np.ndarray | None = None, *,
                timings: dict | None = None) -> SampleResult:

@@ -42,7 +42,7 @@ from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
-from .fastpath_dense import dense_key, dense_tick
+from .fastpath_dense import dense_plan, dense_tick
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, TEMPERATURE
@@ -421,18 +421,11 @@ def _without_probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
 R.on_change(_without_probs.cache_clear)
 
 
-def _nucleus_plan(s: SequenceSampler) -> tuple | None:
-    """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
-    temperature before it), then at most a positive temperature, without nProbs or
-    trace; None otherwise."""
-    p = s.params
-    if p.trace or p.n_probs:
-        return None
-    return _nucleus_plan_of(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
-
-
 @functools.lru_cache(maxsize=1024)
 def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
+    temperature before it), then at most a positive temperature (the caller has ruled
+    out nProbs and trace); None otherwise."""
     active, first = _steps_to_run(p, has_hist, n_vocab)
     names = [st.name for st in active]
     if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
@@ -457,25 +450,45 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
     js = [j for j, good in zip(js, ok.tolist()) if good]
     if not js:
         return
-    vals = vals[ok]
+    vals = vals[ok].astype(np.float64)
     top = np.array([pres[j].top for j in js])
     # per row as float(np.add.reduce(blocks, dtype=np.float64)): a row of a C-contiguous matrix
     total = np.add.reduce(np.stack([pres[j].blocks for j in js]), axis=1, dtype=np.float64)
-    inside = np.add.reduce(np.exp(vals.astype(np.float64) - top[:, None]), axis=1)
+    inside = np.add.reduce(np.exp(vals - top[:, None]), axis=1)
     rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
-    floor = vals.min(axis=1).astype(np.float64)
+    floor = vals.min(axis=1)
     # a nucleus reaching the floor: PAST_K at once (sample() would redo it all to say so)
     topk_draw(samplers, js, K, top_p, temp, None, out, lambda j: sample(samplers[j], pres[j], None),
               path="graph", rest=rest, floor=floor, past=lambda j: PAST_K,
-              flat=_stacked(floor, [pres[j].ids for j in js], vals))
+              best=(floor, np.stack([pres[j].ids for j in js]), vals))
 
 
-def _stacked(t: np.ndarray, ids: list[np.ndarray], vals: np.ndarray) -> tuple:
-    """topk_draw's ``flat`` for rows of one K: (t, row of each candidate, ids, float64
-    values, NaN as -inf as candidates.gather takes them), the rows' K best in their order."""
-    m, K = vals.shape
-    return (t, np.repeat(np.arange(m), K), np.concatenate(ids),
-            np.fmax(vals, -np.inf, dtype=np.float64).reshape(-1))
+@functools.lru_cache(maxsize=4096)
+def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
+                dense: bool) -> tuple | None:
+    """Which of sample_tick's batched passes takes a row, from its params and what its
+    order asked of the graph (cached: one lookup per row and tick): ("greedy",),
+    ("topk", k, top_p, temperature[, n_probs]) (k None: top-p first, `_nucleus_tick`),
+    ("touched",) (bias / penalties: fastpath_touched), ("dense", 1 / tau) (a draw over
+    the whole vocabulary: fastpath_dense), or None (per row: ``sample``). A masked
+    row's route holds only while its K values are all finite (the caller checks)."""
+    if touched:
+        return None if masked or T.plan_of(p, has_hist, n_vocab) is None else ("touched",)
+    plan = None
+    if not p.n_probs:
+        plan = batch_plan(p, has_hist, n_vocab)
+    elif not masked and mass and not raw:  # nProbs from the same candidates (the raw normaliser from the masses)
+        plan = _without_probs(p, has_hist, n_vocab)
+        plan = plan + (p.n_probs,) if plan is not None and plan[0] == "topk" and p.n_probs <= plan[1] else None
+    if plan is not None or masked or not mass:
+        return plan
+    if not (p.trace or p.n_probs) and (plan := _nucleus_plan_of(p, has_hist, n_vocab)) is not None:
+        return plan
+    tau = dense_plan(p, has_hist, n_vocab) if dense else None
+    return None if tau is None else ("dense", 1.0 / tau)
+
+
+R.on_change(_tick_route.cache_clear)
 
 
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
@@ -491,37 +504,29 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
     greedies, topk, dense, rest, touched = {}, {}, {}, [], []
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
-        p = s.params
-        plan = None
         # (a sum of the masses is finite only when every one is: one pass, not two)
         if not (math.isfinite(pre.top) and (pre.blocks is None or math.isfinite(np.add.reduce(pre.blocks)))):
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
+        p, o = s.params, pre.order
+        route = _tick_route(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab,
+                            mask is not None, o.touched.size > 0, pre.blocks is not None,
+                            pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K
         # values finite, more than K tokens are allowed, so top-k and greedy cut as
-        # without it; top-p's mass left out would need the mask's count: per row
-        plain = mask is None or bool(np.isfinite(pre.vals).all())
-        if plain and not pre.order.touched.size:
-            has_hist = p.penalties_active and s.penalty_window()[0].size > 0
-            if not p.n_probs:
-                plan = batch_plan(p, has_hist, s.n_vocab)
-            elif mask is None and pre.blocks is not None and pre.raw_max is None:
-                # nProbs from the same candidates (the raw normaliser from the masses)
-                plan = _without_probs(p, has_hist, s.n_vocab)
-                plan = plan + (p.n_probs,) if plan is not None and plan[0] == "topk" and p.n_probs <= plan[1] \
-                    else None
-        if plan is None and mask is None and not pre.order.touched.size and pre.blocks is not None:
-            plan = _nucleus_plan(s)
-        if plan is None and mask is None and pre.order.touched.size and T.plan(s) is not None:
-            touched.append(j)  # bias / penalties, then top-k [top-p] [temperature]
-        elif plan is None and mask is None and (key := dense_key(s, pre)) is not None:
-            dense.setdefault(key, []).append(j)  # a draw over the whole vocabulary: fastpath_dense
-        elif plan is None:
+        # without it (else: per row)
+        if route is None or (mask is not None and not np.isfinite(pre.vals).all()):
             rest.append(j)
-        elif plan[0] == "greedy":
+        elif route[0] == "greedy":
             greedies.setdefault(pre.vals.size, []).append(j)
+        elif route[0] == "topk":
+            topk.setdefault((*route[1:], pre.vals.size), []).append(j)
+        elif route[0] == "touched":
+            touched.append(j)  # bias / penalties, then top-k [top-p] [temperature]
+        elif route[1] == o.inv_tau:  # "dense": a draw over the whole vocabulary (fastpath_dense)
+            dense.setdefault(pre.blocks.size, []).append(j)
         else:
-            topk.setdefault((*plan[1:], pre.vals.size), []).append(j)
+            rest.append(j)  # pre-selected for another temperature: sample() says so
     for greedy in greedies.values():
         ids = np.stack([pres[j].ids for j in greedy])
         vals = np.stack([pres[j].vals for j in greedy])
@@ -544,23 +549,25 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             continue
         vals = np.stack([pres[j].vals for j in js])
         K = vals.shape[1]
-        floor = vals.min(axis=1)
-        # the k kept lie strictly above everything left out (<= the K-th value)
-        fine = (np.partition(vals, K - k, axis=1)[:, K - k] > floor).tolist() if k < K else [False] * len(js)
+        floor = vals.min(axis=1)  # NaN with a NaN in the row: not fine below
+        # the k kept lie strictly above everything left out (<= the K-th value); a row's
+        # values come in canonical order (Preselected), so its k-th best is column k - 1
+        fine = (vals[:, k - 1] > floor).tolist() if k < K else [False] * len(js)
         ok_js = [j for j, f in zip(js, fine) if f]
         for j, f in zip(js, fine):
             if not f:
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
-            sel = np.flatnonzero(fine)
-            flat = _stacked(floor[sel], [pres[j].ids for j in ok_js], vals[sel])
+            sel = slice(None) if len(ok_js) == len(js) else np.flatnonzero(fine)
+            ids = np.stack([pres[j].ids[:k] for j in ok_js])
+            best = (floor[sel].astype(np.float64), ids, vals[sel, :k].astype(np.float64))
             raw_lse = None
             if n_probs:  # per row top + log(float(np.add.reduce(blocks, dtype=np.float64)))
                 mass = np.add.reduce(np.stack([pres[j].blocks for j in ok_js]), axis=1, dtype=np.float64)
                 raw_lse = np.array([pres[j].top + math.log(z) for j, z in zip(ok_js, mass.tolist())])
             topk_draw(samplers, ok_js, k, top_p, temp, None, out,
                       lambda j: sample(samplers[j], pres[j], None), path="graph", n_probs=n_probs,
-                      raw_lse=raw_lse, flat=flat)
+                      raw_lse=raw_lse, best=best)
     if touched:
         T.tick(samplers, pres, touched, out, lambda j: sample(samplers[j], pres[j], None))
     for js in dense.values():

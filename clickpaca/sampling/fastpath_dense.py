@@ -28,7 +28,7 @@ from .chain import SampleResult, SequenceSampler, _steps_to_run
 from .table import TEMPERATURE
 from ..llama.presample import BLOCK
 
-__all__ = ["dense_key", "dense_plan", "dense_tick"]
+__all__ = ["dense_plan", "dense_tick"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -45,18 +45,6 @@ def dense_plan(p, has_hist: bool, n_vocab: int) -> float | None:
 
 
 R.on_change(dense_plan.cache_clear)
-
-
-def dense_key(s: SequenceSampler, pre) -> int | None:
-    """The group (the blocks' length) of a row without a grammar that `dense_tick` can
-    take, or None (``fastpath.sample`` decides it, or says why not)."""
-    if pre.order.touched.size or pre.blocks is None or pre.dense is None:
-        return None
-    p = s.params
-    tau = dense_plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
-    if tau is None or 1.0 / tau != pre.order.inv_tau:  # else: pre-selected for another plan
-        return None
-    return pre.blocks.size
 
 
 def _keep(ok: np.ndarray, js: list[int], out: list, fallback) -> np.ndarray:
@@ -89,7 +77,7 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
     m, nb = blocks.shape
     rows = np.arange(m)
     # the uniform order() peeked (the graph's blocks around the draw are for it); the
-    # stream is checked at the end (a draw that is not it is taken back: _undraw)
+    # stream is checked at the end (a draw that is not it is taken back: SequenceSampler.undraw)
     u = np.fromiter((pres[j].order.u for j in gl), np.float64, m)
     target = u * total
     b = np.minimum((cb <= target[:, None]).sum(axis=1), nb - 1)  # searchsorted(cb, target, "right")
@@ -126,19 +114,9 @@ def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: 
             out[jj] = fallback(jj)
         elif s.params.n_probs > 0:  # finish draws only once the log-probabilities are had
             out[jj] = finish(jj, t, mass[x], tot[x]) if s.peek() == pres[jj].order.u else fallback(jj)
-        elif s.draw() == pres[jj].order.u:
+        elif (u := s.draw()) == pres[jj].order.u:
             out[jj] = SampleResult(t, n_candidates=s.n_vocab, path="graph")
         else:  # the stream moved since order(): taken back, and the row decided alone
-            _undraw(s)
+            s.undraw(u)
             out[jj] = fallback(jj)
 
-
-def _undraw(s: SequenceSampler) -> None:
-    """Take back the uniform ``s.draw()`` just took (its generator one step back; a
-    buffered 32-bit half, which a double's draw leaves alone, kept as it was)."""
-    bg = s._rng.bit_generator
-    st = bg.state
-    bg.advance(-1)
-    back = bg.state
-    back["has_uint32"], back["uinteger"] = st["has_uint32"], st["uinteger"]
-    bg.state = back

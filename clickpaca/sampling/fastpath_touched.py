@@ -52,7 +52,8 @@ _TAILS = ([], ["top_p"], ["temperature"], ["top_p", "temperature"])
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(p, has_hist: bool, n_vocab: int) -> tuple | None:
+def plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    """`plan` of params p (with a history or not): cached per params."""
     if p.trace or p.n_probs:
         return None
     active, first = _steps_to_run(p, has_hist, n_vocab)
@@ -71,14 +72,14 @@ def _plan(p, has_hist: bool, n_vocab: int) -> tuple | None:
     return prefix, p.top_k, p.top_p if "top_p" in tail else None, p.temperature if "temperature" in tail else None
 
 
-R.on_change(_plan.cache_clear)
+R.on_change(plan_of.cache_clear)
 
 
 def plan(s: SequenceSampler) -> tuple | None:
     """(prefix step names, k, top_p or None, temperature or None) when the sequence's
     row (without a grammar) can go through `tick`; None otherwise."""
     p = s.params
-    return _plan(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+    return plan_of(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
 
 
 def _segments(row: np.ndarray, m: int) -> np.ndarray:

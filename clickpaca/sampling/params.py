@@ -129,7 +129,7 @@ class SamplerParams:
         (their random streams are their own), so a tick batches them together."""
         return tuple(v for p, v in zip(_tables()[0], self._key) if p.field != "seed")
 
-    @property
+    @cached_property
     def penalties_active(self) -> bool:
         """Whether the penalties step can change anything (else it is skipped)."""
         return self.penalty_last_n != 0 and (
