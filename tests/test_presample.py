@@ -373,13 +373,20 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
 def test_each_row_keeps_its_k_best_by_value_then_id(data):
     """read's sort of a [m, K] block (one int64 key per value) orders each row as numpy's
     lexsort by descending value, then id, orders it alone: NaN last, -0.0 tied with 0.0,
-    infinities, subnormals."""
+    infinities, subnormals; rows that come sorted but for their first two (ggml's CPU
+    top_k) or sorted take the no-sort branch and give the same."""
     m = data.draw(st.integers(1, 4))
     K = data.draw(st.integers(1, 40))
     pool = [0.0, -0.0, 1.5, -1.5, 3.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -1e-40, 3.4e38, -3.4e38]
     vals = np.array(data.draw(st.lists(st.lists(st.sampled_from(pool) | st.floats(width=32), min_size=K,
                                                 max_size=K), min_size=m, max_size=m)), np.float32)
     ids = np.stack([np.random.default_rng(j).permutation(1 << 20)[:K] for j in range(m)]).astype(np.float32)
+    arrange = data.draw(st.sampled_from(["as drawn", "canonical", "as ggml's CPU top_k"]))
+    if arrange != "as drawn":  # rows already sorted (no sort needed), or with their first two swapped
+        o = np.stack([np.lexsort((ids[j].astype(np.int32), -vals[j])) for j in range(m)])
+        if arrange == "as ggml's CPU top_k" and K > 1:
+            o[:, [0, 1]] = o[:, [1, 0]]
+        ids, vals = np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)
     got_ids, got_vals = _own_best_rows(ids, vals)
     for j in range(m):
         o = np.lexsort((ids[j].astype(np.int32), -vals[j]))

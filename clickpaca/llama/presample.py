@@ -249,6 +249,15 @@ def _own_best_rows(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.nd
     ids = ids.astype(np.int32)
     if ids.shape[1] == 1:
         return ids, vals
+    # ggml's CPU top_k hands the K best back sorted by value but for its first two, which
+    # it swaps on purpose: with them put back, rows already canonical need no sort (a
+    # check of a few passes against the keys' dozen and an argsort); any other order is sorted
+    sw = np.arange(ids.shape[1])
+    sw[:2] = 1, 0
+    ids_s, vals_s = ids[:, sw], vals[:, sw]
+    a, b = vals_s[:, :-1], vals_s[:, 1:]
+    if ((a > b) | ((a == b) & (ids_s[:, :-1] < ids_s[:, 1:]))).all():
+        return ids_s, vals_s
     o = np.argsort(canonical_keys(ids, vals), axis=1)
     return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)
 
@@ -412,20 +421,20 @@ class Presampler:
         if not self._fresh:  # llama.cpp reused the last graph: its rows are laid out as then
             self._layouts = dict(self._graph_layouts)
             self._fresh = True
-        groups: dict[Layout, list[int]] = {}
+        groups: dict[int, tuple[Layout, list[int]]] = {}  # by the layout's identity (one per plan)
         for a, (slot, row) in enumerate(zip(slots, rows)):
             lay = self._layouts.get(slot)
             # llama.cpp's negative index: the row itself, not a batch position
             if lay is not None and lib.llama_get_sampled_logits_count_ith(self._ctx, row - n_outputs) == lay.size:
-                groups.setdefault(lay, []).append(a)
+                groups.setdefault(id(lay), (lay, []))[1].append(a)
         if not groups:
             return out
         ptr = lib.llama_get_sampled_logits_ith(self._ctx, -n_outputs)  # row 0: rows lie n_vocab apart
         block = np.frombuffer(ffi.buffer(ptr, n_outputs * self.n_vocab * 4), np.float32)
         block = block.reshape(n_outputs, self.n_vocab)
-        for a in (a for idx in groups.values() for a in idx):
+        for a in (a for _, idx in groups.values() for a in idx):
             self._row_slot[rows[a]] = slots[a]
-        for lay, idx in groups.items():
+        for lay, idx in groups.values():
             r = np.fromiter((rows[a] for a in idx), np.intp, len(idx))
             if r[-1] - r[0] == r.size - 1 and (r.size == 1 or (np.diff(r) == 1).all()):
                 packed = block[r[0]:r[-1] + 1, :lay.size]  # consecutive rows: a view, no copy
