@@ -399,6 +399,24 @@ def test_the_window_of_a_history_read_in_place_equals_the_accepted_one(tokens, p
     assert read.history == own.history == tuple(tokens)
 
 
+@settings(max_examples=100, deadline=None)
+@given(hists=st.lists(st.lists(st.integers(0, 50), max_size=30), min_size=1, max_size=5),
+       n=st.integers(-1, 12), reads=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_penalty_windows_of_a_tick_are_each_sequences_own(hists, n, reads):
+    """SequenceSampler.penalty_windows (a tick's windows sorted in one pass) gives each
+    sequence the arrays its own penalty_window gives, read before or not."""
+    p = SamplerParams(penalty_last_n=n, penalty_repeat=1.1)
+    tick = [SequenceSampler(p, 100, h) for h in hists]
+    own = [SequenceSampler(p, 100, h) for h in hists]
+    for s, read in zip(tick, reads):
+        if read:
+            s.penalty_window()
+    for (ids, cnt), s in zip(SequenceSampler.penalty_windows(tick), own):
+        want_ids, want_cnt = s.penalty_window()
+        assert ids.dtype == want_ids.dtype and cnt.dtype == want_cnt.dtype
+        assert ids.tolist() == want_ids.tolist() and cnt.tolist() == want_cnt.tolist()
+
+
 def test_fork_and_seed():
     V = 1000
     rng = np.random.default_rng(3)

@@ -1013,14 +1013,20 @@ def test_the_near_boundary_rule_excuses_rounding_only():
         assert near_boundary(other, row, p, None, _NO_HIST, u) == near
 
 
+_SETS = st.lists(st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(0, 300_000), max_size=80),
+                 min_size=1, max_size=4)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 300_000), max_size=80), min_size=1, max_size=4))
-def test_touched_ids_are_the_union_of_each_steps_ids(sets):
-    """order's touched ids (bias and penalty ids together): sorted, unique, int32, as
-    np.unique gives them, from each step's sorted set (or any set)."""
-    arrays = [np.array(sorted(set(s)), np.int32) for s in sets]
-    got = F._union(arrays)
-    assert got.dtype == np.int32
-    assert np.array_equal(got, np.unique(np.concatenate(arrays)).astype(np.int32))
-    assert np.array_equal(F._union([np.array(s, np.int64) for s in sets]),
-                          np.unique(np.concatenate([np.array(s, np.int64) for s in sets])).astype(np.int32))
+@given(st.lists(st.none() | _SETS, min_size=1, max_size=6), st.booleans())
+def test_touched_ids_are_the_union_of_each_steps_ids(rows, wide):
+    """order_many's touched ids per row (bias and penalty ids together, every row of the
+    tick in one sort): sorted, unique, int32, as np.unique gives them from that row's
+    sets alone (sorted or not, int32 or int64), whatever the other rows hold."""
+    dtype = np.int64 if wide else np.int32
+    got = F._unions([None if r is None else [np.array(x, dtype) for x in r] for r in rows])
+    assert len(got) == len(rows)
+    for r, g in zip(rows, got):
+        assert g.dtype == np.int32
+        want = np.unique(np.concatenate([np.array(x, np.int64) for x in r])) if r else np.empty(0)
+        assert np.array_equal(g, want.astype(np.int32))

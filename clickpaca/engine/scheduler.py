@@ -41,7 +41,7 @@ from .runtime import Runtime
 from .sequences import Sequence, Sequences
 
 _FAILED = object()  # what `_guard` returns for a stage that failed
-_GRAMMAR = object()  # `_order`: pre-selected once its grammar mask is made
+_GRAMMAR = object()  # `_route`: pre-selected once its grammar mask is made
 
 
 class Scheduler:
@@ -156,19 +156,20 @@ class Scheduler:
         ps = self.rt.ctx.presampler
         if ps is None:
             return
-        orders, self._host_why, self._grammar_wait = {}, {}, []
+        self._host_why, self._grammar_wait = {}, []
+        ready = []  # routed to the graph without a grammar: ordered together below
         for f in plan:
             if not f.samples:
                 continue
             seq = f.key
-            got = self._guard(seq, "prepare", self._order, seq, f)
+            got = self._guard(seq, "prepare", self._route, seq, f)
             if isinstance(got, str):
                 self._host_why[seq] = got
             elif got is _GRAMMAR:
                 self._grammar_wait.append(seq)
             elif got is not _FAILED:
-                orders[seq.slot] = got
-        ps.order(orders)
+                ready.append(seq)
+        ps.order(self._orders(ready, [None] * len(ready)))
 
     def _grammar_orders(self, job: MaskJob) -> None:
         """The pre-selected rows with a grammar need their mask before the decode (the
@@ -179,19 +180,32 @@ class Scheduler:
         ps = self.rt.ctx.presampler
         job.wait()
         orders = dict(ps.orders)
+        ready, masks = [], []
         for seq in self._grammar_wait:
             if seq.job is None:
                 continue
             try:
-                mask = job.row(seq)
+                masks.append(job.row(seq))
             except Exception:  # noqa: BLE001 - reported when its row is sampled
                 self._host_why[seq] = "grammar mask failed"
                 continue
-            got = self._guard(seq, "prepare", fastpath.order, seq.job.drawer(), mask, self._k(seq))
-            if got is not _FAILED:
-                orders[seq.slot] = got
+            ready.append(seq)
         self._grammar_wait = []
+        orders.update(self._orders(ready, masks))
         ps.order(orders)
+
+    def _orders(self, seqs: list[Sequence], masks: list) -> dict[int, Any]:
+        """{slot: RowOrder} of sequences routed to the graph, made together
+        (fastpath.order_many); if that raises, one at a time, so that only a sequence
+        whose order fails ends (stage `prepare`)."""
+        if not seqs:
+            return {}
+        try:
+            made = fastpath.order_many([seq.job.drawer() for seq in seqs], masks, [self._k(seq) for seq in seqs])
+        except Exception:  # noqa: BLE001 - retried one at a time below
+            made = [self._guard(seq, "prepare", fastpath.order, seq.job.drawer(), mask, self._k(seq))
+                    for seq, mask in zip(seqs, masks)]
+        return {seq.slot: got for seq, got in zip(seqs, made) if got is not _FAILED}
 
     @staticmethod
     def _k(seq: Sequence) -> int:
@@ -199,18 +213,16 @@ class Scheduler:
         return paths.k if paths is not None else fastpath.K_MIN
 
     @staticmethod
-    def _order(seq: Sequence, f: Feed) -> Any:
-        """The sequence's RowOrder, or why its row comes back whole."""
+    def _route(seq: Sequence, f: Feed) -> Any:
+        """None when the sequence's row is ordered now (without a grammar), _GRAMMAR when
+        once its mask is made, or why its row comes back whole."""
         if len(f.rows) != 1:
             return "more than one row"  # a capture asked for logits rows beside the sampled one
-        sampler = seq.job.drawer()
         grammar = seq.job.grammar() is not None
-        why = fastpath.route(sampler, grammar=grammar)
+        why = fastpath.route(seq.job.drawer(), grammar=grammar)
         if why is not None:
             return why
-        if grammar:  # ordered once its mask is made (_grammar_orders)
-            return _GRAMMAR
-        return fastpath.order(sampler, None, k=Scheduler._k(seq))
+        return _GRAMMAR if grammar else None  # a grammar's row: ordered in _grammar_orders
 
     def _recover(self, plan: list[Feed], rc: int) -> list[Feed]:
         """The decode failed: end only the sequences concerned, rebuild, and retry."""

@@ -69,9 +69,9 @@ def _tick_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int) -> float
 def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
                     mask: np.ndarray | None) -> tuple[float, int]:
     """(us per row, rows the values could not decide) of the host's work on the
-    pre-selection path for a tick of 64 forks of ``s``: each row's order before the
-    decode (fastpath.order) and the draw from its pre-selected values after it
-    (fastpath.sample_tick). What the graph computes (presample.reference stands in for
+    pre-selection path for a tick of 64 forks of ``s``: the rows' orders before the
+    decode (fastpath.order_many, as the engine makes them) and the draws from their
+    pre-selected values after it (fastpath.sample_tick). What the graph computes (presample.reference stands in for
     it here) is the decode's work, not timed. A row whose values cannot decide would
     take the host path on its whole row: counted, not timed."""
     from ..llama.presample import reference
@@ -84,7 +84,7 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
     for _ in range(rounds + 1):  # the first round warms up (and lets K adapt)
         forks = [SequenceSampler(p, s.n_vocab, list(s.history)) for p in own]
         t0 = time.thread_time_ns()
-        orders = [fastpath.order(f, mask, k) for f, k in zip(forks, ks)]
+        orders = fastpath.order_many(forks, [mask] * TICK_ROWS, ks)
         t_order = time.thread_time_ns() - t0
         pres = [reference(rows[i % len(rows)], o) for i, o in enumerate(orders)]  # each row's own K (read)
         t0 = time.thread_time_ns()

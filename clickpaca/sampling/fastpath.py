@@ -105,21 +105,9 @@ def route(s: SequenceSampler, grammar: bool) -> str | None:
 
 
 def _touched(s: SequenceSampler, prefix) -> np.ndarray:
+    """The sorted unique ids the prefix steps touch for this sequence now."""
     ctx = StepContext(s.penalty_window() if s.params.penalties_active else _NO_HIST)
-    sets = [st.touches(s.params, ctx) for st in prefix if st.touches is not None]
-    if not sets:
-        return _NO_TOUCHED
-    return _union(sets)
-
-
-def _union(sets: list[np.ndarray]) -> np.ndarray:
-    """Sorted unique int32 ids of several sets (np.unique hashes: 10x slower at this size)."""
-    c = np.concatenate(sets).astype(np.int32)
-    c.sort()
-    keep = np.empty(c.size, bool)
-    keep[:1] = True
-    np.not_equal(c[1:], c[:-1], out=keep[1:])
-    return c[keep]
+    return _unions([[st.touches(s.params, ctx) for st in prefix if st.touches is not None]])[0]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,23 +135,67 @@ R.on_change(_order_plan.cache_clear)
 def order(s: SequenceSampler, words: np.ndarray | None, k: int = K_MIN) -> RowOrder:
     """What the graph must hand back for this sequence's next token (route() said yes).
     ``words``: the grammar's bitmask (int32 words, ``bitmask.as_words``), or None."""
-    mask_bytes = None
-    n_allowed = n = s.n_vocab
-    if words is not None:
-        words = as_words(words, n)
-        mask_bytes = words.view(np.uint8)
-        n_allowed = count_allowed(words, n)
-    p = s.params
-    has_hist = p.penalties_active and s.penalty_window()[0].size > 0
-    need, touches, mass, inv_tau, raw, dense, greedy, prefix = _order_plan(p, has_hist, n_allowed, k,
-                                                                           mask_bytes is not None)
-    touched = _touched(s, prefix) if touches else _NO_TOUCHED
-    if touched.size:
-        need += touched.size
-    elif greedy:
-        need = 1  # greedy: argmax's id is the canonical first token
-    return RowOrder(k=min(need, K_MAX, n), mass=mass, inv_tau=inv_tau, touched=touched,
-                    u=s.peek() if dense else None, raw=raw, mask=mask_bytes)
+    return order_many([s], [words], [k])[0]
+
+
+def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
+               ks: list[int]) -> list[RowOrder]:
+    """``[order(s, w, k) ...]`` for a tick's rows: the same orders, with every row's
+    touched ids (bias, penalty window) made in one sort over the tick (a row's few dozen
+    ids cost their numpy calls, not their sorting)."""
+    SequenceSampler.penalty_windows([s for s in samplers if s.params.penalties_active])  # read below
+    rows, sets = [], []
+    for s, w, k in zip(samplers, words, ks):
+        mask_bytes = None
+        n_allowed = n = s.n_vocab
+        if w is not None:
+            w = as_words(w, n)
+            mask_bytes = w.view(np.uint8)
+            n_allowed = count_allowed(w, n)
+        p = s.params
+        hist = s.penalty_window() if p.penalties_active else _NO_HIST
+        need, touches, mass, inv_tau, raw, dense, greedy, prefix = _order_plan(p, hist[0].size > 0, n_allowed, k,
+                                                                               mask_bytes is not None)
+        if touches:
+            ctx = StepContext(hist)
+            sets.append([st.touches(p, ctx) for st in prefix if st.touches is not None])
+        else:
+            sets.append(None)
+        rows.append((s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes))
+    out = []
+    for (s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes), touched in zip(rows, _unions(sets)):
+        if touched.size:
+            need += touched.size
+        elif greedy:
+            need = 1  # greedy: argmax's id is the canonical first token
+        out.append(RowOrder(k=min(need, K_MAX, n), mass=mass, inv_tau=inv_tau, touched=touched,
+                            u=s.peek() if dense else None, raw=raw, mask=mask_bytes))
+    return out
+
+
+def _unions(rows: list[list[np.ndarray] | None]) -> list[np.ndarray]:
+    """Per row, the sorted unique int32 ids of its sets (None or no set: none), every row
+    in one sort: row a's ids as a * 2^32 + id (ids are int32, so rows keep apart and in
+    order), one pass for the duplicates, and each row a view of the result."""
+    out = [_NO_TOUCHED] * len(rows)
+    idx = [a for a, r in enumerate(rows) if r]
+    if not idx:
+        return out
+    parts = [x for a in idx for x in rows[a]]
+    lens = np.fromiter((x.size for x in parts), np.intp, len(parts))
+    per_row = np.add.reduceat(lens, np.cumsum([0] + [len(rows[a]) for a in idx[:-1]]))  # ids per row
+    c = np.concatenate(parts).astype(np.int64) + (np.repeat(np.arange(len(idx), dtype=np.int64), per_row) << 32)
+    c.sort()
+    keep = np.empty(c.size, bool)
+    keep[:1] = True
+    np.not_equal(c[1:], c[:-1], out=keep[1:])
+    c = c[keep]
+    row = (c + (1 << 31)) >> 32  # each key's row (ids lie in [-2^31, 2^31))
+    ids = (c - (row << 32)).astype(np.int32)
+    ends = np.searchsorted(row, np.arange(1, len(idx) + 1)).tolist()
+    for a, start, end in zip(idx, [0] + ends[:-1], ends):
+        out[a] = ids[start:end]
+    return out
 
 
 _NO_TOUCHED = np.empty(0, np.int32)
@@ -475,11 +507,12 @@ def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, ma
     """Which of sample_tick's batched passes takes a row, from its params and what its
     order asked of the graph (cached: one lookup per row and tick): ("greedy",),
     ("topk", k, top_p, temperature[, n_probs]) (k None: top-p first, `_nucleus_tick`),
-    ("touched",) (bias / penalties: fastpath_touched), ("dense", 1 / tau) (a draw over
+    ("touched", fastpath_touched's plan) (bias / penalties), ("dense", 1 / tau) (a draw over
     the whole vocabulary: fastpath_dense), or None (per row: ``sample``). A masked
     row's route holds only while its K values are all finite (the caller checks)."""
     if touched:
-        return None if masked or T.plan_of(p, has_hist, n_vocab) is None else ("touched",)
+        pl = None if masked else T.plan_of(p, has_hist, n_vocab)
+        return None if pl is None else ("touched", pl)
     plan = None
     if not p.n_probs:
         plan = batch_plan(p, has_hist, n_vocab)
@@ -508,7 +541,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     (no reduction crosses rows)."""
     out: list = [None] * len(samplers)
     # rows are stacked by plan and by K (each row has its own: presample.Presampler.read)
-    greedies, topk, dense, rest, touched = {}, {}, {}, [], []
+    greedies, topk, dense, rest, touched = {}, {}, {}, [], {}
     for j, (s, pre, mask) in enumerate(zip(samplers, pres, masks)):
         # (a sum of the masses is finite only when every one is: one pass, not two)
         if not (math.isfinite(pre.top) and (pre.blocks is None or math.isfinite(np.add.reduce(pre.blocks)))):
@@ -527,8 +560,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             greedies.setdefault(pre.vals.size, []).append(j)
         elif route[0] == "topk":
             topk.setdefault((*route[1:], pre.vals.size), []).append(j)
-        elif route[0] == "touched":
-            touched.append(j)  # bias / penalties, then top-k [top-p] [temperature]
+        elif route[0] == "touched":  # bias / penalties, then top-k [top-p] [temperature]
+            touched.setdefault(T.group_key(s, route[1]), []).append(j)
         elif route[1] == o.inv_tau:  # "dense": a draw over the whole vocabulary (fastpath_dense)
             dense.setdefault(pre.blocks.size, []).append(j)
         else:

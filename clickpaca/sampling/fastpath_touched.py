@@ -45,7 +45,7 @@ from .batch import KMAX, topk_draw
 from .chain import SequenceSampler, _steps_to_run
 from .steps import BAN, FORCE
 
-__all__ = ["plan", "tick"]
+__all__ = ["group_key", "plan", "plan_of", "tick"]
 
 _PREFIX = ("logit_bias", "penalties")
 _TAILS = ([], ["top_p"], ["temperature"], ["top_p", "temperature"])
@@ -87,14 +87,16 @@ def _segments(row: np.ndarray, m: int) -> np.ndarray:
     return np.bincount(row, minlength=m)
 
 
-def tick(samplers, pres, js: list[int], out: list, fallback) -> None:
-    """Fill ``out[j]`` for the rows js (each with a `plan`, no grammar): the answer, or
-    ``fallback(j)`` (``fastpath.sample``) where the values cannot decide in the batch."""
-    groups: dict = {}
-    for j in js:
-        s = samplers[j]
-        # by everything but the seed: sequences of one chain with their own seeds batch together
-        groups.setdefault((s.params.chain_key, plan(s), s.n_vocab), []).append(j)
+def group_key(s: SequenceSampler, pl: tuple) -> tuple:
+    """The batch a row of plan ``pl`` joins in `tick`: everything but the seed, so that
+    sequences of one chain with their own seeds batch together."""
+    return s.params.chain_key, pl, s.n_vocab
+
+
+def tick(samplers, pres, groups: dict[tuple, list[int]], out: list, fallback) -> None:
+    """Fill ``out[j]`` for the rows of ``groups`` ({`group_key`: rows j}, each row with
+    that `plan`, no grammar): the answer, or ``fallback(j)`` (``fastpath.sample``) where
+    the values cannot decide in the batch."""
     for (_, pl, V), g in groups.items():
         _group(samplers, pres, g, samplers[g[0]].params, pl, V, out, fallback)
 

@@ -1,7 +1,7 @@
 """The host's whole share of the pre-selection, measured on a real decode.
 
 `bench sampler`'s synthetic "preselect" column times the two halves that do not need a
-model (`fastpath.order` before the decode, `fastpath.sample_tick` after it, on numpy's
+model (`fastpath.order_many` before the decode, `fastpath.sample_tick` after it, on numpy's
 reference of the graph's values). A real tick has two more parts on the host, both here:
 the callbacks llama.cpp makes into Python while it builds the graph (the ops are composed
 there and their inputs uploaded: `Presampler.cost["callback_ns"]`), and decoding the
@@ -62,7 +62,7 @@ def measure(model_path: str | None = None, n: int = 64, rounds: int = 3, threads
             whole = 0
             for r in range(rounds + 1):  # the first round warms up (and lets K adapt)
                 t0 = time.thread_time_ns()
-                ps.order({s: fastpath.order(samplers[s], mask, ks[s]) for s in slots})
+                ps.order(dict(zip(slots, fastpath.order_many(samplers, [mask] * n, ks))))
                 t_order = time.thread_time_ns() - t0
                 batch.clear()
                 for s in slots:
