@@ -281,9 +281,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     the 1-D row) and every order is a row's own, so a row's result does not depend on
     the other rows; the per-row Python is the draw and the result."""
     m = len(js)
+    counts = None  # every row has its k (best)
     if best is not None:
         thr, can_ids, can_v = best
-        counts = np.full(m, k)
     elif flat is not None:
         thr, seq, ids, v = flat
     else:
@@ -308,7 +308,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     top_ids, top_v = _take(can_ids, o, can_v)  # the id-ordered entry p has canonical rank o[p]
     top_ids = top_ids.astype(np.int32)
     vmax = top_v.max(axis=1)
-    bad = ~np.isfinite(vmax) | ~np.isfinite(thr) | (counts < k)  # +-inf or NaN: per sequence
+    bad = ~(np.isfinite(vmax) & np.isfinite(thr))  # +-inf or NaN: per sequence
+    if counts is not None:
+        bad |= counts < k  # fewer than k candidates (NaN): per sequence
     keep = np.ones((m, k), bool)
     cut = np.full(m, k - 1)  # the last canonical rank kept
     if top_p is not None and top_p < 1.0:
@@ -340,14 +342,14 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
         return
     gl = g.tolist()
     u = np.fromiter((samplers[js[a]].draw() for a in gl), np.float64, g.size)
-    cg = c[g]
+    cg, sz, la = (c, size, last) if g.size == m else (c[g], size[g], last[g])
     # each row's np.searchsorted(c[a], u * c[a, -1], side="right"): c never decreases
     jj = (cg <= (u * cg[:, -1])[:, None]).sum(axis=1)
-    pos = np.where(size[g] == 1, last[g], np.minimum(jj, last[g]))
+    pos = np.where(sz == 1, la, np.minimum(jj, la))
     tok = top_ids[g, pos]
     if not n_probs:
-        for a, t, sz in zip(gl, tok.tolist(), size[g].tolist()):
-            out[js[a]] = SampleResult(t, n_candidates=sz, path=path)
+        for a, t, n in zip(gl, tok.tolist(), sz.tolist()):
+            out[js[a]] = SampleResult(t, n_candidates=n, path=path)
         return
     # log-probabilities: raw over the row (its top n are the k's first n, canonical),
     # steered over the kept set (a canonical prefix: temperature keeps the order)

@@ -547,8 +547,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         if not (math.isfinite(pre.top) and (pre.blocks is None or math.isfinite(np.add.reduce(pre.blocks)))):
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
-        p, o = s.params, pre.order
-        route = _tick_route(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab,
+        p, o = s._params, pre.order  # (the attributes, not the properties: a call per row is a cost here)
+        route = _tick_route(p, p.penalties_active and s.penalty_window()[0].size > 0, s._n_vocab,
                             mask is not None, o.touched.size > 0, pre.blocks is not None,
                             pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K
