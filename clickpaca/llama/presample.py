@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base.order import canonical_keys
+from ..base.order import canonical_keys, is_canonical
 
 __all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table", "reference"]
 
@@ -156,8 +156,8 @@ class Preselected:
 
     ids/vals: the K best of y (the row with the grammar applied), in canonical order
     (value descending, then id; the fast path reads a row's k best as its first k):
-    disallowed tokens may appear with -inf when fewer than K are allowed. top: y's max. blocks: the
-    masses exp((y - top) * inv_tau) summed per BLOCK tokens (ggml's softmax in float32,
+    disallowed tokens may appear with -inf when fewer than K are allowed. top: y's max.
+    blocks: the masses exp((y - top) * inv_tau) summed per BLOCK tokens (ggml's softmax in float32,
     summed in float64 per block, over the top's probability; None when not ordered).
     dense: {block id: its BLOCK masses} around the draw.
     raw_max/raw_mass: the raw row's max and sum exp(x - max) (None: y is x and inv_tau 1,
@@ -255,8 +255,7 @@ def _own_best_rows(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.nd
     sw = np.arange(ids.shape[1])
     sw[:2] = 1, 0
     ids_s, vals_s = ids[:, sw], vals[:, sw]
-    a, b = vals_s[:, :-1], vals_s[:, 1:]
-    if ((a > b) | ((a == b) & (ids_s[:, :-1] < ids_s[:, 1:]))).all():
+    if is_canonical(ids_s, vals_s):
         return ids_s, vals_s
     o = np.argsort(canonical_keys(ids, vals), axis=1)
     return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)

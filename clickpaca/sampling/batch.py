@@ -36,7 +36,7 @@ import numpy as np
 from . import registry as R
 from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
 from .cut import _default_cols
-from ..base.order import canonical_keys
+from ..base.order import canonical_keys, is_canonical
 from .params import SamplerParams
 from .workers import run_all
 
@@ -228,13 +228,12 @@ def _k_first(seq: np.ndarray, ids: np.ndarray, v: np.ndarray, m: int, k: int):
     return ii[keep].reshape(m, k), vv[keep].reshape(m, k), counts
 
 
-def _take(a: np.ndarray, idx: np.ndarray, *more: np.ndarray) -> np.ndarray | tuple:
-    """np.take_along_axis(a, idx, 1) for [m, n] a and [m, k] idx, through one flat take;
-    with ``more`` (matrices of a's shape), the same take of each too (one flat index)."""
-    flat = idx + (np.arange(a.shape[0]) * a.shape[1])[:, None]
-    if not more:
-        return np.take(np.ascontiguousarray(a).reshape(-1), flat)
-    return tuple(np.take(np.ascontiguousarray(x).reshape(-1), flat) for x in (a, *more))
+def _take(idx: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """np.take_along_axis(a, idx, 1) of each [m, n] a (all of one shape) for [m, k] idx,
+    through flat takes with one flat index."""
+    m, n = arrays[0].shape
+    flat = idx + (np.arange(m) * n)[:, None]
+    return tuple(np.take(np.ascontiguousarray(a).reshape(-1), flat) for a in arrays)
 
 
 def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
@@ -243,13 +242,10 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
     what a lexsort((ids, -v)) gives). Values that are float32 (a logits row's) sort as one
     uint64 key per entry, the value's order-preserving bits above the id: one sort with
     distinct keys, whatever the sort's stability; other values by two stable sorts.
-    Rows already in canonical order (the pre-selection hands its K best back so:
-    presample's read and reference) are checked, not sorted: None then."""
+    Rows already in canonical order are checked, not sorted: None then."""
     m, n = v.shape
-    if n > 1:
-        a, b = v[:, :-1], v[:, 1:]
-        if ((a > b) | ((a == b) & (ids[:, :-1] < ids[:, 1:]))).all():
-            return None
+    if n > 1 and is_canonical(ids, v):
+        return None
     f = v.astype(np.float32)
     if ids.size and (f == v).all() and ids.min() >= 0 and ids.max() < 2**32:
         return np.argsort(canonical_keys(ids, f), axis=1)
@@ -303,9 +299,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
         if n_probs or (top_p is not None and top_p < 1.0):  # in canonical order (cut and n best by rank)
             canon = _canonical(can_ids, can_v)  # None: already
             if canon is not None:
-                can_ids, can_v = _take(can_ids, canon, can_v)
+                can_ids, can_v = _take(canon, can_ids, can_v)
     o = np.argsort(can_ids, axis=1)  # the per-sequence set after top-k is in id order
-    top_ids, top_v = _take(can_ids, o, can_v)  # the id-ordered entry p has canonical rank o[p]
+    top_ids, top_v = _take(o, can_ids, can_v)  # the id-ordered entry p has canonical rank o[p]
     top_ids = top_ids.astype(np.int32)
     vmax = top_v.max(axis=1)
     bad = ~(np.isfinite(vmax) & np.isfinite(thr))  # +-inf or NaN: per sequence

@@ -143,7 +143,7 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
     """``[order(s, w, k) ...]`` for a tick's rows: the same orders, with every row's
     touched ids (bias, penalty window) made in one sort over the tick (a row's few dozen
     ids cost their numpy calls, not their sorting)."""
-    SequenceSampler.penalty_windows([s for s in samplers if s.params.penalties_active])  # read below
+    wins = iter(SequenceSampler.penalty_windows([s for s in samplers if s.params.penalties_active]))
     rows, sets = [], []
     for s, w, k in zip(samplers, words, ks):
         mask_bytes = None
@@ -153,7 +153,7 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
             mask_bytes = w.view(np.uint8)
             n_allowed = count_allowed(w, n)
         p = s.params
-        hist = s.penalty_window() if p.penalties_active else _NO_HIST
+        hist = next(wins) if p.penalties_active else _NO_HIST
         need, touches, mass, inv_tau, raw, dense, greedy, prefix = _order_plan(p, hist[0].size > 0, n_allowed, k,
                                                                                mask_bytes is not None)
         if touches:
