@@ -417,6 +417,23 @@ def test_penalty_windows_of_a_tick_are_each_sequences_own(hists, n, reads):
         assert ids.tolist() == want_ids.tolist() and cnt.tolist() == want_cnt.tolist()
 
 
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 11), max_size=40), n=st.sampled_from([-1, 0, 1, 3, 7, 64]),
+       n2=st.sampled_from([-1, 0, 2, 8, 64]), cut=st.integers(0, 45))
+def test_a_recounted_window_is_the_definitions(tokens, n, n2, cut):
+    """truncate and a new penalty_last_n count the window again from the history: the
+    last n tokens, also when the history is shorter than n (the recount once took the
+    last n - len of them then) and after the window was read."""
+    s = SequenceSampler(SamplerParams(penalty_repeat=1.5, penalty_last_n=n), 12, tokens)
+    s.penalty_window()
+    s.truncate(cut)
+    ids, counts = s.penalty_window()
+    assert (ids.tolist(), counts.tolist()) == _window(tokens[:cut], n)
+    s.set_params(SamplerParams(penalty_repeat=1.5, penalty_last_n=n2))
+    ids, counts = s.penalty_window()
+    assert (ids.tolist(), counts.tolist()) == _window(tokens[:cut], n2)
+
+
 def test_fork_and_seed():
     V = 1000
     rng = np.random.default_rng(3)

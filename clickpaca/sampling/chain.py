@@ -359,7 +359,7 @@ class SequenceSampler:
     def _recount(self) -> None:
         w = self._window()
         self._counts = {}
-        for t in self._history[len(self._history) - w:] if w else ():
+        for t in self._history[max(0, len(self._history) - w):] if w else ():
             self._counts[t] = self._counts.get(t, 0) + 1
         self._seen = len(self._history)
         self._hist_arrays = None
