@@ -126,6 +126,8 @@ BIASES = (-1e9, 1e9, -3.0, -0.5, 0.5, 2.0, 10.0)
 #: touched token moves the floor
 RANKS = st.one_of(st.integers(0, 24), st.integers(0, 500),
                   st.sampled_from([7, 8, 9, 10, 15, 16, 17, 18, 63, 64, 65, 66, 199, 200]))
+#: ranks far below the best (ids spread over the vocabulary: by_rank)
+FAR = st.integers(250, 100_000)
 
 
 @st.composite
@@ -577,8 +579,11 @@ def test_the_batched_orders_are_lexsorts():
 def touched_chains(draw) -> dict:
     """Chains fastpath_touched batches: logit bias (bans, no force) and penalties over a
     history, in either order, then top-k [top-p] [temperature]; bias ids and history as
-    ranks (by_rank), often among the best tokens and at the edge of the K best."""
+    ranks (by_rank), often among the best tokens and at the edge of the K best, or (as in
+    a real window and the bench's bias) all far below the best, where the batch takes the
+    K best's own first columns."""
     pre = draw(st.permutations(["logit_bias", "penalties"]))
+    ranks = draw(st.sampled_from([RANKS, RANKS, FAR]))
     tail = ["top_k"] + (["top_p"] if draw(st.booleans()) else []) + (["temperature"] if draw(st.booleans()) else [])
     return chain_of(samplers=None if draw(st.integers(0, 3)) == 0 else pre + tail,
                     top_k=draw(st.sampled_from([2, 3, 5, 8, 16, 40, 63, 64, 200])),
@@ -588,9 +593,9 @@ def touched_chains(draw) -> dict:
                     penalty_freq=draw(st.sampled_from([0.0, 0.1, 0.5])),
                     penalty_present=draw(st.sampled_from([0.1, 0.3, -0.5])),  # never 0: penalties on
                     penalty_last_n=draw(st.sampled_from([8, 64, -1])),
-                    bias=draw(st.lists(st.tuples(RANKS, st.sampled_from([b for b in BIASES if b < 1e9])),
+                    bias=draw(st.lists(st.tuples(ranks, st.sampled_from([b for b in BIASES if b < 1e9])),
                                        max_size=5, unique_by=lambda t: t[0])),
-                    history=draw(st.lists(RANKS, min_size=1, max_size=40)),
+                    history=draw(st.lists(ranks, min_size=1, max_size=40)),
                     seed=draw(st.integers(0, 2**63 - 1)))
 
 

@@ -24,7 +24,10 @@ optionally a positive temperature; no nProbs, no trace. `tick` then does what
   ``fastpath.sample``, which refuses it too (PAST_K, the stream untouched). Only the
   values above the floor go on (untouched ones, touched ones not banned), to
   ``batch.topk_draw``, the draw the host's batched rows use (top-k, top-p over the k,
-  temperature, the draw over them in id order).
+  temperature, the draw over them in id order). Where no touched token is among the K
+  best or above the floor (a window's tokens and most biased ids lie far below the
+  best), those values are the K best's canonical prefix and go on as the row's first k
+  columns, as the plain top-k tick's do.
 
 A row whose values were pre-selected for another plan (a touched set that misses a bias
 id or a token of the penalty window, another temperature), or whose K best hold -inf
@@ -178,13 +181,28 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     t_above = alive & (v > floor[t_row])
     k_above = ~k_touched & (k_vals > floor[k_row])
     ok &= _segments(k_row[k_above], m) + _segments(t_row[t_above], m) >= k
-    k_sel = k_above & ok[k_row]
-    t_sel = t_above & ok[t_row]
     for j, g in zip(js, ok.tolist()):
         if not g:
             out[j] = fallback(j)
+    # Rows where no touched token is among the K best or above the floor (the common
+    # case: a penalty window's tokens and most biased ids lie far below the best): the
+    # set is the K best above the floor, a canonical prefix of the row (Preselected),
+    # so top-k keeps its first k columns, with no assembly, selection or sort.
+    plain = ok & (_segments(k_row[k_touched], m) == 0) & (_segments(t_row[t_above], m) == 0)
+    if plain.any():
+        a = np.flatnonzero(plain)
+        if (k_n == k_n[0]).all():  # one K: the matrices are the flat arrays' rows
+            b_ids, b_vals = k_ids.reshape(m, -1)[a, :k], k_vals.reshape(m, -1)[a, :k]
+        else:
+            b_ids = np.concatenate([ps[x].ids[:k] for x in a.tolist()]).reshape(-1, k)
+            b_vals = np.concatenate([ps[x].vals[:k] for x in a.tolist()]).reshape(-1, k)
+        topk_draw(samplers, [js[x] for x in a.tolist()], k, top_p, temp, None, out, fallback, path="graph",
+                  best=(floor[a], b_ids, b_vals.astype(np.float64)))
+        ok &= ~plain
     if not ok.any():
         return
+    k_sel = k_above & ok[k_row]
+    t_sel = t_above & ok[t_row]
     # the sets end to end, row by row (rows renumbered among those kept)
     kr, tr = k_row[k_sel], t_row[t_sel]
     nk, nt = _segments(kr, m), _segments(tr, m)
