@@ -399,24 +399,6 @@ def test_the_window_of_a_history_read_in_place_equals_the_accepted_one(tokens, p
     assert read.history == own.history == tuple(tokens)
 
 
-@settings(max_examples=100, deadline=None)
-@given(hists=st.lists(st.lists(st.integers(0, 50), max_size=30), min_size=1, max_size=5),
-       n=st.integers(-1, 12), reads=st.lists(st.booleans(), min_size=5, max_size=5))
-def test_penalty_windows_of_a_tick_are_each_sequences_own(hists, n, reads):
-    """SequenceSampler.penalty_windows (a tick's windows sorted in one pass) gives each
-    sequence the arrays its own penalty_window gives, read before or not."""
-    p = SamplerParams(penalty_last_n=n, penalty_repeat=1.1)
-    tick = [SequenceSampler(p, 100, h) for h in hists]
-    own = [SequenceSampler(p, 100, h) for h in hists]
-    for s, read in zip(tick, reads):
-        if read:
-            s.penalty_window()
-    for (ids, cnt), s in zip(SequenceSampler.penalty_windows(tick), own):
-        want_ids, want_cnt = s.penalty_window()
-        assert ids.dtype == want_ids.dtype and cnt.dtype == want_cnt.dtype
-        assert ids.tolist() == want_ids.tolist() and cnt.tolist() == want_cnt.tolist()
-
-
 @settings(max_examples=200, deadline=None)
 @given(tokens=st.lists(st.integers(0, 11), max_size=40), n=st.sampled_from([-1, 0, 1, 3, 7, 64]),
        n2=st.sampled_from([-1, 0, 2, 8, 64]), cut=st.integers(0, 45))
@@ -429,9 +411,12 @@ def test_a_recounted_window_is_the_definitions(tokens, n, n2, cut):
     s.truncate(cut)
     ids, counts = s.penalty_window()
     assert (ids.tolist(), counts.tolist()) == _window(tokens[:cut], n)
+    h = tokens[:cut]
+    assert s.window_tokens() == (h if n < 0 else h[max(0, len(h) - n):] if n else [])
     s.set_params(SamplerParams(penalty_repeat=1.5, penalty_last_n=n2))
     ids, counts = s.penalty_window()
     assert (ids.tolist(), counts.tolist()) == _window(tokens[:cut], n2)
+    assert s.penalizes == bool(ids.size)
 
 
 def test_fork_and_seed():

@@ -1022,16 +1022,56 @@ _SETS = st.lists(st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(0, 300_00
                  min_size=1, max_size=4)
 
 
+#: a row's penalty window: its tokens with repeats (ids of a vocabulary), or None
+_WINDOW = st.none() | st.lists(st.integers(0, 40) | st.integers(0, 2**31 - 1), max_size=70)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.none() | _SETS, min_size=1, max_size=6), st.booleans())
+@given(st.lists(st.tuples(st.none() | _SETS, _WINDOW), min_size=1, max_size=6), st.booleans())
 def test_touched_ids_are_the_union_of_each_steps_ids(rows, wide):
     """order_many's touched ids per row (bias and penalty ids together, every row of the
     tick in one sort): sorted, unique, int32, as np.unique gives them from that row's
-    sets alone (sorted or not, int32 or int64), whatever the other rows hold."""
+    sets and window alone (sorted or not, int32 or int64), whatever the other rows hold;
+    with a window, each id's count in it, 0 for the sets' other ids."""
     dtype = np.int64 if wide else np.int32
-    got = F._unions([None if r is None else [np.array(x, dtype) for x in r] for r in rows])
-    assert len(got) == len(rows)
-    for r, g in zip(rows, got):
+    sets = [None if r is None else [np.array(x, dtype) for x in r] for r, _ in rows]
+    ids, counts = F._unions(sets, [w for _, w in rows])
+    assert len(ids) == len(counts) == len(rows)
+    for (r, w), g, c in zip(rows, ids, counts):
         assert g.dtype == np.int32
-        want = np.unique(np.concatenate([np.array(x, np.int64) for x in r])) if r else np.empty(0)
-        assert np.array_equal(g, want.astype(np.int32))
+        every = [np.array(x, np.int64) for x in r or ()] + [np.array(w or [], np.int64)]
+        assert np.array_equal(g, np.unique(np.concatenate(every)).astype(np.int32))
+        if not w:
+            assert c is None
+            continue
+        assert c.dtype == np.float64
+        assert c.tolist() == [float(w.count(t)) for t in g.tolist()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(hists=st.lists(st.lists(st.integers(0, 50), max_size=30), min_size=1, max_size=5),
+       n=st.integers(-1, 12), bias=st.lists(st.integers(0, 60), max_size=4, unique=True),
+       reads=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_each_order_keeps_its_sequences_window_counts(hists, n, bias, reads):
+    """order_many hands each sequence the counts of its touched ids in its own penalty
+    window (what the touched batch's penalties read), a window read before or not; a
+    token accepted after the order, or another order's ids, get None (that row goes
+    per sequence)."""
+    p = SamplerParams(penalty_last_n=n, penalty_repeat=1.1, logit_bias={t: -0.5 for t in bias}, seed=1)
+    tick = [SequenceSampler(p, 100, h) for h in hists]
+    for s, read in zip(tick, reads):
+        if read:
+            s.penalty_window()
+    orders = F.order_many(tick, [None] * len(tick), [F.K_MIN] * len(tick))
+    for s, o in zip(tick, orders):
+        ids, cnt = s.penalty_window()
+        assert o.touched.tolist() == sorted(set(ids.tolist()) | set(bias))
+        got = s.order_counts(o.touched)
+        if not s.penalizes:
+            assert got is None
+            continue
+        window = dict(zip(ids.tolist(), cnt.tolist()))
+        assert got.tolist() == [window.get(t, 0.0) for t in o.touched.tolist()]
+        assert s.order_counts(o.touched.copy()) is None
+        s.accept(7)
+        assert s.order_counts(o.touched) is None

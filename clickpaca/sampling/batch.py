@@ -103,7 +103,7 @@ def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: S
     for j, s in enumerate(samplers):
         mask = masks[j] if masks is not None else None
         p = s.params
-        has_hist = p.penalties_active and s.penalty_window()[0].size > 0
+        has_hist = s.penalizes
         plan = None
         if mask is None and logits.ndim == 2 and logits.shape[1] == s.n_vocab:
             plan = batch_plan(p, has_hist, s.n_vocab)

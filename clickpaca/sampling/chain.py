@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import secrets
 import time
 from dataclasses import dataclass
@@ -286,6 +285,7 @@ class SequenceSampler:
         self._seen = 0  # how many of _history the window's counts have taken in
         self._counts: dict[int, int] = {}
         self._hist_arrays = None
+        self._order_counts = None  # fastpath.order_many's (touched ids, their window counts)
         self._states: dict = {}
         self._streams: dict = {}
         self._vocab = vocab
@@ -338,6 +338,7 @@ class SequenceSampler:
         other._seen = self._seen
         other._counts = dict(self._counts)
         other._hist_arrays = self._hist_arrays
+        other._order_counts = None
         other._states = copy.deepcopy(self._states)
         other._vocab = self._vocab
         if seed is None:
@@ -359,10 +360,10 @@ class SequenceSampler:
     def _recount(self) -> None:
         w = self._window()
         self._counts = {}
-        for t in self._history[max(0, len(self._history) - w):] if w else ():
+        for t in self.window_tokens():
             self._counts[t] = self._counts.get(t, 0) + 1
         self._seen = len(self._history)
-        self._hist_arrays = None
+        self._hist_arrays = self._order_counts = None
 
     def _sync(self) -> None:
         """Take the tokens the history gained since the last read into the penalty
@@ -388,7 +389,7 @@ class SequenceSampler:
                     else:
                         del counts[old]
         self._seen = end
-        self._hist_arrays = None
+        self._hist_arrays = self._order_counts = None
 
     def accept(self, token: int) -> None:
         """Add a token that entered the context to the history (and the penalty window).
@@ -422,31 +423,33 @@ class SequenceSampler:
                 self._hist_arrays = _NO_HIST
         return self._hist_arrays
 
-    @staticmethod
-    def penalty_windows(samplers: list["SequenceSampler"]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``[s.penalty_window() for s in samplers]``, the windows that changed since
-        their last read (each row of a tick gained a token) sorted in one pass over all
-        of them: the same arrays, for numpy calls per tick instead of per sequence."""
-        stale = []
-        for s in samplers:
-            s._sync()
-            if s._hist_arrays is None:
-                if s._counts:
-                    stale.append(s)
-                else:
-                    s._hist_arrays = _NO_HIST
-        if stale:
-            lens = np.fromiter((len(s._counts) for s in stale), np.int64, len(stale))
-            total = int(lens.sum())
-            ids = np.fromiter(itertools.chain.from_iterable(s._counts for s in stale), np.int64, total)
-            cnt = np.fromiter(itertools.chain.from_iterable(s._counts.values() for s in stale), np.float64, total)
-            # by row, then id (ids are in [0, n_vocab): accept checks)
-            o = np.argsort((np.repeat(np.arange(len(stale), dtype=np.int64), lens) << 32) | ids)
-            ids, cnt = ids[o].astype(np.int32), cnt[o]
-            ends = np.cumsum(lens).tolist()
-            for s, a, b in zip(stale, [0] + ends[:-1], ends):
-                s._hist_arrays = (ids[a:b], cnt[a:b])
-        return [s._hist_arrays for s in samplers]
+    @property
+    def penalizes(self) -> bool:
+        """Whether the penalties step runs for the next token: its params are active and
+        the window holds a token (what decides the chain's plans; no arrays are built)."""
+        if not self._params.penalties_active:
+            return False
+        self._sync()
+        return bool(self._counts)
+
+    def window_tokens(self) -> list[int]:
+        """The penalty window's tokens in context order, repeats kept (the counts of
+        `penalty_window` are how often each id appears here)."""
+        w = self._window()
+        return self._history[max(0, len(self._history) - w):] if w else []
+
+    def order_counts(self, touched: np.ndarray) -> np.ndarray | None:
+        """The window counts (float64) of ``touched`` (a touched-id array an order of
+        fastpath.order_many made, that very object) when that order's window is still
+        this sequence's; None once a token entered the window or it was recounted."""
+        self._sync()
+        oc = self._order_counts
+        return oc[1] if oc is not None and oc[0] is touched else None
+
+    def keep_order_counts(self, touched: np.ndarray, counts: np.ndarray) -> None:
+        """Record what `order_counts` hands back for ``touched`` (order_many, per order)."""
+        self._sync()
+        self._order_counts = (touched, counts)
 
     # -- sampling --------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ log-probabilities within 1e-5 nats.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_r
 from .fastpath_dense import dense_plan, dense_tick
 from .registry import ELEMENTWISE, StepContext
 from .steps import FORCE
-from .table import LOGIT_BIAS, TEMPERATURE
+from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
 from . import fastpath_touched as T
 from ..llama.presample import BLOCK, Preselected, RowOrder
@@ -84,9 +85,8 @@ class FastStats:
 
 def _plan(s: SequenceSampler, n_allowed: int):
     p = s.params
-    has_hist = p.penalties_active and s.penalty_window()[0].size > 0
-    active, first = _steps_to_run(p, has_hist, n_allowed)
-    return p, has_hist, active, first
+    active, first = _steps_to_run(p, s.penalizes, n_allowed)
+    return p, s.penalizes, active, first
 
 
 def route(s: SequenceSampler, grammar: bool) -> str | None:
@@ -107,7 +107,8 @@ def route(s: SequenceSampler, grammar: bool) -> str | None:
 def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     """The sorted unique ids the prefix steps touch for this sequence now."""
     ctx = StepContext(s.penalty_window() if s.params.penalties_active else _NO_HIST)
-    return _unions([[st.touches(s.params, ctx) for st in prefix if st.touches is not None]])[0]
+    sets = [st.touches(s.params, ctx) for st in prefix if st.touches is not None]
+    return np.unique(np.concatenate(sets)) if sets else _NO_TOUCHED
 
 
 @functools.lru_cache(maxsize=1024)
@@ -142,9 +143,12 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
                ks: list[int]) -> list[RowOrder]:
     """``[order(s, w, k) ...]`` for a tick's rows: the same orders, with every row's
     touched ids (bias, penalty window) made in one sort over the tick (a row's few dozen
-    ids cost their numpy calls, not their sorting)."""
-    wins = iter(SequenceSampler.penalty_windows([s for s in samplers if s.params.penalties_active]))
-    rows, sets = [], []
+    ids cost their numpy calls, not their sorting). The penalties' touched ids are the
+    window's: its tokens go into that sort as they stand, repeats kept, and the sort
+    counts them too; each sequence keeps its touched ids' counts for the touched batch
+    (``SequenceSampler.order_counts``), so no window is sorted on its own."""
+    ctx = StepContext()  # the touched ids of a preselected step other than penalties need no window
+    rows, sets, windows = [], [], []
     for s, w, k in zip(samplers, words, ks):
         mask_bytes = None
         n_allowed = n = s.n_vocab
@@ -153,49 +157,76 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
             mask_bytes = w.view(np.uint8)
             n_allowed = count_allowed(w, n)
         p = s.params
-        hist = next(wins) if p.penalties_active else _NO_HIST
-        need, touches, mass, inv_tau, raw, dense, greedy, prefix = _order_plan(p, hist[0].size > 0, n_allowed, k,
+        need, touches, mass, inv_tau, raw, dense, greedy, prefix = _order_plan(p, s.penalizes, n_allowed, k,
                                                                                mask_bytes is not None)
+        window = None
         if touches:
-            ctx = StepContext(hist)
-            sets.append([st.touches(p, ctx) for st in prefix if st.touches is not None])
+            own = []
+            for st in prefix:
+                if st is PENALTIES:
+                    window = s.window_tokens()
+                elif st.touches is not None:
+                    own.append(st.touches(p, ctx))
+            sets.append(own)
         else:
             sets.append(None)
+        windows.append(window)
         rows.append((s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes))
     out = []
-    for (s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes), touched in zip(rows, _unions(sets)):
+    for (s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes), touched, counts in zip(rows, *_unions(sets, windows)):
         if touched.size:
             need += touched.size
         elif greedy:
             need = 1  # greedy: argmax's id is the canonical first token
+        if counts is not None:
+            s.keep_order_counts(touched, counts)
         out.append(RowOrder(k=min(need, K_MAX, n), mass=mass, inv_tau=inv_tau, touched=touched,
                             u=s.peek() if dense else None, raw=raw, mask=mask_bytes))
     return out
 
 
-def _unions(rows: list[list[np.ndarray] | None]) -> list[np.ndarray]:
-    """Per row, the sorted unique int32 ids of its sets (None or no set: none), every row
-    in one sort: row a's ids as a * 2^32 + id (ids are int32, so rows keep apart and in
-    order), one pass for the duplicates, and each row a view of the result."""
-    out = [_NO_TOUCHED] * len(rows)
-    idx = [a for a, r in enumerate(rows) if r]
+def _unions(sets: list[list[np.ndarray] | None], windows: list[list[int] | None]
+            ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+    """Per row, the sorted unique int32 ids of its sets and of its window's tokens (None
+    or nothing: none), and, for a row with a window, how often each of those ids occurs
+    in it (float64, 0 for the sets' other ids; None without a window). Every row in one
+    sort: an id of row a as ((a * 2^32 + id) * 2 + 1 for a window's token, + 0 for a
+    set's), so rows keep apart and in order (ids are int32), an id's entries sit side by
+    side and the low bits add up to its count; each row a view of the result."""
+    n = len(sets)
+    out_ids, out_counts = [_NO_TOUCHED] * n, [None] * n
+    idx = [a for a in range(n) if sets[a] or windows[a]]
     if not idx:
-        return out
-    parts = [x for a in idx for x in rows[a]]
-    lens = np.fromiter((x.size for x in parts), np.intp, len(parts))
-    per_row = np.add.reduceat(lens, np.cumsum([0] + [len(rows[a]) for a in idx[:-1]]))  # ids per row
-    c = np.concatenate(parts).astype(np.int64) + (np.repeat(np.arange(len(idx), dtype=np.int64), per_row) << 32)
+        return out_ids, out_counts
+    keys = []
+    parts = [(i, x) for i, a in enumerate(idx) for x in sets[a] or ()]
+    if parts:
+        lens = np.fromiter((x.size for _, x in parts), np.intp, len(parts))
+        r = np.repeat(np.fromiter((i for i, _ in parts), np.int64, len(parts)) << 32, lens)
+        keys.append((np.concatenate([x for _, x in parts]).astype(np.int64) + r) << 1)
+    w_rows = [i for i, a in enumerate(idx) if windows[a]]
+    if w_rows:
+        w_lens = [len(windows[idx[i]]) for i in w_rows]
+        w = np.fromiter(itertools.chain.from_iterable(windows[idx[i]] for i in w_rows), np.int64, sum(w_lens))
+        w += np.repeat(np.array(w_rows, np.int64) << 32, w_lens)
+        keys.append((w << 1) | 1)
+    c = np.concatenate(keys) if len(keys) > 1 else keys[0]
     c.sort()
-    keep = np.empty(c.size, bool)
-    keep[:1] = True
-    np.not_equal(c[1:], c[:-1], out=keep[1:])
-    c = c[keep]
-    row = (c + (1 << 31)) >> 32  # each key's row (ids lie in [-2^31, 2^31))
-    ids = (c - (row << 32)).astype(np.int32)
+    u = c >> 1
+    first = np.empty(c.size, bool)
+    first[:1] = True
+    np.not_equal(u[1:], u[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    u = u[starts]
+    counts = np.add.reduceat(c & 1, starts).astype(np.float64) if w_rows else None
+    row = (u + (1 << 31)) >> 32  # each key's row (ids lie in [-2^31, 2^31))
+    ids = (u - (row << 32)).astype(np.int32)
     ends = np.searchsorted(row, np.arange(1, len(idx) + 1)).tolist()
     for a, start, end in zip(idx, [0] + ends[:-1], ends):
-        out[a] = ids[start:end]
-    return out
+        out_ids[a] = ids[start:end]
+        if windows[a]:
+            out_counts[a] = counts[start:end]
+    return out_ids, out_counts
 
 
 _NO_TOUCHED = np.empty(0, np.int32)
@@ -548,7 +579,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
         p, o = s._params, pre.order  # (the attributes, not the properties: a call per row is a cost here)
-        route = _tick_route(p, p.penalties_active and s.penalty_window()[0].size > 0, s._n_vocab,
+        route = _tick_route(p, s.penalizes, s._n_vocab,
                             mask is not None, o.touched.size > 0, pre.blocks is not None,
                             pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K

@@ -11,8 +11,9 @@ optionally a positive temperature; no nProbs, no trace. `tick` then does what
   the chain's order, in float64, elementwise over the tick's touched tokens side by side
   (``steps.logit_bias``: value + bias, a bias <= BAN removes the token;
   ``steps.penalties``: a positive value divided by the repeat penalty, another
-  multiplied, then count * freq + present subtracted): the same operations on the same
-  operands as the host's, so the same bits;
+  multiplied, then count * freq + present subtracted, the counts those the order kept
+  for the touched ids: ``SequenceSampler.order_counts``): the same operations on the
+  same operands as the host's, so the same bits;
 - the K best handed back are the raw row's (no grammar), so a touched token is among
   them when its raw value lies above the K-th value, perhaps when it equals it (looked
   up), never when below; the others keep their values, and the smallest of those is
@@ -30,11 +31,12 @@ optionally a positive temperature; no nProbs, no trace. `tick` then does what
   columns, as the plain top-k tick's do.
 
 A row whose values were pre-selected for another plan (a touched set that misses a bias
-id or a token of the penalty window, another temperature), or whose K best hold -inf
-(fewer finite values than K), goes to ``fastpath.sample`` as well, which gives the reason
-or handles it. Every per-row quantity is computed from that row's values alone (the
-elementwise steps, searches and minima), so a row's answer does not depend on the other
-rows of its tick; ``topk_draw`` reduces each row of its [m, k] matrices on its own.
+id, another temperature), whose window changed since its order (its counts are gone),
+or whose K best hold -inf (fewer finite values than K), goes to ``fastpath.sample``,
+which gives the reason or handles it. Every per-row quantity is computed from that row's
+values alone (the elementwise steps, searches and minima), so a row's answer does not
+depend on the other rows of its tick; ``topk_draw`` reduces each row of its [m, k]
+matrices on its own.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def plan(s: SequenceSampler) -> tuple | None:
     """(prefix step names, k, top_p or None, temperature or None) when the sequence's
     row (without a grammar) can go through `tick`; None otherwise."""
     p = s.params
-    return plan_of(p, p.penalties_active and s.penalty_window()[0].size > 0, s.n_vocab)
+    return plan_of(p, s.penalizes, s.n_vocab)
 
 
 def _segments(row: np.ndarray, m: int) -> np.ndarray:
@@ -106,6 +108,15 @@ def tick(samplers, pres, groups: dict[tuple, list[int]], out: list, fallback) ->
 
 def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     prefix, k, top_p, temp = pl
+    if "penalties" in prefix:  # the window's counts of the touched ids, kept by the order
+        wc = [samplers[j].order_counts(pres[j].order.touched) for j in js]
+        if any(c is None for c in wc):  # the window changed since the order (or another made it): per row
+            for j, c in zip(js, wc):
+                if c is None:
+                    out[j] = fallback(j)
+            js, wc = [j for j, c in zip(js, wc) if c is not None], [c for c in wc if c is not None]
+            if not js:
+                return
     m = len(js)
     rows = np.arange(m)
     ps = [pres[j] for j in js]
@@ -129,19 +140,13 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
             b = bias[at[hit]]
             v[hit] += b
             alive[hit[b <= BAN]] = False
-        else:  # steps.penalties
-            wins = [samplers[j].penalty_window() for j in js]
-            h_n = np.fromiter((w[0].size for w in wins), np.intp, m)
-            h_key = np.repeat(rows * V, h_n) + np.concatenate([w[0] for w in wins])
-            counts = np.concatenate([w[1] for w in wins])
-            at = np.searchsorted(h_key, t_key)
-            at[at == h_key.size] = 0
-            hit = np.flatnonzero(h_key[at] == t_key) if h_key.size else np.empty(0, np.intp)
-            ok &= _segments(t_row[hit], m) == h_n  # every token of the window was touched
+        else:  # steps.penalties, on the ids with a count (the order's: every token of the window)
+            counts = np.concatenate(wc)
+            hit = np.flatnonzero(counts)
             x = v[hit]
             if p.penalty_repeat != 1.0:
                 x = np.where(x > 0, x / p.penalty_repeat, x * p.penalty_repeat)
-            v[hit] = x - (counts[at[hit]] * p.penalty_freq + p.penalty_present)
+            v[hit] = x - (counts[hit] * p.penalty_freq + p.penalty_present)
     # The K best handed back. Without a grammar they are the raw row's, so a touched token
     # is among them when its raw value lies above the K-th value, may be when it equals it
     # (a tie: the graph picks), and is not when below: only the first two are looked up.

@@ -207,7 +207,7 @@ LOGIT_BIAS = register(Step(
     off=lambda p, has_hist: not p.logit_bias,
     touches=lambda p, ctx: p.bias_arrays[0],
     empty="logit_bias bans every token still allowed", preselected=True))
-register(Step(
+PENALTIES = register(Step(
     "penalties", ELEMENTWISE,
     params=(Param("penalty_repeat", "penaltyRepeat", 1.0, real(0.0, None, lo_open=True),
                   ("repeat_penalty", "penalty_repeat"),
