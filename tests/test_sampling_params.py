@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from clickpaca.sampling import SamplerParamError, SamplerParams, step_names
@@ -204,3 +204,19 @@ def test_request_round_trip(temperature, top_k, top_p, min_p, repeat, freq, pres
                       penalty_freq=freq, penalty_present=present, penalty_last_n=last_n, logit_bias=bias,
                       seed=seed, n_probs=n_probs, samplers=(("grammar",) if grammar else ()) + tuple(samplers))
     assert SamplerParams.from_request(p.to_request()) == p
+
+
+@settings(max_examples=100, deadline=None)
+@example(a={"penalty_present": 0}, b={"seed": 3})  # a default given explicitly: the same chain
+@given(a=st.dictionaries(st.sampled_from(["temperature", "top_k", "penalty_present", "seed"]),
+                         st.integers(0, 3), max_size=4),
+       b=st.dictionaries(st.sampled_from(["temperature", "top_k", "penalty_present", "seed"]),
+                         st.integers(0, 3), max_size=4))
+def test_params_share_a_chain_exactly_when_only_the_seed_differs(a, b):
+    """SamplerParams.chain (what a tick groups rows by) is one object for params that
+    differ only in the seed, and another as soon as any other value differs."""
+    p, q = SamplerParams(**a), SamplerParams(**b)
+    d = SamplerParams()
+    same = all(a.get(k, getattr(d, k)) == b.get(k, getattr(d, k)) for k in ("temperature", "top_k", "penalty_present"))
+    assert (p.chain is q.chain) == same == (p.chain_key == q.chain_key)
+    assert p.chain is p.replace(seed=12345).chain

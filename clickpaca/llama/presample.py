@@ -67,9 +67,10 @@ DENSE_BLOCKS = 3
 PROBE_NODES = 64
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RowOrder:
-    """What one sampled row asks of the graph.
+    """What one sampled row asks of the graph (made once per row and tick and not changed
+    after: not frozen, whose __init__ costs three times a plain one's).
 
     k: top ids wanted (the graph gives the tick's largest k to every row); when the
       largest is 1, the one id is ggml's argmax (the first of equal maxima: the canonical

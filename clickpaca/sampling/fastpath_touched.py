@@ -95,7 +95,7 @@ def _segments(row: np.ndarray, m: int) -> np.ndarray:
 def group_key(s: SequenceSampler, pl: tuple) -> tuple:
     """The batch a row of plan ``pl`` joins in `tick`: everything but the seed, so that
     sequences of one chain with their own seeds batch together."""
-    return s.params.chain_key, pl, s.n_vocab
+    return s._params.chain, pl, s._n_vocab
 
 
 def tick(samplers, pres, groups: dict[tuple, list[int]], out: list, fallback) -> None:

@@ -9,6 +9,7 @@ error message, so a client sees the name it sent: ``topP: must be in [0, 1], got
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -77,6 +78,16 @@ def _tables() -> tuple:
     return t
 
 
+class Chain:
+    """A token for one chain (`SamplerParams.chain`); lives as long as a params names it."""
+
+    __slots__ = ("__weakref__",)
+
+
+#: chain_key -> its Chain, while some params holds it
+_CHAINS: "weakref.WeakValueDictionary[tuple, Chain]" = weakref.WeakValueDictionary()
+
+
 class SamplerParams:
     """Parameters of one sequence's sampler chain (see ``chain.apply_chain`` for semantics).
 
@@ -128,6 +139,16 @@ class SamplerParams:
         """Every parameter but the seed: what makes two sequences' chains compute alike
         (their random streams are their own), so a tick batches them together."""
         return tuple(v for p, v in zip(_tables()[0], self._key) if p.field != "seed")
+
+    @cached_property
+    def chain(self) -> "Chain":
+        """The one `Chain` of every params with this `chain_key`: what a tick groups rows
+        by, hashed by identity (hashing the key's values costs a microsecond a row)."""
+        key = self.chain_key
+        c = _CHAINS.get(key)
+        if c is None:
+            c = _CHAINS[key] = Chain()
+        return c
 
     @cached_property
     def penalties_active(self) -> bool:
