@@ -35,7 +35,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from clickpaca.llama import core
-from clickpaca.llama.presample import BLOCK, Presampler, RowOrder, _own_best_rows, reference
+from clickpaca.llama.presample import (BLOCK, K_ROOM, TOUCHED_ROOM, Presampler, RowOrder, _own_best_rows, fits,
+                                       plan_of, reference, roomy)
 
 pytestmark = pytest.mark.model
 
@@ -319,10 +320,10 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
     ctx = core.Context(model, n_ctx=1024, n_batch=256, n_seq_max=n, n_threads=2, presampler=ps)
     rng = np.random.default_rng(3)
 
-    def orders(tau: float, k: int) -> dict[int, RowOrder]:
-        # fresh values of the same shape: a mask, a draw, two touched ids
+    def orders(tau: float, k: int, nt: int) -> dict[int, RowOrder]:
+        # fresh values of the same shape: a mask, a draw, nt touched ids
         return {0: RowOrder(k=k, inv_tau=tau, u=float(rng.random()),
-                            touched=np.sort(rng.choice(V, 2, replace=False)).astype(np.int32),
+                            touched=np.sort(rng.choice(V, nt, replace=False)).astype(np.int32),
                             mask=_mask(V, np.flatnonzero(rng.random(V) < 0.3))),
                 3: RowOrder(k=k, inv_tau=tau, touched=np.sort(rng.choice(V, 2, replace=False)).astype(np.int32),
                             u=float(rng.random()))}
@@ -335,10 +336,11 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
         ps.order({})
         assert ctx.decode(b) == 0
         pos = [len(t) for t in toks]
-        plans = [(1.0, 64)] * 3 + [(1 / 0.7, 64)] * 2 + [(1 / 0.7, 128)] * 2 + [(1 / 0.7, 128)]
+        plans = ([(1.0, 64, 2)] * 3 + [(1 / 0.7, 64, 2)] * 2 + [(1 / 0.7, 128, 2)] * 2 + [(1 / 0.7, 128, 2)]
+                 + [(1 / 0.7, 100, 9), (1 / 0.7, 97, 16), (1 / 0.7, 40, 3), (1 / 0.7, 50, 17)])
         reused, rebuilds, down = [], [], []
-        for tick, (tau, k) in enumerate(plans):
-            o = orders(tau, k)
+        for tick, (tau, k, nt) in enumerate(plans):
+            o = orders(tau, k, nt)
             ps.order(o)
             b.clear()
             for sq in range(n):
@@ -358,12 +360,14 @@ def test_a_graph_is_reused_while_the_orders_keep_their_shape(model):
                 _check(pre, np.array(ps.full_row(slot, n)), o[slot])
             for row in set(range(n)) - set(o):  # the others pass through whole
                 assert ps.read(row, row, n) is None
-        # a new plan at ticks 0 (the prefill's graph had no ops), 3 (another temperature)
-        # and 5 (another K); the ticks between reuse the graph
-        assert rebuilds == [1, 0, 0, 1, 0, 1, 0, 0], rebuilds
-        assert reused == [0, 1, 1, 0, 1, 0, 1, 1], reused
+        # a new plan at ticks 0 (the prefill's graph had no ops), 3 (another temperature),
+        # 5 (a larger K), 10 (a K under half the graph's) and 11 (more touched ids than
+        # the graph's 16); the ticks between reuse the graph, also where K or the touched
+        # ids shrink or grow within it (8, 9)
+        assert rebuilds == [1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 1, 1], rebuilds
+        assert reused == [0, 1, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0], reused
         # the packed rows cross on a reused graph as on a new one (Presampler.cost)
-        assert down[0] > 0 and down[:5] == [down[0]] * 5 and down[5:] == [down[5]] * 3 > [down[0]] * 3, down
+        assert down[0] > 0 and down[:5] == [down[0]] * 5 and down[5:10] == [down[5]] * 5 > [down[0]] * 5, down
     finally:
         ctx.close()
 
@@ -409,3 +413,30 @@ def test_the_reference_hands_its_k_best_back_in_canonical_order(data):
     o = np.lexsort((np.arange(V), -row))[:k]
     assert np.array_equal(pre.ids, o.astype(np.int32))
     assert np.array_equal(pre.vals, row[o])
+
+
+@settings(max_examples=300, deadline=None)
+@given(ks=st.lists(st.integers(1, 1500), min_size=1, max_size=5), nts=st.lists(st.integers(0, 90), min_size=5,
+       max_size=5), later=st.tuples(st.integers(1, 1500), st.integers(0, 90)), n_vocab=st.sampled_from([300, 262_144]))
+def test_a_roomy_graph_serves_its_orders_and_those_that_fit(ks, nts, later, n_vocab):
+    """roomy (what a new graph is built for) keeps argmax's K = 1, rounds a larger K up to
+    K_ROOM (at most the vocabulary) and the touched ids up to TOUCHED_ROOM, and its graph
+    serves the plan it was made from; a later plan is served exactly when its pieces are
+    the same and its K and touched ids fit within the graph's and are not under half (or
+    under what roomy makes of them)."""
+    orders = {s: RowOrder(k=min(k, n_vocab), touched=np.arange(nt, dtype=np.int32)) for s, (k, nt) in
+              enumerate(zip(ks, nts))}
+    plan = plan_of(orders, n_vocab)
+    built = roomy(plan, n_vocab)
+    a, b = plan.layout, built.layout
+    assert fits(plan, built) and roomy(built, n_vocab) == built
+    assert b.k == 1 if a.k == 1 else (b.k == n_vocab or b.k % K_ROOM == 0) and a.k <= b.k < a.k + K_ROOM
+    assert b.n_touched % TOUCHED_ROOM == 0 and a.n_touched <= b.n_touched < a.n_touched + TOUCHED_ROOM
+    k2, nt2 = min(later[0], n_vocab), later[1]
+    nxt = plan_of({s: RowOrder(k=k2 if s == 0 else 1, touched=np.arange(nt2 if s == 0 else 0, dtype=np.int32))
+                   for s in orders}, n_vocab)
+    c = nxt.layout
+    k_ok = c.k == b.k or 1 < c.k <= b.k <= max(2 * c.k, -(-c.k // K_ROOM) * K_ROOM)
+    t_ok = c.n_touched <= b.n_touched <= max(2 * c.n_touched, -(-c.n_touched // TOUCHED_ROOM) * TOUCHED_ROOM)
+    assert fits(nxt, built) == (k_ok and t_ok)
+    assert not fits(dataclasses.replace(nxt, slots=nxt.slots + (99,)), built)

@@ -37,14 +37,18 @@ Graph reuse stays on. llama.cpp reuses the last graph when the micro-batch has t
 shape and the samplers are the same objects; our ops' shape follows the tick's orders
 (`Plan`: the ordered slots, K, the pieces, a single temperature baked into the softmax).
 So before each decode (`before_decode`, called by core.Context.decode) the plan is
-compared with the one the last graph was built for; when it differs, slot 0 gets a new
+compared with the one the last graph was built for; when that graph does not serve it
+(`fits`: a larger K or more touched ids serve, up to twice as many), slot 0 gets a new
 sampler chain (``llama_set_sampler``), which makes llama.cpp build a new graph (and
-re-reserve its scheduler: docs/BENCHMARKS.md has the cost). On a reused graph only the
-inputs are uploaded again (the rows, 1/tau, u, the touched ids, the masks: set_input).
+re-reserve its scheduler: docs/BENCHMARKS.md has the cost), for the plan with some room
+(`roomy`: K and the touched ids rounded up, so a penalty window that gains a distinct
+token does not rebuild the graph every tick). On a reused graph only the inputs are
+uploaded again (the rows, 1/tau, u, the touched ids, the masks: set_input).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -132,6 +136,40 @@ class Plan:
     layout: Layout
     scale: float | None  # the one 1/tau of every row (softmax's own scale), else None
     keep: bool = True  # whole rows copied beside the packs (a decode of several micro-batches)
+
+
+#: a new graph's K and touched ids are rounded up to these, so that orders which grow by a
+#: few (a penalty window's distinct tokens, say) still fit the graph built for them
+K_ROOM, TOUCHED_ROOM = 32, 16
+
+
+def _room(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def roomy(plan: Plan, n_vocab: int) -> Plan:
+    """``plan`` with K (above 1: argmax's plan stays) and the touched ids rounded up to
+    K_ROOM and TOUCHED_ROOM: what a new graph is built for."""
+    lay = plan.layout
+    k = lay.k if lay.k == 1 else min(n_vocab, _room(lay.k, K_ROOM))
+    t = _room(lay.n_touched, TOUCHED_ROOM)
+    if (k, t) == (lay.k, lay.n_touched):
+        return plan
+    return dataclasses.replace(plan, layout=dataclasses.replace(lay, k=k, n_touched=t))
+
+
+def fits(plan: Plan, built: Plan | None) -> bool:
+    """Whether the graph built for ``built`` serves ``plan``: its ops compute a superset
+    (the same rows, pieces and temperature; K and touched ids at least as many, and at
+    most twice as many or what `roomy` makes of them, so that a graph much too large is
+    rebuilt). Each row reads its own k best and its own touched values from the larger
+    pack (`unpack`)."""
+    if built is None or plan.slots != built.slots or plan.keep != built.keep or plan.scale != built.scale:
+        return False
+    a, b = plan.layout, built.layout
+    return ((a.n_blocks, a.dense, a.raw, a.raw_top, a.mass) == (b.n_blocks, b.dense, b.raw, b.raw_top, b.mass)
+            and (a.k == b.k or 1 < a.k <= b.k <= max(2 * a.k, _room(a.k, K_ROOM)))
+            and a.n_touched <= b.n_touched <= max(2 * a.n_touched, _room(a.n_touched, TOUCHED_ROOM)))
 
 
 def plan_of(orders: dict[int, RowOrder], n_vocab: int, keep: bool = True) -> Plan | None:
@@ -310,6 +348,7 @@ class Presampler:
         self._chain_params = chain_params
         self._retired: list = []  # slot 0's chains swapped out (before_decode), freed one swap later
         self._built: Plan | None = None  # the plan of the graph llama.cpp holds (None: none with ops)
+        self._plan: Plan | None = None  # the plan of the next decode (before_decode)
         self._configs = ffi.new("struct llama_sampler_seq_config[]", n_slots)
         for slot, chain in enumerate(self.chains):
             self._configs[slot].seq_id = slot
@@ -365,6 +404,7 @@ class Presampler:
     def order(self, orders: dict[int, RowOrder]) -> None:
         """The rows to pre-select in the next decode, by slot (one output row each)."""
         self.orders = dict(orders)
+        self._plan = None  # the plan its decode builds or reuses (before_decode)
         self._set = False  # a reused graph gets these orders' inputs (set_input)
         self.cost = {"callback_ns": 0, "up_bytes": 0, "down_bytes": 0}
 
@@ -381,6 +421,9 @@ class Presampler:
         self._keep = not one_micro_batch
         self._row_slot = {}
         plan = plan_of(self.orders, self.n_vocab, self._keep)
+        if plan is not None:  # the graph held when it serves these orders, else a roomy new one
+            plan = self._built if fits(plan, self._built) else roomy(plan, self.n_vocab)
+        self._plan = plan
         if plan == self._built or self._ctx is None:
             return
         # a chain is initialised for a context once: slot 0 gets a new one, the old one is
@@ -565,7 +608,7 @@ class Presampler:
         """The shared ops over every ordered slot's row (see the module doc)."""
         lib = self.nat.lib
         V, nb = self.n_vocab, self.n_blocks
-        plan = plan_of(self.orders, V, self._keep)
+        plan = self._plan if self._plan is not None else plan_of(self.orders, V, self._keep)
         slots, layout = list(plan.slots), plan.layout
         n = len(slots)
         k, n_touched, dense, raw, mass = layout.k, layout.n_touched, layout.dense, layout.raw, layout.mass
