@@ -672,6 +672,33 @@ def test_a_tick_with_touched_tokens_is_each_ones_host_path(V, row_seed, specs):
     touched_tick(V, rows, [c for c, _, _, _ in specs], [k for _, _, k, _ in specs], [e for _, _, _, e in specs])
 
 
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_touched_value_that_ties_an_untouched_one_keeps_the_canonical_order(inside):
+    """fastpath_touched sorts a row's values stably from the K best's canonical order, so
+    a touched token whose value after the bias equals the second best's comes after it
+    there, though its smaller id puts it first (canonical order): the row is sorted again
+    by (value, id). With top-k 2 the tie decides the set ({500, 100}, not {500, 700}):
+    every seed draws what the host path draws. The touched token comes from outside the K
+    best (rank far below) or from inside it (rank 3, moved up by the bias to the tie)."""
+    V = 3000
+    row = np.full(V, -20.0, np.float32)
+    row[500], row[700] = 10.0, 9.0  # integers: value + bias is exact, the tie too
+    row[100] = 8.0 if inside else 5.0
+    for i in range(20):  # the rest of the K best, far from the two
+        row[1000 + i] = -10.0 - i
+    p = SamplerParams(samplers=["logit_bias", "top_k"], top_k=2, logit_bias={100: 9.0 - float(row[100])})
+    drawn = set()
+    for seed in range(40):
+        q = p.replace(seed=seed)
+        fast, host = SequenceSampler(q, V), SequenceSampler(q, V)
+        assert T.plan(fast) is not None
+        got = F.sample_tick([fast], [reference(row, F.order(fast, None, 8))], [None])[0]
+        want = host.sample(row)
+        assert not isinstance(got, str) and got.token == want.token, (seed, got, want)
+        drawn.add(got.token)
+    assert drawn == {500, 100}
+
+
 # ------------------------------------------------------------------ route and the rows
 
 

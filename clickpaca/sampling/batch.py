@@ -255,8 +255,8 @@ def _canonical(ids: np.ndarray, v: np.ndarray) -> np.ndarray | None:
 
 def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "host",
               rest: np.ndarray | None = None, floor: np.ndarray | None = None,
-              n_probs: int = 0, raw_lse: np.ndarray | None = None, flat: tuple | None = None,
-              past=None, best: tuple | None = None) -> None:
+              n_probs: int = 0, raw_lse: np.ndarray | None = None, past=None,
+              best: tuple | None = None) -> None:
     """The draw of each top-k row from its candidates, on [m, k] matrices: ``parts[a]``
     is (t, ids, values) for row js[a], every token >= t among ids (``_topk_tasks``, or
     the decode's pre-selection: fastpath.py). A row the matrices cannot take (fewer than
@@ -266,12 +266,11 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     token outside is at most): a row whose top-p keeps a value not above it gets
     ``past(j)`` (default ``fallback(j)``); with ``n_probs`` (at most k) and ``raw_lse``
     (per row, the raw row's log-normaliser) the results carry the log-probabilities, as
-    ``SequenceSampler.sample`` computes them from the same candidates. ``flat`` (with
-    ``parts`` None): the parts laid end to end, (t per row, row of each candidate in
-    ascending order, ids, float64 values without NaN). ``best`` (with ``parts`` None): (t
-    per row, [m, k] ids, [m, k] float64 values without NaN) where each row already holds
-    its k first candidates in canonical order (the pre-selection's rows come sorted:
-    fastpath.py): no selection and no sort then.
+    ``SequenceSampler.sample`` computes them from the same candidates. ``best`` (with
+    ``parts`` None): (t per row, [m, k] ids, [m, k] float64 values without NaN) where
+    each row already holds its k first candidates in canonical order (the
+    pre-selection's rows come sorted: fastpath.py, fastpath_touched.py): no selection
+    and no sort then.
 
     Every reduction runs along a row of a C-contiguous [m, .] matrix (numpy reduces it as
     the 1-D row) and every order is a row's own, so a row's result does not depend on
@@ -280,20 +279,15 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     counts = None  # every row has its k (best)
     if best is not None:
         thr, can_ids, can_v = best
-    elif flat is not None:
-        thr, seq, ids, v = flat
     else:
         thr = np.fromiter((t for t, _, _ in parts), np.float64, m)
         seq = np.repeat(np.arange(m), np.fromiter((ids.size for _, ids, _ in parts), np.intp, m))
         ids = np.concatenate([ids for _, ids, _ in parts])
-        v = None
-    if best is None:
         if seq.size == 0:
             for j in js:
                 out[j] = fallback(j)
             return
-        if v is None:
-            v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
+        v = np.fmax(np.concatenate([v for _, _, v in parts]), _NEG_INF, dtype=np.float64)  # as candidates.gather
         # [m, k]: the k first of each row (a row with fewer, from NaN, goes per sequence below)
         can_ids, can_v, counts = _k_first(seq, ids, v, m, k)
         if n_probs or (top_p is not None and top_p < 1.0):  # in canonical order (cut and n best by rank)

@@ -23,12 +23,14 @@ optionally a positive temperature; no nProbs, no trace. `tick` then does what
 - top-k keeps exactly what it keeps over the whole row when its k values all lie above
   the floor, that is when at least k values of the row's set do; else the row goes to
   ``fastpath.sample``, which refuses it too (PAST_K, the stream untouched). Only the
-  values above the floor go on (untouched ones, touched ones not banned), to
-  ``batch.topk_draw``, the draw the host's batched rows use (top-k, top-p over the k,
-  temperature, the draw over them in id order). Where no touched token is among the K
-  best or above the floor (a window's tokens and most biased ids lie far below the
-  best), those values are the K best's canonical prefix and go on as the row's first k
-  columns, as the plain top-k tick's do.
+  values above the floor go on (untouched ones, touched ones not banned), their first k
+  in canonical order, to ``batch.topk_draw(best=...)``, the draw the host's batched rows
+  use (top-k, top-p over the k, temperature, the draw over them in id order). Where no
+  touched token is among the K best or above the floor (a window's tokens and most
+  biased ids lie far below the best), those are the K best's own first k columns, as in
+  the plain top-k tick; elsewhere the row's values are sorted stably from the K best's
+  canonical order, a touched token's value replaced in place or appended, and rows
+  where a moved value ties another out of id order are sorted by (value, id).
 
 A row whose values were pre-selected for another plan (a touched set that misses a bias
 id, another temperature), whose window changed since its order (its counts are gone),
@@ -171,11 +173,14 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
         at = np.searchsorted(t_in, k_key)
         at[at == t_in.size] = 0
         k_touched = t_in[at] == k_key
+        k_of = maybe[at[k_touched]]  # the touched token each touched one of the K best is
         found = np.zeros(t_key.size, bool)
-        found[maybe[at[k_touched]]] = True
+        found[k_of] = True
         ok &= _segments(t_row[(raw > t_kth) & ~found], m) == 0  # (the graph's values are the row's)
     else:
         k_touched = np.zeros(k_key.size, bool)
+        k_of = np.empty(0, np.intp)
+        found = np.zeros(t_key.size, bool)
     # the floor: the smallest untouched value handed back (inf: none, nothing is decided)
     floor = np.full(m, np.inf)
     floor[some] = np.minimum.reduceat(np.where(k_touched, np.float32(np.inf), k_vals), k_start[some])
@@ -206,22 +211,36 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
         ok &= ~plain
     if not ok.any():
         return
-    k_sel = k_above & ok[k_row]
-    t_sel = t_above & ok[t_row]
-    # the sets end to end, row by row (rows renumbered among those kept)
-    kr, tr = k_row[k_sel], t_row[t_sel]
-    nk, nt = _segments(kr, m), _segments(tr, m)
-    ends = np.cumsum(nk + nt)
-    start = ends - nk - nt
-    pos_k = start[kr] + np.arange(kr.size) - (np.cumsum(nk) - nk)[kr]
-    pos_t = (start + nk)[tr] + np.arange(tr.size) - (np.cumsum(nt) - nt)[tr]
-    a_ids = np.empty(int(ends[-1]), np.int32)
-    a_ids[pos_k] = k_ids[k_sel]
-    a_ids[pos_t] = t_ids[t_sel]
-    a_v = np.empty(a_ids.size, np.float64)
-    a_v[pos_k] = k_vals[k_sel]
-    a_v[pos_t] = v[t_sel]
-    renum = np.cumsum(ok) - 1
-    seq = np.repeat(renum[ok], (nk + nt)[ok])
-    topk_draw(samplers, [j for j, g in zip(js, ok.tolist()) if g], k, top_p, temp, None, out, fallback,
-              path="graph", flat=(floor[ok], seq, a_ids, a_v))
+    # The other rows: each row's K best in their columns, a touched one's value replaced
+    # by its own after the steps, every value not above the floor (or banned) -inf, then
+    # the touched tokens from outside the K best that rise above it; sorted by value,
+    # stably, so that ties keep the K best's canonical order (id ascending). Only a tie
+    # between a value that moved and another can come out of id order: such rows are
+    # sorted again by (value, id).
+    r_ok = np.flatnonzero(ok)
+    kv = np.where(k_above, k_vals, -np.inf)
+    kv[np.flatnonzero(k_touched)] = np.where(t_above[k_of], v[k_of], -np.inf)
+    app = np.flatnonzero(t_above & ~found)
+    app_row = t_row[app]
+    n_app = _segments(app_row, m)
+    K = int(k_n.max())
+    W = K + int(n_app.max())
+    mv = np.full((m, W), -np.inf)
+    mi = np.full((m, W), np.iinfo(np.int32).max, np.int64)
+    k_col = np.arange(k_row.size) - k_start[k_row]
+    mv[k_row, k_col] = kv
+    mi[k_row, k_col] = k_ids
+    if app.size:
+        a_col = K + np.arange(app.size) - (np.cumsum(n_app) - n_app)[app_row]
+        mv[app_row, a_col] = v[app]
+        mi[app_row, a_col] = t_ids[app]
+    mv, mi = mv[r_ok], mi[r_ok]
+    o = np.argsort(-mv, axis=1, kind="stable")
+    sv, si = np.take_along_axis(mv, o, 1), np.take_along_axis(mi, o, 1)
+    h = min(k + 1, W)  # the k first, and the one after (a tie there decides the set)
+    tie = (sv[:, 1:h] == sv[:, :h - 1]) & (si[:, 1:h] < si[:, :h - 1])
+    for a in np.flatnonzero(tie.any(axis=1)).tolist():
+        o = np.lexsort((mi[a], -mv[a]))
+        sv[a], si[a] = mv[a, o], mi[a, o]
+    topk_draw(samplers, [js[a] for a in r_ok.tolist()], k, top_p, temp, None, out, fallback, path="graph",
+              best=(floor[r_ok], si[:, :k], np.ascontiguousarray(sv[:, :k])))
