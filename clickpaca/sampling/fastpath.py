@@ -84,9 +84,9 @@ class FastStats:
 
 
 def _plan(s: SequenceSampler, n_allowed: int):
-    p = s.params
-    active, first = _steps_to_run(p, s.penalizes, n_allowed)
-    return p, s.penalizes, active, first
+    p, has_hist = s.params, s.penalizes
+    active, first = _steps_to_run(p, has_hist, n_allowed)
+    return p, has_hist, active, first
 
 
 def route(s: SequenceSampler, grammar: bool) -> str | None:
@@ -173,7 +173,9 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
         windows.append(window)
         rows.append((s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes))
     out = []
-    for (s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes), touched, counts in zip(rows, *_unions(sets, windows)):
+    touched_of, counts_of = _unions(sets, windows)
+    for (s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes), touched, counts in zip(rows, touched_of,
+                                                                                             counts_of):
         if touched.size:
             need += touched.size
         elif greedy:

@@ -149,6 +149,9 @@ class Step:
     alias: another spelling accepted in ``samplers`` (camelCase, as the protocol's fields).
     truncates(params, n_allowed): True when it may drop candidates out of n_allowed.
     touches(params, ctx): ELEMENTWISE only: the sorted int32 ids whose logits it may change.
+      (The pre-selection's orders, fastpath.order_many, call it with no penalty window in
+      ctx: the one step whose ids are the window's, table.PENALTIES, is read from the
+      window there.)
     cut: the optional superset hook: when this step is the first truncation, the ids of a
       superset of what it keeps among the allowed raw tokens outside ``touched``, and the
       mass (relative to the largest candidate) of those left out, which the chain puts in
