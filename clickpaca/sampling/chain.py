@@ -358,7 +358,6 @@ class SequenceSampler:
         return len(self._history) if n < 0 else n
 
     def _recount(self) -> None:
-        w = self._window()
         self._counts = {}
         for t in self.window_tokens():
             self._counts[t] = self._counts.get(t, 0) + 1

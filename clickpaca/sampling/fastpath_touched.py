@@ -194,32 +194,19 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     for j, g in zip(js, ok.tolist()):
         if not g:
             out[j] = fallback(j)
-    # Rows where no touched token is among the K best or above the floor (the common
-    # case: a penalty window's tokens and most biased ids lie far below the best): the
-    # set is the K best above the floor, a canonical prefix of the row (Preselected),
-    # so top-k keeps its first k columns, with no assembly, selection or sort.
-    plain = ok & (_segments(k_row[k_touched], m) == 0) & (_segments(t_row[t_above], m) == 0)
-    if plain.any():
-        a = np.flatnonzero(plain)
-        if (k_n == k_n[0]).all():  # one K: the matrices are the flat arrays' rows
-            b_ids, b_vals = k_ids.reshape(m, -1)[a, :k], k_vals.reshape(m, -1)[a, :k]
-        else:
-            b_ids = np.concatenate([ps[x].ids[:k] for x in a.tolist()]).reshape(-1, k)
-            b_vals = np.concatenate([ps[x].vals[:k] for x in a.tolist()]).reshape(-1, k)
-        topk_draw(samplers, [js[x] for x in a.tolist()], k, top_p, temp, None, out, fallback, path="graph",
-                  best=(floor[a], b_ids, b_vals.astype(np.float64)))
-        ok &= ~plain
     if not ok.any():
         return
-    # The other rows: each row's K best in their columns, a touched one's value replaced
-    # by its own after the steps, every value not above the floor (or banned) -inf, then
-    # the touched tokens from outside the K best that rise above it; sorted by value,
-    # stably, so that ties keep the K best's canonical order (id ascending). Only a tie
-    # between a value that moved and another can come out of id order: such rows are
-    # sorted again by (value, id).
+    # Each row's K best in their columns, a touched one's value replaced by its own after
+    # the steps, every value not above the floor (or banned) -inf, then the touched
+    # tokens from outside the K best that rise above it. A row where nothing moved (the
+    # common case: a window's tokens and most biased ids lie far below the best) is its
+    # K best's canonical prefix already; the others are sorted by value, stably, so that
+    # ties keep the K best's canonical order (id ascending). Only a tie between a value
+    # that moved and another can come out of id order: such rows are sorted again by
+    # (value, id).
     r_ok = np.flatnonzero(ok)
     kv = np.where(k_above, k_vals, -np.inf)
-    kv[np.flatnonzero(k_touched)] = np.where(t_above[k_of], v[k_of], -np.inf)
+    kv[k_touched] = np.where(t_above[k_of], v[k_of], -np.inf)
     app = np.flatnonzero(t_above & ~found)
     app_row = t_row[app]
     n_app = _segments(app_row, m)
@@ -235,12 +222,15 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
         mv[app_row, a_col] = v[app]
         mi[app_row, a_col] = t_ids[app]
     mv, mi = mv[r_ok], mi[r_ok]
-    o = np.argsort(-mv, axis=1, kind="stable")
-    sv, si = np.take_along_axis(mv, o, 1), np.take_along_axis(mi, o, 1)
-    h = min(k + 1, W)  # the k first, and the one after (a tie there decides the set)
-    tie = (sv[:, 1:h] == sv[:, :h - 1]) & (si[:, 1:h] < si[:, :h - 1])
-    for a in np.flatnonzero(tie.any(axis=1)).tolist():
-        o = np.lexsort((mi[a], -mv[a]))
-        sv[a], si[a] = mv[a, o], mi[a, o]
+    moved = np.flatnonzero((_segments(k_row[k_touched], m) + n_app)[r_ok])
+    if moved.size:
+        o = np.argsort(-mv[moved], axis=1, kind="stable")
+        sv, si = np.take_along_axis(mv[moved], o, 1), np.take_along_axis(mi[moved], o, 1)
+        h = min(k + 1, W)  # the k first, and the one after (a tie there decides the set)
+        tie = (sv[:, 1:h] == sv[:, :h - 1]) & (si[:, 1:h] < si[:, :h - 1])
+        for a in np.flatnonzero(tie.any(axis=1)).tolist():
+            o = np.lexsort((si[a], -sv[a]))
+            sv[a], si[a] = sv[a, o], si[a, o]
+        mv[moved], mi[moved] = sv, si
     topk_draw(samplers, [js[a] for a in r_ok.tolist()], k, top_p, temp, None, out, fallback, path="graph",
-              best=(floor[r_ok], si[:, :k], np.ascontiguousarray(sv[:, :k])))
+              best=(floor[r_ok], np.ascontiguousarray(mi[:, :k]), np.ascontiguousarray(mv[:, :k])))
