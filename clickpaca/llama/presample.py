@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base.order import canonical_keys, is_canonical
+from ..base.order import canonical_keys, is_canonical, strictly_descending
 
 __all__ = ["BLOCK", "Layout", "Preselected", "Presampler", "RowOrder", "mask_table", "reference"]
 
@@ -126,6 +126,15 @@ class Layout:
     def size(self) -> int:
         return sum(n for _, n in self.pieces)
 
+    @functools.cached_property
+    def at(self) -> dict[str, slice]:
+        """Each piece's columns in a packed row."""
+        out, at = {}, 0
+        for name, n in self.pieces:
+            out[name] = slice(at, at + n)
+            at += n
+        return out
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -189,7 +198,7 @@ def plan_of(orders: dict[int, RowOrder], n_vocab: int, keep: bool = True) -> Pla
     return Plan(slots, layout, scales.pop() if mass and len(scales) == 1 else None, keep)
 
 
-@dataclass
+@dataclass(slots=True)
 class Preselected:
     """One row's pre-selection, decoded from its packed floats (see the module doc).
 
@@ -232,31 +241,30 @@ def unpack(packed: np.ndarray, lay: Layout, orders: list[RowOrder]) -> list[Pres
     """The Preselected of each packed row ([m, lay.size] float32, one per order). The
     graph's masses are softmax probabilities: over the top's they are exp((y - top) /
     tau); every row is computed as it would be alone (elementwise, or per row)."""
-    at, got = 0, {}
-    for name, n in lay.pieces:
-        got[name] = packed[:, at:at + n]
-        at += n
+    at = lay.at
     m = packed.shape[0]
-    ids, vals = _own_best_rows(got["ids"], got["vals"])
+    # the pieces "vals", "ids" (and "raw_vals", "raw_ids") lie side by side
+    ids, vals, clean = _own_best_rows(packed[:, :2 * lay.k], lay.k)
     z = None
     if lay.mass:  # as float32(1 / p_top) times each float32 mass, the read of one row
-        z = (1.0 / got["p_top"][:, 0].astype(np.float64)).astype(np.float32)[:, None]
-    blocks = got["blocks"] * z if lay.mass else None
-    tops = got["top"][:, 0].tolist() if lay.mass else None
+        z = (1.0 / packed[:, at["p_top"].start].astype(np.float64)).astype(np.float32)[:, None]
+    blocks = packed[:, at["blocks"]] * z if lay.mass else None
+    tops = packed[:, at["top"].start].tolist() if lay.mass else None
     dense_ids = dense = None
     if lay.dense:
-        dense_ids = got["dense_ids"].astype(np.int64).tolist()
-        dense = got["dense"].reshape(m, DENSE_BLOCKS, BLOCK) * z[:, :, None]
+        dense_ids = packed[:, at["dense_ids"]].astype(np.int64).tolist()
+        dense = packed[:, at["dense"]].reshape(m, DENSE_BLOCKS, BLOCK) * z[:, :, None]
     raw_ids = raw_vals = None
     if lay.raw:
-        raw_max = got["raw_max"][:, 0].tolist()
-        raw_mass = (1.0 / got["raw_p_max"][:, 0].astype(np.float64)).tolist()
+        raw_max = packed[:, at["raw_max"].start].tolist()
+        raw_mass = (1.0 / packed[:, at["raw_p_max"].start].astype(np.float64)).tolist()
         if lay.raw_top:
-            raw_ids, raw_vals = _own_best_rows(got["raw_ids"], got["raw_vals"])
-    touched = got["touched"] if lay.n_touched else None
+            r = at["raw_vals"].start
+            raw_ids, raw_vals, _ = _own_best_rows(packed[:, r:r + 2 * lay.k], lay.k)
+    touched = packed[:, at["touched"]] if lay.n_touched else None
     if not lay.mass:  # y's max: the first of the sorted values, unless a NaN is among them
         first = vals[:, 0].tolist()
-        nan = np.isnan(vals).any(axis=1).tolist()
+        nan = [False] * m if clean else np.logical_or.reduce(np.isnan(vals), axis=1).tolist()
     out = []
     for j, o in enumerate(orders):
         k = o.k
@@ -280,24 +288,35 @@ _NO_FLOATS = np.empty(0, np.float32)
 _NO_FLOATS.flags.writeable = False
 
 
-def _own_best_rows(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's K values by value then id ([m, K]; ids as int32): the first k of a row
-    are its own k best, the same whatever the others' K. At k = 1 the one id is
-    argmax's (the smallest of equal maxima), as when the graph took argmax for a
-    micro-batch of greedy rows."""
-    ids = ids.astype(np.int32)
-    if ids.shape[1] == 1:
-        return ids, vals
+def _own_best_rows(head: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Each row's K values by value then id, from ``head`` ([m, 2K]: the K values, then
+    their K ids as float32, as the graph packs them): ([m, K] int32 ids, [m, K] values,
+    whether every row came strictly descending: no ties and no NaN, so a row's first value
+    is its max). The first k of a row are its own k best, the same whatever the others'
+    K. At K = 1 the one id is argmax's (the smallest of equal maxima), as when the graph
+    took argmax for a micro-batch of greedy rows."""
+    if k == 1:
+        return head[:, 1:].astype(np.int32), head[:, :1], False
     # ggml's CPU top_k hands the K best back sorted by value but for its first two, which
-    # it swaps on purpose: with them put back, rows already canonical need no sort (a
-    # check of a few passes against the keys' dozen and an argsort); any other order is sorted
-    sw = np.arange(ids.shape[1])
-    sw[:2] = 1, 0
-    ids_s, vals_s = ids[:, sw], vals[:, sw]
-    if is_canonical(ids_s, vals_s):
-        return ids_s, vals_s
+    # it swaps on purpose: one gather puts them back (values and ids at once), and rows
+    # already canonical need no sort (a check of a few passes against the keys' dozen and
+    # an argsort); any other order is sorted
+    g = head[:, _unswap_columns(k)]
+    vals, ids = g[:, :k], g[:, k:].astype(np.int32)
+    if strictly_descending(vals):
+        return ids, vals, True
+    if is_canonical(ids, vals):
+        return ids, vals, False
     o = np.argsort(canonical_keys(ids, vals), axis=1)
-    return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1)
+    return np.take_along_axis(ids, o, 1), np.take_along_axis(vals, o, 1), False
+
+
+@functools.lru_cache(maxsize=64)
+def _unswap_columns(k: int) -> np.ndarray:
+    """The columns of a [m, 2k] head (values, then ids) with each half's first two swapped."""
+    sw = np.arange(k)
+    sw[:2] = 1, 0
+    return np.concatenate([sw, sw + k])
 
 
 def _graph_logits(lib: Any, src: Any) -> Any:
@@ -465,18 +484,19 @@ class Presampler:
             self._layouts = dict(self._graph_layouts)
             self._fresh = True
         groups: dict[int, tuple[Layout, list[int]]] = {}  # by the layout's identity (one per plan)
+        # (names bound once: a row's attribute lookups cost as much as its call here)
+        count, ctx, layout_of, row_slot = lib.llama_get_sampled_logits_count_ith, self._ctx, self._layouts.get, self._row_slot
         for a, (slot, row) in enumerate(zip(slots, rows)):
-            lay = self._layouts.get(slot)
+            lay = layout_of(slot)
             # llama.cpp's negative index: the row itself, not a batch position
-            if lay is not None and lib.llama_get_sampled_logits_count_ith(self._ctx, row - n_outputs) == lay.size:
+            if lay is not None and count(ctx, row - n_outputs) == lay.size:
                 groups.setdefault(id(lay), (lay, []))[1].append(a)
+                row_slot[row] = slot
         if not groups:
             return out
-        ptr = lib.llama_get_sampled_logits_ith(self._ctx, -n_outputs)  # row 0: rows lie n_vocab apart
+        ptr = lib.llama_get_sampled_logits_ith(ctx, -n_outputs)  # row 0: rows lie n_vocab apart
         block = np.frombuffer(ffi.buffer(ptr, n_outputs * self.n_vocab * 4), np.float32)
         block = block.reshape(n_outputs, self.n_vocab)
-        for a in (a for _, idx in groups.values() for a in idx):
-            self._row_slot[rows[a]] = slots[a]
         for lay, idx in groups.values():
             r = [rows[a] for a in idx]
             # consecutive rows: a view, no copy (checked in Python: numpy's np.diff and
