@@ -278,7 +278,7 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
         if r["scenario"] == "trace":
             assert host is None  # trace takes the host path
         else:
-            assert all(host[k] > 0 for k in ("order", "callbacks", "read", "sample")), host
+            assert all(host[k] > 0 for k in ("order", "callbacks", "read", "sample", "again")), host
             assert host["total"] == pytest.approx(host["order"] + host["callbacks"] + host["read"] + host["sample"],
                                                   abs=0.25)
     assert (tmp_path / "sampler.png").stat().st_size > 0

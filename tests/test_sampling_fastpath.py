@@ -1100,5 +1100,9 @@ def test_each_order_keeps_its_sequences_window_counts(hists, n, bias, reads):
         window = dict(zip(ids.tolist(), cnt.tolist()))
         assert got.tolist() == [window.get(t, 0.0) for t in o.touched.tolist()]
         assert s.order_counts(o.touched.copy()) is None
+        f = s.fork()  # a fork has the same window: the order's counts hold for it, until it moves on
+        assert f.order_counts(o.touched) is got
+        f.accept(7)
+        assert f.order_counts(o.touched) is None and s.order_counts(o.touched) is got
         s.accept(7)
         assert s.order_counts(o.touched) is None

@@ -338,7 +338,7 @@ class SequenceSampler:
         other._seen = self._seen
         other._counts = dict(self._counts)
         other._hist_arrays = self._hist_arrays
-        other._order_counts = None
+        other._order_counts = self._order_counts  # the same window: an order's counts hold for both
         other._states = copy.deepcopy(self._states)
         other._vocab = self._vocab
         if seed is None:
