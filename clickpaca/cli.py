@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "same alternating rounds; needs --build kvcenter (docs/KV-RESEARCH.md)")
     p.add_argument("--chain", default=None,
                    help="batch: every sequence's sampler chain: greedy (default) or a bench sampler scenario "
-                        "without a grammar (default, n_probs_5, temperature_only, top_p_only, bias_penalties)")
+                        "without a grammar (default, n_probs_5, temperature_only, top_p_only, bias_penalties); "
+                        "a comma list runs each on the same servers in the same alternating rounds")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_bench)

@@ -294,6 +294,29 @@ def test_bench_sampler_real(tmp_path, monkeypatch):
 
 @pytest.mark.model
 @pytest.mark.slow
+def test_bench_batch_runs_several_chains_in_the_same_rounds(tmp_path):
+    """--chain a,b: one row per chain on the same servers and rounds (one native run per
+    round), each with its ratio to the first chain's figures on the same server, and
+    every sequence made its G tokens on every side."""
+    from clickpaca.measure.bench import batch
+
+    out = batch.run(_args(tmp_path, what="batch", seqs="2", tokens=4, prompt_tokens=8, chain="greedy,default",
+                          preselect=True))
+    rows = out["rows"]
+    assert [(r["seqs"], r["chain"]) for r in rows] == [(2, "greedy"), (2, "default")]
+    assert rows[0]["native_s_tg"] == rows[1]["native_s_tg"]  # one llama-batched-bench run serves both
+    assert rows[0]["server_vs_first"]["rounds"] == [1.0] and rows[0]["pre_vs_first"]["rounds"] == [1.0]
+    for r in rows:
+        assert r["server_tokens"] == [[4, 4]] and r["pre_tokens"] == [[4, 4]]
+        assert r["server_vs_first"]["median"] > 0 and r["pre_vs_first"]["median"] > 0
+    fields = out["params"]["infer_fields"]  # each chain's own: greedy's temperature 0, default's its own
+    assert fields["greedy"]["temperature"] == 0 and "temperature" not in fields["default"]
+    text = batch.table(out)
+    assert "server / first chain" in text and "preselect / its first chain" in text
+
+
+@pytest.mark.model
+@pytest.mark.slow
 def test_bench_sampler_ticks_real(tmp_path, monkeypatch):
     """--seqs: per tick, the decode beside the host's sampling (per sequence and batched,
     which the bench itself checks equal)."""

@@ -10,7 +10,10 @@ Every sequence samples greedily (temperature 0) unless --chain names a `bench sa
 scenario without a grammar (sampling/bench.py SCENARIOS: default, n_probs_5,
 temperature_only, top_p_only, bias_penalties): its fields that differ from the defaults
 go into every infer, so the host's sampling cost of that chain is inside the server's
-figure (llama-batched-bench does not sample).
+figure (llama-batched-bench does not sample). A comma list of chains runs each of them
+on the same servers in the same alternating rounds (one llama-batched-bench run per
+round serves them all), one row per chain, each beside the first chain's figures
+(`vs_first`: the median of the per-round ratios to it, on the same server).
 
 Server throughput = generated tokens after each sequence's first / (last token event -
 first token event): the generation phase only, as S_TG is (nBatch >= N*P, so every
@@ -96,43 +99,26 @@ def measure(args: Any) -> dict[str, Any]:
             s.close()
         server.close()
         raise
-    chain = getattr(args, "chain", None) or "greedy"
-    params = chain_params(chain, server.ban_eog())
+    chains = parse_list(getattr(args, "chain", None) or "greedy", str)
+    ban = server.ban_eog()
+    params_of = {c: chain_params(c, ban) for c in chains}
     rows = []
     try:
         for n in seqs:
-            sides = {
-                "server": lambda r, n=n: run_server_group(server, n, p, g, params),
-                "llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build),
-            }
-            for name, (_, other) in others.items():
-                sides[name] = lambda r, n=n, other=other: run_server_group(other, n, p, g, params)
+            sides = {"llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build)}
+            for c in chains:
+                sides[_side("server", c, chains)] = lambda r, n=n, c=c: run_server_group(server, n, p, g, params_of[c])
+                for name, (_, other) in others.items():
+                    sides[_side(name, c, chains)] = (lambda r, n=n, c=c, other=other:
+                                                     run_server_group(other, n, p, g, params_of[c]))
             res = alternate(sides, args.repeats, f"batch N={n}")
-            srv, nat = res["server"], res["llama-batched-bench"]
-            s_wall = [x["wall_tps"] for x in srv]
-            s_span = [x["span_tps"] for x in srv]
-            skew = [x["admission_skew_ms"] for x in srv]
-            s_eval = [x["eval_tps_sum"] for x in srv]
-            s_lat = [x["latency_per_token_ms"] for x in srv]
-            n_tg = [x["speed_tg"] for x in nat]
-            n_lat = [x["t_tg"] / x["tg"] * 1000 for x in nat]
-            row = {"seqs": n, "server_wall_tps": summary(s_wall), "server_eval_tps_sum": summary(s_eval),
-                   "server_span_tps": summary(s_span), "server_admission_skew_ms": summary(skew),
-                   "server_latency_ms": summary(s_lat), "native_s_tg": summary(n_tg),
-                   "native_latency_ms": summary(n_lat),
-                   "ratio": ratio(median(s_wall), median(n_tg)), "goal": GOALS.get(n),
-                   "server_tokens": [x["tokens"] for x in srv],
-                   "server_prompt_tokens": srv[-1]["prompt_tokens"],
-                   "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
-            for name, (key, _) in others.items():
-                o_wall = [x["wall_tps"] for x in res[name]]
-                row.update({f"{key}_wall_tps": summary(o_wall),
-                            f"{key}_ratio_to_default": ratio(median(o_wall), median(s_wall)),
-                            f"{key}_ratio_to_native": ratio(median(o_wall), median(n_tg)),
-                            f"{key}_paired_ratios": [round(a / b, 4) for a, b in zip(o_wall, s_wall) if a and b],
-                            f"{key}_tokens": [x["tokens"] for x in res[name]]})
-            rows.append(row)
-            progress(f"batch N={n}: server {median(s_wall)} tok/s, native {median(n_tg)} tok/s")
+            nat = res["llama-batched-bench"]
+            for c in chains:
+                rows.append(_row(n, c, {name: res[_side(name, c, chains)] for name in ["server", *others]},
+                                 nat, others, res, chains))
+            progress(f"batch N={n}: " + ", ".join(f"{r['chain']} {r['server_wall_tps']['median']}"
+                                                  for r in rows[-len(chains):])
+                     + f" tok/s, native {median([x['speed_tg'] for x in nat])} tok/s")
     finally:
         server.close()
         for _, other in others.values():
@@ -142,43 +128,99 @@ def measure(args: Any) -> dict[str, Any]:
              "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
              f"(medians of {args.repeats} alternating rounds); goals >= 0.9 at 8, >= 0.8 at 64",
              "eval_tps_sum (sum of done.eval_tps) reads about G/(G-1) high: see bench decode"]
+    if len(chains) > 1:
+        notes.append(f"chains {', '.join(chains)} ran on the same servers in the same rounds; vs_first = the "
+                     f"median of the per-round ratios of a chain's tok/s to {chains[0]}'s on the same server")
     for row in rows:
         bad = [k for toks in row["server_tokens"] for k in toks if k != g]
         if bad:
-            notes.append(f"N={row['seqs']}: some sequences made {sorted(set(bad))} tokens, not {g}")
+            notes.append(f"N={row['seqs']} {row['chain']}: some sequences made {sorted(set(bad))} tokens, not {g}")
         if row["server_prompt_tokens"] != [p]:
-            notes.append(f"N={row['seqs']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
+            notes.append(f"N={row['seqs']} {row['chain']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
                        "repeats": args.repeats, "build": args.build, "model": model,
                        "deterministic": "deterministic" in others, "preselect": "preselect" in others,
-                       "center": getattr(args, "center", None), "chain": chain, "infer_fields": params},
+                       "center": getattr(args, "center", None), "chain": ",".join(chains),
+                       "infer_fields": params_of[chains[0]] if len(chains) == 1 else params_of},
             "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
             "server_problems": server.problems}
 
 
+def _side(name: str, chain: str, chains: list[str]) -> str:
+    """A side's name in the alternating rounds (the chain added when there are several)."""
+    return name if len(chains) == 1 else f"{name} {chain}"
+
+
+def _wall(runs: list[dict]) -> list[float]:
+    return [x["wall_tps"] for x in runs]
+
+
+def _row(n: int, chain: str, runs: dict[str, list[dict]], nat: list[dict], others: dict,
+         res: dict[str, list], chains: list[str]) -> dict[str, Any]:
+    """One row of a chain at N sequences: the default server's figures against
+    llama-batched-bench's, each side server's against the default's, and with several
+    chains each server's against its own figures for the first chain."""
+    srv = runs["server"]
+    s_wall = _wall(srv)
+    n_tg = [x["speed_tg"] for x in nat]
+    row = {"seqs": n, "chain": chain, "server_wall_tps": summary(s_wall),
+           "server_eval_tps_sum": summary([x["eval_tps_sum"] for x in srv]),
+           "server_span_tps": summary([x["span_tps"] for x in srv]),
+           "server_admission_skew_ms": summary([x["admission_skew_ms"] for x in srv]),
+           "server_latency_ms": summary([x["latency_per_token_ms"] for x in srv]), "native_s_tg": summary(n_tg),
+           "native_latency_ms": summary([x["t_tg"] / x["tg"] * 1000 for x in nat]),
+           "ratio": ratio(median(s_wall), median(n_tg)), "goal": GOALS.get(n),
+           "server_tokens": [x["tokens"] for x in srv],
+           "server_prompt_tokens": srv[-1]["prompt_tokens"],
+           "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
+    for name, (key, _) in others.items():
+        o_wall = _wall(runs[name])
+        row.update({f"{key}_wall_tps": summary(o_wall),
+                    f"{key}_ratio_to_default": ratio(median(o_wall), median(s_wall)),
+                    f"{key}_ratio_to_native": ratio(median(o_wall), median(n_tg)),
+                    f"{key}_paired_ratios": [round(a / b, 4) for a, b in zip(o_wall, s_wall) if a and b],
+                    f"{key}_tokens": [x["tokens"] for x in runs[name]]})
+    if len(chains) > 1:
+        for name, key in [("server", "server"), *((name, k) for name, (k, _) in others.items())]:
+            first = _wall(res[_side(name, chains[0], chains)])
+            per = [round(a / b, 4) for a, b in zip(_wall(runs[name]), first) if a and b]
+            row[f"{key}_vs_first"] = {"median": median(per), "rounds": per}
+    return row
+
+
 def table(out: dict[str, Any]) -> str:
+    multi = any("server_vs_first" in r for r in out["rows"])
+    lead = (lambda r: (r["seqs"], r["chain"])) if multi else (lambda r: (r["seqs"],))
+    head = ["seqs", "chain"] if multi else ["seqs"]
     rows = []
     for r in out["rows"]:
-        rows.append((r["seqs"], r["server_wall_tps"]["median"], r["server_span_tps"]["median"],
+        rows.append((*lead(r), r["server_wall_tps"]["median"], r["server_span_tps"]["median"],
                      r["server_eval_tps_sum"]["median"], r["native_s_tg"]["median"], r["ratio"], r["goal"],
-                     r["server_latency_ms"]["median"], r["native_latency_ms"]["median"]))
-    text = markdown(["seqs", "server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
-                     "ratio", "goal", "server ms/token/seq", "native ms/token/seq"], rows)
+                     r["server_latency_ms"]["median"], r["native_latency_ms"]["median"])
+                    + ((r["server_vs_first"]["median"],) if multi else ()))
+    text = markdown(head + ["server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
+                            "ratio", "goal", "server ms/token/seq", "native ms/token/seq"]
+                    + (["server / first chain"] if multi else []), rows)
     for name, key, _ in SIDES:
-        side = [(r["seqs"], r[f"{key}_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
+        side = [(*lead(r), r[f"{key}_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
                  r[f"{key}_ratio_to_default"], r.get(f"{key}_ratio_to_native"),
                  ", ".join(f"{x:.3f}" for x in r[f"{key}_paired_ratios"]))
+                + ((r[f"{key}_vs_first"]["median"],) if multi else ())
                 for r in out["rows"] if f"{key}_wall_tps" in r]
         if side:
-            text += "\n\n" + markdown(["seqs", f"{name} tok/s", "default tok/s", "batched-bench S_TG",
-                                        f"{name} / default", f"{name} / native", "per-round ratios (vs default)"], side)
+            text += "\n\n" + markdown(head + [f"{name} tok/s", "default tok/s", "batched-bench S_TG",
+                                               f"{name} / default", f"{name} / native",
+                                               "per-round ratios (vs default)"]
+                                       + ([f"{name} / its first chain"] if multi else []), side)
     return text
 
 
 def plot(out: dict[str, Any], path) -> None:
-    xs = [r["seqs"] for r in out["rows"]]
-    plot_lines(path, {"server (clickpaca)": (xs, [r["server_wall_tps"]["median"] for r in out["rows"]]),
-                      "llama-batched-bench S_TG": (xs, [r["native_s_tg"]["median"] for r in out["rows"]])},
+    first = out["params"]["chain"].split(",")[0]  # (the first chain's rows: one per N)
+    rows = [r for r in out["rows"] if r.get("chain", first) == first]
+    xs = [r["seqs"] for r in rows]
+    plot_lines(path, {"server (clickpaca)": (xs, [r["server_wall_tps"]["median"] for r in rows]),
+                      "llama-batched-bench S_TG": (xs, [r["native_s_tg"]["median"] for r in rows])},
                "sequences decoded together", "generated tokens/s (all sequences)",
                f"Batched generation, P={out['params']['prompt_tokens']} G={out['params']['tokens']}, "
                f"{out['params']['threads']} threads", logx=True)
