@@ -265,22 +265,29 @@ def unpack(packed: np.ndarray, lay: Layout, orders: list[RowOrder]) -> list[Pres
     if not lay.mass:  # y's max: the first of the sorted values, unless a NaN is among them
         first = vals[:, 0].tolist()
         nan = [False] * m if clean else np.logical_or.reduce(np.isnan(vals), axis=1).tolist()
+    # one view per row, made in C (list() of a matrix), sliced only where a row's own k or
+    # touched ids are fewer than the graph's (an index per row costs as much as the row)
+    K, T = lay.k, lay.n_touched
+    id_rows, val_rows = list(ids), list(vals)
+    block_rows = list(blocks) if lay.mass else None
+    touched_rows = list(touched) if touched is not None else None
     out = []
     for j, o in enumerate(orders):
         k = o.k
-        v = vals[j, :k]
+        own_ids, v = (id_rows[j], val_rows[j]) if k == K else (id_rows[j][:k], val_rows[j][:k])
         raw = lay.raw and o.raw
         raw_top = raw and lay.raw_top and o.mask is not None
         out.append(Preselected(
-            o, ids[j, :k], v,
+            o, own_ids, v,
             tops[j] if lay.mass else (float(v.max()) if nan[j] else first[j]),
-            blocks[j] if lay.mass and (o.mass or o.u is not None) else None,
+            block_rows[j] if lay.mass and (o.mass or o.u is not None) else None,
             {int(b): dense[j, i] for i, b in enumerate(dense_ids[j])} if lay.dense and o.u is not None else None,
             raw_max[j] if raw else None,
             raw_mass[j] if raw else None,
             raw_ids[j, :k] if raw_top else None,
             raw_vals[j, :k] if raw_top else None,
-            touched[j, :o.touched.size] if touched is not None else _NO_FLOATS))
+            _NO_FLOATS if touched_rows is None else
+            touched_rows[j] if o.touched.size == T else touched_rows[j][:o.touched.size]))
     return out
 
 

@@ -274,7 +274,9 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
 
     Every reduction runs along a row of a C-contiguous [m, .] matrix (numpy reduces it as
     the 1-D row) and every order is a row's own, so a row's result does not depend on
-    the other rows; the per-row Python is the draw and the result."""
+    the other rows; the per-row Python is the draw and the result. (Reductions are the
+    ufuncs' own: ndarray.max and .sum are Python-level wrappers, slow on the caches a
+    decode leaves.)"""
     m = len(js)
     counts = None  # every row has its k (best)
     if best is not None:
@@ -297,7 +299,7 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     o = np.argsort(can_ids, axis=1)  # the per-sequence set after top-k is in id order
     top_ids, top_v = _take(o, can_ids, can_v)  # the id-ordered entry p has canonical rank o[p]
     top_ids = top_ids.astype(np.int32)
-    vmax = top_v.max(axis=1)
+    vmax = np.maximum.reduce(top_v, axis=1)
     bad = ~(np.isfinite(vmax) & np.isfinite(thr))  # +-inf or NaN: per sequence
     if counts is not None:
         bad |= counts < k  # fewer than k candidates (NaN): per sequence
@@ -309,21 +311,21 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
             e_can = np.exp(can_v - vmax[:, None])  # the same values in canonical order
         target = top_p * (np.add.reduce(e, axis=1) + (0.0 if rest is None else rest))
         cum = np.add.accumulate(e_can, axis=1)
-        cut = np.minimum((cum < target[:, None]).sum(axis=1), k - 1)  # searchsorted left
+        cut = np.minimum(np.add.reduce(cum < target[:, None], axis=1), k - 1)  # searchsorted left
         keep = o <= cut[:, None]
     past_k = np.zeros(m, bool)
     if floor is not None:  # what top-p keeps must lie above every token left out
-        past_k = ~bad & ~(np.where(keep, top_v, np.inf).min(axis=1) > floor)
+        past_k = ~bad & ~(np.minimum.reduce(np.where(keep, top_v, np.inf), axis=1) > floor)
     lg = np.where(keep, top_v, _NEG_INF)
     if temp is not None:
         with np.errstate(over="ignore"):
             lg = lg / temp
-    lmax = lg.max(axis=1)
+    lmax = np.maximum.reduce(lg, axis=1)
     with np.errstate(invalid="ignore", over="ignore"):
         e = np.exp(lg - lmax[:, None])
     c = np.add.accumulate(e, axis=1)
     last = k - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last kept position (id order)
-    size = keep.sum(axis=1)
+    size = np.add.reduce(keep, axis=1)
     good = ~bad & ~past_k & (lmax < np.inf)
     for a in np.flatnonzero(~good).tolist():  # a row sent per sequence takes no draw
         out[js[a]] = past(js[a]) if past is not None and past_k[a] else fallback(js[a])
@@ -334,7 +336,7 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
     u = np.fromiter((samplers[js[a]].draw() for a in gl), np.float64, g.size)
     cg, sz, la = (c, size, last) if g.size == m else (c[g], size[g], last[g])
     # each row's np.searchsorted(c[a], u * c[a, -1], side="right"): c never decreases
-    jj = (cg <= (u * cg[:, -1])[:, None]).sum(axis=1)
+    jj = np.add.reduce(cg <= (u * cg[:, -1])[:, None], axis=1)
     pos = np.where(sz == 1, la, np.minimum(jj, la))
     tok = top_ids[g, pos]
     if not n_probs:

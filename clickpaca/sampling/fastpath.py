@@ -514,7 +514,7 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
     from the block masses less the K best's own, and the floor check on what it keeps."""
     vals = _rows([pres[j].vals for j in js])
     K = vals.shape[1]
-    ok = np.isfinite(vals).all(axis=1)
+    ok = np.logical_and.reduce(np.isfinite(vals), axis=1)
     for j, good in zip(js, ok.tolist()):
         if not good:
             out[j] = sample(samplers[j], pres[j], None)
@@ -527,7 +527,7 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
     total = np.add.reduce(_rows([pres[j].blocks for j in js]), axis=1, dtype=np.float64)
     inside = np.add.reduce(np.exp(vals - top[:, None]), axis=1)
     rest = np.maximum(total - inside, 0.0)  # relative to the top, which is the K best's max
-    floor = vals.min(axis=1)
+    floor = np.minimum.reduce(vals, axis=1)
     # a nucleus reaching the floor: PAST_K at once (sample() would redo it all to say so)
     topk_draw(samplers, js, K, top_p, temp, None, out, lambda j: sample(samplers[j], pres[j], None),
               path="graph", rest=rest, floor=floor, past=lambda j: PAST_K,
@@ -602,11 +602,11 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
     for greedy in greedies.values():
         ids = _rows([pres[j].ids for j in greedy])
         vals = _rows([pres[j].vals for j in greedy])
-        vmax = vals.max(axis=1)
+        vmax = np.maximum.reduce(vals, axis=1)
         # the canonical first: the largest value, the smallest id among ties
-        tok = np.where(vals == vmax[:, None], ids, np.iinfo(np.int32).max).min(axis=1)
+        tok = np.minimum.reduce(np.where(vals == vmax[:, None], ids, np.iinfo(np.int32).max), axis=1)
         # exact when it beats every token left out (all <= the K-th value)
-        ok = ((vmax > vals.min(axis=1)) | (vals.shape[1] == 1)) & np.isfinite(vmax)
+        ok = ((vmax > np.minimum.reduce(vals, axis=1)) | (vals.shape[1] == 1)) & np.isfinite(vmax)
         for a, j in enumerate(greedy):
             if ok[a]:
                 samplers[j].draw()  # the draw sample() makes (the stream stays aligned)
@@ -621,7 +621,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             continue
         vals = _rows([pres[j].vals for j in js])
         K = vals.shape[1]
-        floor = vals.min(axis=1)  # NaN with a NaN in the row: not fine below
+        floor = np.minimum.reduce(vals, axis=1)  # NaN with a NaN in the row: not fine below
         # the k kept lie strictly above everything left out (<= the K-th value); a row's
         # values come in canonical order (Preselected), so its k-th best is column k - 1
         fine = (vals[:, k - 1] > floor).tolist() if k < K else [False] * len(js)
@@ -631,7 +631,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = sample(samplers[j], pres[j], None)
         if ok_js:
             sel = slice(None) if len(ok_js) == len(js) else np.flatnonzero(fine)
-            ids = _rows([pres[j].ids[:k] for j in ok_js])
+            ids = _rows([pres[j].ids for j in ok_js])[:, :k]  # (one slice, not one per row)
             best = (floor[sel].astype(np.float64), ids, vals[sel, :k].astype(np.float64))
             raw_lse = None
             if n_probs:  # per row top + log(float(np.add.reduce(blocks, dtype=np.float64)))
