@@ -413,6 +413,7 @@ def test_a_recounted_window_is_the_definitions(tokens, n, n2, cut):
     assert (ids.tolist(), counts.tolist()) == _window(tokens[:cut], n)
     h = tokens[:cut]
     assert s.window_tokens() == (h if n < 0 else h[max(0, len(h) - n):] if n else [])
+    assert s.window_array().tolist() == s.window_tokens()
     s.set_params(SamplerParams(penalty_repeat=1.5, penalty_last_n=n2))
     ids, counts = s.penalty_window()
     assert (ids.tolist(), counts.tolist()) == _window(tokens[:cut], n2)
@@ -704,3 +705,34 @@ def test_greedy_skips_only_the_truncations_right_before_it():
                            ctx=StepContext(hist, [], n_vocab=V, seed=7))
         got_ids, _ = cand.materialize()
         assert sorted(got_ids.tolist()) == sorted(want_ids.tolist()), steps
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.one_of(st.tuples(st.just("accept"), st.integers(0, 11)),
+                              st.tuples(st.just("append"), st.lists(st.integers(0, 11), max_size=90)),
+                              st.tuples(st.just("truncate"), st.integers(0, 60)),
+                              st.tuples(st.just("last_n"), st.sampled_from([-1, 0, 1, 5, 64])),
+                              st.tuples(st.just("fork"), st.none())), max_size=12),
+       n=st.sampled_from([-1, 0, 3, 64]))
+def test_the_window_array_is_the_window_tokens(ops, n):
+    """window_array (an int64 view of the history's mirror, which takes in only what was
+    added since its last read) holds window_tokens after any mix of accepted tokens,
+    tokens the caller appends to its own history, truncation, a new penalty_last_n and a
+    fork, read after each step or not (the mirror grows past its first 64)."""
+    hist: list[int] = []
+    s = SequenceSampler(SamplerParams(penalty_repeat=1.5, penalty_last_n=n), 12, history=hist)
+    for op, x in ops:
+        if op == "accept":
+            s.accept(x)
+        elif op == "append":  # the engine's way: its own list, which the sampler reads
+            s._history.extend(x)
+        elif op == "truncate":
+            s.truncate(x)
+        elif op == "last_n":
+            s.set_params(SamplerParams(penalty_repeat=1.5, penalty_last_n=x))
+        else:
+            s = s.fork()
+        if len(s.window_tokens()) % 2:  # read now and then, not after every step
+            assert s.window_array().tolist() == s.window_tokens()
+    assert s.window_array().dtype == np.int64
+    assert s.window_array().tolist() == s.window_tokens()

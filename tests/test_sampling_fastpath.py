@@ -1062,7 +1062,7 @@ def test_touched_ids_are_the_union_of_each_steps_ids(rows, wide):
     with a window, each id's count in it, 0 for the sets' other ids."""
     dtype = np.int64 if wide else np.int32
     sets = [None if r is None else [np.array(x, dtype) for x in r] for r, _ in rows]
-    ids, counts = F._unions(sets, [w for _, w in rows])
+    ids, counts = F._unions(sets, [np.array(w, np.int64) if w else None for _, w in rows])  # as window_array
     assert len(ids) == len(counts) == len(rows)
     for (r, w), g, c in zip(rows, ids, counts):
         assert g.dtype == np.int32

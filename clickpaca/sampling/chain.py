@@ -250,6 +250,10 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
     return run(tail, u_ids, u_logits, t0)
 
 
+_NO_TOKENS = np.empty(0, np.int64)
+_NO_TOKENS.flags.writeable = False
+
+
 class SequenceSampler:
     """The sampler of one sequence: params, a numpy Generator seeded from ``params.seed``
     (a fresh random seed when None; read it back from ``seed`` to reproduce a run), and
@@ -286,6 +290,8 @@ class SequenceSampler:
         self._counts: dict[int, int] = {}
         self._hist_arrays = None
         self._order_counts = None  # fastpath.order_many's (touched ids, their window counts)
+        self._hist_np: np.ndarray | None = None  # int64 mirror of _history[:_hist_np_len] (window_array)
+        self._hist_np_len = 0
         self._states: dict = {}
         self._streams: dict = {}
         self._vocab = vocab
@@ -339,6 +345,7 @@ class SequenceSampler:
         other._counts = dict(self._counts)
         other._hist_arrays = self._hist_arrays
         other._order_counts = self._order_counts  # the same window: an order's counts hold for both
+        other._hist_np, other._hist_np_len = None, 0
         other._states = copy.deepcopy(self._states)
         other._vocab = self._vocab
         if seed is None:
@@ -363,6 +370,7 @@ class SequenceSampler:
             self._counts[t] = self._counts.get(t, 0) + 1
         self._seen = len(self._history)
         self._hist_arrays = self._order_counts = None
+        self._hist_np_len = 0  # the mirror is made again at its next read
 
     def _sync(self) -> None:
         """Take the tokens the history gained since the last read into the penalty
@@ -436,6 +444,27 @@ class SequenceSampler:
         `penalty_window` are how often each id appears here)."""
         w = self._window()
         return self._history[max(0, len(self._history) - w):] if w else []
+
+    def window_array(self) -> np.ndarray:
+        """`window_tokens` as int64: a view of a buffer that mirrors the history, taking
+        in only the tokens added since the last read, so that a tick's windows join with
+        one concatenate (fastpath.order_many) where a list's Python ints would each be
+        converted. Read it before the history changes again."""
+        self._sync()
+        h, buf, have = self._history, self._hist_np, self._hist_np_len
+        end = len(h)
+        if end < have:  # shorter than mirrored (the _sync above missed nothing: a guard)
+            have = 0
+        if end > have:
+            if buf is None or end > buf.size:
+                grown = np.empty(max(64, 2 * end), np.int64)
+                if have:
+                    grown[:have] = buf[:have]
+                buf = self._hist_np = grown
+            buf[have:end] = h[have:end]
+        self._hist_np_len = end
+        w = self._window()
+        return buf[max(0, end - w):end] if w and end else _NO_TOKENS
 
     def order_counts(self, touched: np.ndarray) -> np.ndarray | None:
         """The window counts (float64) of ``touched`` (a touched-id array an order of

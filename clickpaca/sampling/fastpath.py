@@ -31,7 +31,6 @@ log-probabilities within 1e-5 nats.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -111,11 +110,30 @@ def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     return np.unique(np.concatenate(sets)) if sets else _NO_TOUCHED
 
 
-@functools.lru_cache(maxsize=1024)
+_ORDER_PLANS: dict = {}
+
+
+def _order_plan_of(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tuple:
+    """`_order_plan`, kept per chain (``p.chain``, hashed by identity: every parameter but
+    the seed, which an order does not depend on), so a row's lookup hashes no parameter
+    values."""
+    key = (p.chain, has_hist, n_allowed, k, masked)
+    r = _ORDER_PLANS.get(key)
+    if r is None:
+        if len(_ORDER_PLANS) >= 4096:
+            _ORDER_PLANS.clear()
+        r = _ORDER_PLANS[key] = _order_plan(p, has_hist, n_allowed, k, masked)
+    return r
+
+
+R.on_change(_ORDER_PLANS.clear)
+
+
 def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tuple:
     """What an order depends on besides the row's own touched ids, mask and uniform:
     (K before the touched ids, whether the prefix touches, mass, inv_tau, raw, dense,
-    greedy), cached per params (frozen), history presence, allowed count and K."""
+    greedy, the touched-id sets of the prefix's steps other than the penalties (they
+    depend on the params alone), whether the penalties are in the prefix)."""
     active, first = _steps_to_run(p, has_hist, n_allowed)
     prefix = active if first is None else active[:first]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
@@ -127,10 +145,9 @@ def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tupl
     # masses: for a draw over the whole set, top-p's mass left out, or nProbs' normaliser
     mass = first is None or active[first].name == "top_p" or (p.n_probs > 0 and not raw)
     greedy = p.n_probs <= 0 and greedy_tail(p, False, n_allowed) is not None
-    return need, touches, mass, 1.0 / tau, raw, first is None, greedy, prefix
-
-
-R.on_change(_order_plan.cache_clear)
+    ctx = StepContext()  # the touched ids of a preselected step other than penalties need no window
+    own = [st.touches(p, ctx) for st in prefix if st.touches is not None and st is not PENALTIES]
+    return need, touches, mass, 1.0 / tau, raw, first is None, greedy, own, PENALTIES in prefix
 
 
 def order(s: SequenceSampler, words: np.ndarray | None, k: int = K_MIN) -> RowOrder:
@@ -147,7 +164,6 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
     window's: its tokens go into that sort as they stand, repeats kept, and the sort
     counts them too; each sequence keeps its touched ids' counts for the touched batch
     (``SequenceSampler.order_counts``), so no window is sorted on its own."""
-    ctx = StepContext()  # the touched ids of a preselected step other than penalties need no window
     rows, sets, windows = [], [], []
     for s, w, k in zip(samplers, words, ks):
         mask_bytes = None
@@ -156,21 +172,11 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
             w = as_words(w, n)
             mask_bytes = w.view(np.uint8)
             n_allowed = count_allowed(w, n)
-        p = s.params
-        need, touches, mass, inv_tau, raw, dense, greedy, prefix = _order_plan(p, s.penalizes, n_allowed, k,
-                                                                               mask_bytes is not None)
-        window = None
-        if touches:
-            own = []
-            for st in prefix:
-                if st is PENALTIES:
-                    window = s.window_tokens()
-                elif st.touches is not None:
-                    own.append(st.touches(p, ctx))
-            sets.append(own)
-        else:
-            sets.append(None)
-        windows.append(window)
+        need, touches, mass, inv_tau, raw, dense, greedy, own, windowed = _order_plan_of(
+            s.params, s.penalizes, n_allowed, k, mask_bytes is not None)
+        sets.append(own if touches else None)
+        window = s.window_array() if windowed else None
+        windows.append(window if window is not None and window.size else None)
         rows.append((s, n, need, mass, inv_tau, raw, dense, greedy, mask_bytes))
     out = []
     touched_of, counts_of = _unions(sets, windows)
@@ -187,17 +193,17 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
     return out
 
 
-def _unions(sets: list[list[np.ndarray] | None], windows: list[list[int] | None]
+def _unions(sets: list[list[np.ndarray] | None], windows: list[np.ndarray | None]
             ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-    """Per row, the sorted unique int32 ids of its sets and of its window's tokens (None
-    or nothing: none), and, for a row with a window, how often each of those ids occurs
+    """Per row, the sorted unique int32 ids of its sets and of its window's tokens (an
+    int64 array with repeats; None: none), and, for a row with a window, how often each of those ids occurs
     in it (float64, 0 for the sets' other ids; None without a window). Every row in one
     sort: an id of row a as ((a * 2^32 + id) * 2 + 1 for a window's token, + 0 for a
     set's), so rows keep apart and in order (ids are int32), an id's entries sit side by
     side and the low bits add up to its count; each row a view of the result."""
     n = len(sets)
     out_ids, out_counts = [_NO_TOUCHED] * n, [None] * n
-    idx = [a for a in range(n) if sets[a] or windows[a]]
+    idx = [a for a in range(n) if sets[a] or windows[a] is not None]
     if not idx:
         return out_ids, out_counts
     keys = []
@@ -206,11 +212,11 @@ def _unions(sets: list[list[np.ndarray] | None], windows: list[list[int] | None]
         lens = np.fromiter((x.size for _, x in parts), np.intp, len(parts))
         r = np.repeat(np.fromiter((i for i, _ in parts), np.int64, len(parts)) << 32, lens)
         keys.append((np.concatenate([x for _, x in parts]).astype(np.int64) + r) << 1)
-    w_rows = [i for i, a in enumerate(idx) if windows[a]]
+    w_rows = [i for i, a in enumerate(idx) if windows[a] is not None]
     if w_rows:
-        w_lens = [len(windows[idx[i]]) for i in w_rows]
-        w = np.fromiter(itertools.chain.from_iterable(windows[idx[i]] for i in w_rows), np.int64, sum(w_lens))
-        w += np.repeat(np.array(w_rows, np.int64) << 32, w_lens)
+        ws = [windows[idx[i]] for i in w_rows]
+        w = np.concatenate(ws).astype(np.int64, copy=False)  # (a copy: the windows are views)
+        w += np.repeat(np.array(w_rows, np.int64) << 32, [x.size for x in ws])
         keys.append((w << 1) | 1)
     c = np.concatenate(keys) if len(keys) > 1 else keys[0]
     c.sort()
@@ -226,7 +232,7 @@ def _unions(sets: list[list[np.ndarray] | None], windows: list[list[int] | None]
     ends = np.searchsorted(row, np.arange(1, len(idx) + 1)).tolist()
     for a, start, end in zip(idx, [0] + ends[:-1], ends):
         out_ids[a] = ids[start:end]
-        if windows[a]:
+        if windows[a] is not None:
             out_counts[a] = counts[start:end]
     return out_ids, out_counts
 
@@ -534,11 +540,46 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
               best=(floor, _rows([pres[j].ids for j in js]), vals))
 
 
-@functools.lru_cache(maxsize=4096)
+class _Route(tuple):
+    """A route of `_tick_route`, compared and hashed by identity: there is one per chain
+    and order shape (`_route_of`), so a tick groups its rows by the object itself (a
+    tuple's hash is recomputed at every lookup)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __ne__(self, other) -> bool:
+        return self is not other
+
+
+_ROUTES: dict = {}
+_NO_ROUTE = object()
+
+
+def _route_of(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
+              dense: bool) -> _Route | None:
+    """`_tick_route`, kept per chain (``p.chain``: every parameter but the seed, hashed by
+    identity), so a row's lookup hashes no parameter values."""
+    key = (p.chain, has_hist, n_vocab, masked, touched, mass, raw, dense)
+    r = _ROUTES.get(key, _NO_ROUTE)
+    if r is _NO_ROUTE:
+        if len(_ROUTES) >= 4096:
+            _ROUTES.clear()
+        plan = _tick_route(p, has_hist, n_vocab, masked, touched, mass, raw, dense)
+        r = _ROUTES[key] = None if plan is None else _Route(plan)
+    return r
+
+
+R.on_change(_ROUTES.clear)
+
+
 def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
                 dense: bool) -> tuple | None:
     """Which of sample_tick's batched passes takes a row, from its params and what its
-    order asked of the graph (cached: one lookup per row and tick): ("greedy",),
+    order asked of the graph (`_route_of` keeps it: one lookup per row and tick): ("greedy",),
     ("topk", k, top_p, temperature[, n_probs]) (k None: top-p first, `_nucleus_tick`),
     ("touched", fastpath_touched's plan) (bias / penalties), ("dense", 1 / tau) (a draw over
     the whole vocabulary: fastpath_dense), or None (per row: ``sample``). A masked
@@ -560,8 +601,6 @@ def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, ma
     return None if tau is None else ("dense", 1.0 / tau)
 
 
-R.on_change(_tick_route.cache_clear)
-
 
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | str]:
@@ -581,9 +620,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
         p, o = s._params, pre.order  # (the attributes, not the properties: a call per row is a cost here)
-        route = _tick_route(p, s.penalizes, s._n_vocab,
-                            mask is not None, o.touched.size > 0, pre.blocks is not None,
-                            pre.raw_max is not None, pre.dense is not None)
+        route = _route_of(p, s.penalizes, s._n_vocab,
+                          mask is not None, o.touched.size > 0, pre.blocks is not None,
+                          pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K
         # values finite, more than K tokens are allowed, so top-k and greedy cut as
         # without it (else: per row)
@@ -592,9 +631,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         elif route[0] == "greedy":
             greedies.setdefault(pre.vals.size, []).append(j)
         elif route[0] == "topk":
-            topk.setdefault((*route[1:], pre.vals.size), []).append(j)
+            topk.setdefault((route, pre.vals.size), []).append(j)
         elif route[0] == "touched":  # bias / penalties, then top-k [top-p] [temperature]
-            touched.setdefault(T.group_key(s, route[1]), []).append(j)
+            touched.setdefault(route, []).append(j)  # (one route per chain: fastpath_touched.tick)
         elif route[1] == o.inv_tau:  # "dense": a draw over the whole vocabulary (fastpath_dense)
             dense.setdefault(pre.blocks.size, []).append(j)
         else:
@@ -613,9 +652,9 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 out[j] = SampleResult(int(tok[a]), n_candidates=1, path="graph")
             else:
                 out[j] = sample(samplers[j], pres[j], None)
-    for key, js in topk.items():
-        k, top_p, temp = key[:3]
-        n_probs = key[3] if len(key) > 4 else 0
+    for (route, _), js in topk.items():
+        k, top_p, temp = route[1:4]
+        n_probs = route[4] if len(route) > 4 else 0
         if k is None:  # top-p first: the whole pre-selected set, top-p with the mass left out
             _nucleus_tick(samplers, pres, js, top_p, temp, out)
             continue

@@ -52,7 +52,7 @@ from .batch import KMAX, topk_draw
 from .chain import SequenceSampler, _steps_to_run
 from .steps import BAN, FORCE
 
-__all__ = ["group_key", "plan", "plan_of", "tick"]
+__all__ = ["plan", "plan_of", "tick"]
 
 _PREFIX = ("logit_bias", "penalties")
 _TAILS = ([], ["top_p"], ["temperature"], ["top_p", "temperature"])
@@ -94,18 +94,13 @@ def _segments(row: np.ndarray, m: int) -> np.ndarray:
     return np.bincount(row, minlength=m)
 
 
-def group_key(s: SequenceSampler, pl: tuple) -> tuple:
-    """The batch a row of plan ``pl`` joins in `tick`: everything but the seed, so that
-    sequences of one chain with their own seeds batch together."""
-    return s._params.chain, pl, s._n_vocab
-
-
 def tick(samplers, pres, groups: dict[tuple, list[int]], out: list, fallback) -> None:
-    """Fill ``out[j]`` for the rows of ``groups`` ({`group_key`: rows j}, each row with
-    that `plan`, no grammar): the answer, or ``fallback(j)`` (``fastpath.sample``) where
-    the values cannot decide in the batch."""
-    for (_, pl, V), g in groups.items():
-        _group(samplers, pres, g, samplers[g[0]].params, pl, V, out, fallback)
+    """Fill ``out[j]`` for the rows of ``groups`` ({("touched", `plan`): rows j}, one key
+    per chain: the rows of a group share every parameter but the seed, and have no
+    grammar): the answer, or ``fallback(j)`` (``fastpath.sample``) where the values cannot
+    decide in the batch."""
+    for (_, pl), g in groups.items():
+        _group(samplers, pres, g, samplers[g[0]].params, pl, samplers[g[0]].n_vocab, out, fallback)
 
 
 def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
