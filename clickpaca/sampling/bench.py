@@ -79,10 +79,12 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
 
     best, missed = float("inf"), 0
     ks = [fastpath.K_MIN] * TICK_ROWS  # each sequence's K, doubled after a miss as the engine does
-    # each sequence its own seed, as requests have (a tick must batch them all the same)
-    own = [s.params.replace(seed=(s.params.seed or 0) + i) for i in range(TICK_ROWS)]
+    # each sequence its own seed, as requests have (a tick must batch them all the same);
+    # the sequences live through the rounds as a server's do (what a sequence makes once,
+    # when it starts, is not a token's work), each taking in the token it drew
+    forks = [SequenceSampler(s.params.replace(seed=(s.params.seed or 0) + i), s.n_vocab, list(s.history))
+             for i in range(TICK_ROWS)]
     for _ in range(rounds + 1):  # the first round warms up (and lets K adapt)
-        forks = [SequenceSampler(p, s.n_vocab, list(s.history)) for p in own]
         t0 = time.thread_time_ns()
         orders = fastpath.order_many(forks, [mask] * TICK_ROWS, ks)
         t_order = time.thread_time_ns() - t0
@@ -93,6 +95,11 @@ def preselect_cost(s: SequenceSampler, rows: list[np.ndarray], rounds: int,
         best = min(best, (t_order + t_sample) / TICK_ROWS / 1e3)
         missed = sum(isinstance(r, str) for r in res)
         ks = [min(2 * k, fastpath.K_MAX) if r == fastpath.PAST_K else k for k, r in zip(ks, res)]
+        for f, r in zip(forks, res):
+            if isinstance(r, str):  # a row the values could not decide: its draw, as the host would
+                f.draw()
+            else:
+                f.accept(r.token)
     return best, missed
 
 
