@@ -133,8 +133,8 @@ def measure(args: Any) -> dict[str, Any]:
                       "preselect, real decode: the host's whole share per pre-selected row on a real "
                       "decode of 64 sequences of the default model (measure/bench/preselect_host.py): "
                       "order + the callbacks that compose the graph's ops and upload their inputs + "
-                      "read (decoding the packed rows) + sample_tick; this is the figure the issue's "
-                      "targets are read against",
+                      "read (decoding the packed rows) + sample_tick; real rows preselect is the "
+                      "like-for-like of the host path's real rows (docs/BENCHMARKS.md, fifth pass)",
                       "again: read + sample repeated at once on the same packs, the same work without "
                       "the decode's eviction of the host core's caches (a CPU build's decode runs on the "
                       "cores the host samples on; read + sample less 'again' is their refill)"]}
