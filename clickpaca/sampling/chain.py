@@ -453,7 +453,7 @@ class SequenceSampler:
         self._sync()
         h, buf, have = self._history, self._hist_np, self._hist_np_len
         end = len(h)
-        if end < have:  # shorter than mirrored (the _sync above missed nothing: a guard)
+        if end < have:  # shorter than mirrored: made again (a guard: _sync's recount clears it first)
             have = 0
         if end > have:
             if buf is None or end > buf.size:
