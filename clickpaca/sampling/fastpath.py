@@ -110,30 +110,37 @@ def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     return np.unique(np.concatenate(sets)) if sets else _NO_TOUCHED
 
 
-_ORDER_PLANS: dict = {}
+_UNKEPT = object()
 
 
-def _order_plan_of(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tuple:
-    """`_order_plan`, kept per chain (``p.chain``, hashed by identity: every parameter but
-    the seed, which an order does not depend on), so a row's lookup hashes no parameter
-    values."""
-    key = (p.chain, has_hist, n_allowed, k, masked)
-    r = _ORDER_PLANS.get(key)
-    if r is None:
-        if len(_ORDER_PLANS) >= 4096:
-            _ORDER_PLANS.clear()
-        r = _ORDER_PLANS[key] = _order_plan(p, has_hist, n_allowed, k, masked)
-    return r
+def _per_chain(make):
+    """``make(p, *args)`` kept per chain and args: keyed by ``p.chain`` (every parameter
+    but the seed, hashed by identity), so a row's lookup hashes no parameter values, where
+    an lru_cache keyed by the params calls their Python-level __hash__. What it keeps
+    must not depend on the seed; it is dropped when the registry changes, and at 4,096
+    entries."""
+    kept: dict = {}
+
+    def lookup(p, *args):
+        key = (p.chain, *args)
+        r = kept.get(key, _UNKEPT)
+        if r is _UNKEPT:
+            if len(kept) >= 4096:
+                kept.clear()
+            r = kept[key] = make(p, *args)
+        return r
+
+    R.on_change(kept.clear)
+    return functools.wraps(make)(lookup)
 
 
-R.on_change(_ORDER_PLANS.clear)
-
-
+@_per_chain
 def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tuple:
     """What an order depends on besides the row's own touched ids, mask and uniform:
     (K before the touched ids, whether the prefix touches, mass, inv_tau, raw, dense,
     greedy, the touched-id sets of the prefix's steps other than the penalties (they
-    depend on the params alone), whether the penalties are in the prefix)."""
+    depend on the params alone), whether the penalties are in the prefix). Kept per chain
+    (an order does not depend on the seed)."""
     active, first = _steps_to_run(p, has_hist, n_allowed)
     prefix = active if first is None else active[:first]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
@@ -172,7 +179,7 @@ def order_many(samplers: list[SequenceSampler], words: list[np.ndarray | None],
             w = as_words(w, n)
             mask_bytes = w.view(np.uint8)
             n_allowed = count_allowed(w, n)
-        need, touches, mass, inv_tau, raw, dense, greedy, own, windowed = _order_plan_of(
+        need, touches, mass, inv_tau, raw, dense, greedy, own, windowed = _order_plan(
             s.params, s.penalizes, n_allowed, k, mask_bytes is not None)
         sets.append(own if touches else None)
         window = s.window_array() if windowed else None
@@ -555,25 +562,12 @@ class _Route(tuple):
         return self is not other
 
 
-_ROUTES: dict = {}
-_NO_ROUTE = object()
-
-
+@_per_chain
 def _route_of(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
               dense: bool) -> _Route | None:
-    """`_tick_route`, kept per chain (``p.chain``: every parameter but the seed, hashed by
-    identity), so a row's lookup hashes no parameter values."""
-    key = (p.chain, has_hist, n_vocab, masked, touched, mass, raw, dense)
-    r = _ROUTES.get(key, _NO_ROUTE)
-    if r is _NO_ROUTE:
-        if len(_ROUTES) >= 4096:
-            _ROUTES.clear()
-        plan = _tick_route(p, has_hist, n_vocab, masked, touched, mass, raw, dense)
-        r = _ROUTES[key] = None if plan is None else _Route(plan)
-    return r
-
-
-R.on_change(_ROUTES.clear)
+    """`_tick_route` as a `_Route` (one object per chain and order shape)."""
+    plan = _tick_route(p, has_hist, n_vocab, masked, touched, mass, raw, dense)
+    return None if plan is None else _Route(plan)
 
 
 def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
