@@ -120,6 +120,14 @@ CHECK_MARKS ?= ((not model and not turboquant and not activations and not portab
 check: setup
 	$(PY) -m pytest -q -m "$(CHECK_MARKS)" $(PYTEST_ARGS)
 
+## explore: the property tests with random examples (CLICKPACA_EXPLORE=1; tests/conftest.py), for
+## developers: failures are kept in .hypothesis/examples and replayed first; every other target
+## runs the fixed, derandomized examples. Narrow it: make explore EXPLORE_TESTS=tests/test_x.py.
+.PHONY: explore
+EXPLORE_TESTS ?= $(shell grep -l '^from hypothesis\|fresh_seed' tests/test_*.py)
+explore: setup
+	CLICKPACA_EXPLORE=1 $(PY) -m pytest -q -m "not turboquant and not portable and not gpu" $(EXPLORE_TESTS) $(PYTEST_ARGS)
+
 ## test-portable: the PORTABLE=1 build (llama.cpp's runtime-dispatched CPU variants; a long
 ## build) and the tests that need it; builds/mainline is linked back to the native build after
 test-portable: setup

@@ -18,30 +18,31 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from clickpaca.llama import cachetypes
 from clickpaca.wire.client import Client
 
-# Hypothesis profiles, chosen by the CI environment variable (set to anything but "", "0"
-# or "false": "ci"; else "local"), before any test module is imported, so a test's own
+# Hypothesis profiles, chosen before any test module is imported, so a test's own
 # @settings(...) inherits the profile and overrides only what it names; pytest's
-# --hypothesis-profile NAME still wins. "ci": derandomized (the examples are a function
-# of the test alone: two runs run the same examples), no example database, and a failure
-# prints its reproduction blob. "local": random examples, and the failures found are kept
-# in .hypothesis/examples and replayed first (turn each into an explicit @example). Both:
-# no deadline and no too_slow health check, so a loaded machine is not a failure.
+# --hypothesis-profile NAME still wins. "fixed", everyone's (make test, CI, make check):
+# derandomized (the examples are a function of the test and the pinned Hypothesis alone:
+# every run, anywhere, runs the same examples), no example database, and a failure prints
+# its reproduction blob. "explore", only with CLICKPACA_EXPLORE set to anything but "",
+# "0" or "false" (make explore): random examples, and the failures found are kept in
+# .hypothesis/examples and replayed first (turn each into an explicit @example). Both: no
+# deadline and no too_slow health check, so a loaded machine is not a failure.
 _NOT_TIMED = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_NOT_TIMED)
+settings.register_profile("fixed", derandomize=True, database=None, print_blob=True, **_NOT_TIMED)
 settings.register_profile(
-    "local", derandomize=False, print_blob=True, **_NOT_TIMED,
+    "explore", derandomize=False, print_blob=True, **_NOT_TIMED,
     database=DirectoryBasedExampleDatabase(os.path.join(os.path.dirname(os.path.dirname(__file__)),
                                                         ".hypothesis", "examples")))
-HYPOTHESIS_PROFILE = ("ci" if os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
-                      else "local")
+EXPLORE = os.environ.get("CLICKPACA_EXPLORE", "").strip().lower() not in ("", "0", "false")
+HYPOTHESIS_PROFILE = "explore" if EXPLORE else "fixed"
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 def fresh_seed(fixed: int) -> int:
-    """The seed of a seeded test's "fresh" case, beside its fixed seed: a new random seed
-    on every local run (the test prints it, to rerun a failure), and under CI (as chosen
-    above) a second fixed seed derived from the first, so that a CI run repeats."""
-    if HYPOTHESIS_PROFILE == "ci":
+    """The seed of a seeded test's "fresh" case, beside its fixed seed: a second fixed
+    seed derived from the first, so that every run repeats; a new random seed on every
+    run under CLICKPACA_EXPLORE (the test prints it, to rerun a failure)."""
+    if not EXPLORE:
         return (fixed * 0x9E3779B1 + 0x7F4A7C15) % (1 << 32)
     return random.SystemRandom().randrange(1 << 32)
 

@@ -3,8 +3,8 @@
 Texts mix the special tokens of Gemma 3 (control tokens, all starting with `<`, and the
 user-defined whitespace runs and tags), near misses of them, lone `<`, whitespace and
 multi-byte characters; every combination of add_special and parse_special must give the
-same ids as llama.cpp. A fixed seed and a fresh one (printed) each time; under CI the
-fresh one is a second fixed seed (conftest.fresh_seed), so a CI run repeats. The shapes that
+same ids as llama.cpp. A fixed seed and a "fresh" one: a second fixed seed (conftest.fresh_seed),
+so every run repeats; under CLICKPACA_EXPLORE a new random one, printed. The shapes that
 were slow in llama.cpp (issue 30) are compared at sizes llama.cpp still handles quickly.
 """
 
@@ -25,7 +25,7 @@ from conftest import TEST_BUILD, fresh_seed
 pytestmark = pytest.mark.model
 
 SEED = int(os.environ.get("CLICKPACA_PRETOKENIZE_SEED", "30"))
-FRESH_SEED = fresh_seed(SEED)  # random each local run; fixed under CI
+FRESH_SEED = fresh_seed(SEED)  # fixed; random (printed) under CLICKPACA_EXPLORE
 PARTS = ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>", "<unk>", "<mask>", "<unused12>",
          "<unused6241>", "<start_of_image>", "<end_of_image>", "[multimodal]", "<table>", "</table>", "<",
          ">", "<<", "<start_of", "start_of_turn>", "\n", "\n\n", "\n\n\n", "\t", "\t\t", " ", "  ", "     ",

@@ -21,9 +21,9 @@ valid `infer` requests (1-4 tokens). Then:
   server makes its largest decode once (touch_fixed_buffers), so llama.cpp's fixed
   buffers are at their high-water marks and no seed's largest decode can add to them.
 
-CLICKPACA_FUZZ_SEED picks the fixed seed; CLICKPACA_FUZZ_LINES another length. A failing
-fresh seed is printed: rerun it with CLICKPACA_FUZZ_SEED=<seed>. Under CI the fresh seed is a
-second fixed seed (conftest.fresh_seed), so a CI run repeats.
+CLICKPACA_FUZZ_SEED picks the fixed seed; CLICKPACA_FUZZ_LINES another length. The fresh seed
+is a second fixed seed (conftest.fresh_seed), so every run repeats; under CLICKPACA_EXPLORE
+a new random one each run, printed: rerun a failing one with CLICKPACA_FUZZ_SEED=<seed>.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.model
 
 SEED = int(os.environ.get("CLICKPACA_FUZZ_SEED", "20261129"))
 N_LINES = int(os.environ.get("CLICKPACA_FUZZ_LINES", "5000"))
-FRESH_SEED = fresh_seed(SEED)  # random each local run; fixed under CI
+FRESH_SEED = fresh_seed(SEED)  # fixed; random (printed) under CLICKPACA_EXPLORE
 N_SEQ = 16  # spawn_server's nSeqMax
 RUN_SEQS = list(range(12))  # where the generator sends the infers it means to run
 SIDE_SEQS = [12, 13, 14, 15]  # prefill / fork / score / save / load
