@@ -12,7 +12,7 @@ from the same float32 logits, against a bound on how far llama.cpp's float32 com
 of that quantity can be from it (derived below from how llama-sampler.cpp of the pinned
 source computes it): where the two survivor sets differ, EVERY token in the symmetric
 difference must sit within that bound of its threshold, otherwise the test fails. Ties
-are counted and bounded at 2% of the cases (never silently passed). Where the order
+are counted and bounded at 2% of each test's cases (never silently passed). Where the order
 decides (top-p, typical: the mass before a token), the tokens whose order rounding may
 swap (typical: scores within their bounds; top-p: equal logits) count with every order
 they may take. Equal logits are rare here (float32 draws can coincide) except in the
@@ -39,7 +39,8 @@ from clickpaca.sampling.oracle import CSampler
 from conftest import TEST_BUILD
 
 N_VOCAB = 1000
-TIES = {"n": 0, "cases": 0}  # threshold ties met, over all cases (bounded in the last test)
+TIES = {"n": 0, "cases": 0}  # threshold ties met, over the counted cases (bounded per test)
+TIE_LIMIT = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +48,23 @@ def nat():
     return native.load(TEST_BUILD)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def threshold_ties_are_rare():
-    """The tie rule below is for rounding at a threshold, not a way to pass: after the
-    module's cases it may have explained at most 2% of them (checked at teardown, so
-    whichever tests ran)."""
+@pytest.fixture(autouse=True)
+def threshold_ties_are_rare(request):
+    """The tie rule below is for rounding at a threshold, not a way to pass: each test's
+    own counted cases may be explained by it at most 2% of the time. Checked as each test
+    ends, on that test's counts, so a breach is reported against the test that made it (a
+    module with every test within 2% is within 2% as a whole)."""
+    n0, cases0 = TIES["n"], TIES["cases"]
     yield
-    assert TIES["n"] <= 0.02 * TIES["cases"], TIES
+    n, cases = TIES["n"] - n0, TIES["cases"] - cases0
+    if cases:
+        print(f"\n{request.node.name}: {n} threshold ties in {cases} counted cases")
+    assert n <= TIE_LIMIT * cases, (
+        f"{request.node.name}: {n} threshold ties in {cases} counted cases, over the {TIE_LIMIT * 100:g}% limit")
 
 
 def cand_set(seed: int, n: int, scale: float, dominant: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The candidate set ``cand_sets`` makes of these draws (an @example names one so)."""
+    """The candidate set ``cand_sets`` makes of these draws (explicit @examples hold theirs as literals)."""
     rng = np.random.default_rng(seed)
     ids = rng.choice(N_VOCAB, n, replace=False).astype(np.int32)
     logits = (rng.standard_normal(n) * scale).astype(np.float32)
@@ -330,7 +337,37 @@ def judge_typical(ids, lg, p):
 # each is <= p = 0.563), 14 tokens; llama.cpp's order puts 881 first, its sum passes p, and
 # it keeps 13, not 265. The cut falls between two tokens that our cut does not separate:
 # the old rule, which compared scores across our cut only, failed it.
-SWAPPED_SCORES_TYPICAL = (cand_set(2940121770, 143, 1.0, True), float(np.float32(0.5630588531494141)))
+SWAPPED_SCORES_TYPICAL = (
+    (
+        np.array([
+            881, 795, 899, 467, 826, 849, 994, 370, 693, 444, 686, 492, 192, 629, 630, 541, 7, 476, 332, 779,
+            79, 265, 282, 406, 701, 613, 291, 831, 738, 906, 517, 617, 122, 533, 348, 233, 758, 155, 998, 58,
+            62, 845, 928, 621, 391, 591, 496, 314, 235, 121, 668, 305, 972, 56, 382, 745, 885, 788, 98, 71, 867,
+            214, 763, 359, 873, 412, 473, 141, 168, 450, 304, 209, 860, 75, 30, 10, 208, 838, 68, 800, 605, 524,
+            229, 799, 190, 571, 718, 354, 784, 260, 680, 821, 400, 421, 535, 508, 653, 520, 466, 667, 157, 898,
+            825, 859, 317, 875, 215, 47, 19, 498, 877, 729, 125, 471, 228, 388, 330, 281, 131, 346, 393, 258,
+            713, 765, 158, 140, 139, 34, 798, 210, 974, 111, 306, 245, 462, 250, 971, 684, 751, 231, 205, 793,
+            345], np.int32),
+        np.array([
+            5.8482575, -2.2726362, -0.17804451, 1.2555026, 0.08891682, 1.613185, 1.1729432, 1.127874,
+            0.60749054, -1.1973699, 0.18436612, -0.63847625, -1.2495139, 1.47162, -0.5730918, 0.5957035,
+            -2.007689, 2.063287, -1.8101263, -0.655038, -1.2240461, 1.6599599, -0.34379086, 0.98185086,
+            1.0436194, 1.7801895, 1.9111483, -0.001976319, 1.2403373, -0.3459589, 0.9300666, 1.0677311,
+            0.84350497, 2.0930483, -0.3027871, 0.7953322, 0.35379022, 0.25199455, -0.002711488, -1.3785268,
+            0.8244921, -0.57508415, 0.66812134, -0.18424456, -0.42315784, 2.623307, -0.86911374, -0.37453225,
+            1.2025224, 0.32759842, -0.55942583, -0.10060998, 0.67805755, -1.821759, -1.2918888, -1.7896559,
+            -0.47533152, -0.21811374, 0.062147073, -0.029056845, -1.298274, 1.2005336, -1.0004137, 2.2016335,
+            1.675351, -0.6481739, 1.7065928, 0.89175373, -0.34065384, 3.4499526, 1.107335, -0.8116972,
+            -0.59276813, -0.9917304, 1.7950237, 0.08590017, -0.29836002, -0.22662042, 0.044583995, -0.6759276,
+            1.5165597, -0.5077162, -0.088146634, 0.84034634, -0.048077036, 0.73309, 1.5004979, -0.27524954,
+            -0.97882694, 0.19341853, -0.2978787, 0.8827338, -0.63050365, 1.3299073, 0.010765254, 1.0508941,
+            -0.6041989, -0.37292078, -0.53226954, -0.1629951, 1.214978, 0.70961833, -0.11345041, 0.733811,
+            -1.3407804, -1.867048, -1.1315786, -0.20496383, 0.71284163, 0.0022791503, 0.8605516, 1.5816944,
+            -0.73123246, -0.7826823, 1.3192482, 0.4671804, -0.038078178, 1.1941149, 1.7355348, -0.69064415,
+            -1.3364193, 0.24682005, -0.31434712, 0.03141301, -0.34399453, 1.7780504, -1.2014956, 1.1447927,
+            -0.24832296, 0.5367361, 0.116762385, 1.0117676, -0.05844796, 0.17176476, -1.6691953, 0.19831662,
+            1.1187387, 0.16484739, -0.0070556113, 0.45102522, 0.63096994, -1.0525427, 1.1080786], np.float32)),
+    float(np.float32(0.5630588531494141)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -605,7 +642,9 @@ def judge_dynatemp_range(ids, lg, t, delta, exponent, ours, c_ids, c_lg):
 @settings(max_examples=300, deadline=None)
 @given(c=cand_sets(), t=st.sampled_from([0.0, 0.3, 0.8, 1.0, 1.5]), delta=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
        exponent=st.sampled_from([0.5, 1.0, 2.0]))
-@example(c=cand_set(378, 4, 8.0, True), t=0.0, delta=1.0, exponent=2.0)  # float32 range: temperature ~6e-43
+# float32 range: temperature ~6e-43
+@example(c=(np.array([131, 563, 654, 793], np.int32),
+            np.array([44.83536, -8.006921, -12.054572, -8.294085], np.float32)), t=0.0, delta=1.0, exponent=2.0)
 def test_dynatemp(nat, c, t, delta, exponent):
     """temp_ext: the dynamic temperature (delta > 0) or plain temperature (delta 0)."""
     ids, lg = c
