@@ -21,12 +21,13 @@ from clickpaca.wire.client import Client
 # Hypothesis profiles, chosen before any test module is imported, so a test's own
 # @settings(...) inherits the profile and overrides only what it names; pytest's
 # --hypothesis-profile NAME still wins. "fixed", everyone's (make test, CI, make check):
-# derandomized (the examples are a function of the test and the pinned Hypothesis alone:
-# every run, anywhere, runs the same examples), no example database, and a failure prints
-# its reproduction blob. "explore", only with CLICKPACA_EXPLORE set to anything but "",
-# "0" or "false" (make explore): random examples, and the failures found are kept in
-# .hypothesis/examples and replayed first (turn each into an explicit @example). Both: no
-# deadline and no too_slow health check, so a loaded machine is not a failure.
+# derandomized (the examples are a function of the test and the installed versions: the
+# pinned Hypothesis, and numpy where a test expands a drawn seed), no example database, and
+# a failure prints its reproduction blob. "explore", only with CLICKPACA_EXPLORE set to
+# anything but "", "0" or "false" (make explore): random examples, and the failures found
+# are kept in .hypothesis/examples and replayed first (turn each into an explicit @example
+# with literal inputs). Both: no deadline and no too_slow health check, so a loaded
+# machine is not a failure.
 _NOT_TIMED = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("fixed", derandomize=True, database=None, print_blob=True, **_NOT_TIMED)
 settings.register_profile(
