@@ -5,6 +5,7 @@ numbers depend on the machine and its load."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 
@@ -353,23 +354,53 @@ def test_bench_kv_f16_real(tmp_path):
 
 
 def test_bench_all_runs_every_bench_and_keeps_explicit_options(monkeypatch, tmp_path):
+    """`bench all` is the table's rows with options of their own: every row's checks before
+    any bench measures, then each bench with the user's options winning over the set's."""
+    from clickpaca.measure.bench import benches
     from clickpaca.measure.bench import cli as bench_cli
 
-    seen = {}
-
-    class Fake:
-        def __init__(self, name):
-            self.name = name
-
-        def run(self, args):
-            seen[self.name] = (args.repeats, args.tokens, args.seqs)
-
-    monkeypatch.setattr(bench_cli, "_module", lambda what: Fake(what))
+    events = []
+    monkeypatch.setattr(bench_cli, "check", lambda args, needs: events.append(("check", args.what, needs)))
+    monkeypatch.setattr(benches.Bench, "run", lambda self, args: events.append(
+        ("run", self.name, (args.repeats, args.tokens, args.seqs))) or {"rows": []})
     args = build_parser().parse_args(["bench", "all", "--repeats", "1", "--out", str(tmp_path)])
     assert bench_cli.run_bench(args) == 0
-    assert set(seen) == set(bench_cli.WHATS)
+    in_all = [b.name for b in benches.in_all()]
+    assert in_all == [b.name for b in benches.BENCHES if b.name != "schemas"]
+    assert events[:len(in_all)] == [("check", b.name, b.needs) for b in benches.in_all()]
+    seen = {name: got for kind, name, got in events[len(in_all):]}
+    assert [e[0] for e in events[len(in_all):]] == ["run"] * len(in_all) and list(seen) == in_all
     assert all(v[0] == 1 for v in seen.values())  # the explicit --repeats wins
     assert seen["batch"][1:] == (32, "1,8,64")  # the set's defaults fill the rest
+
+
+def test_the_command_line_offers_every_row_of_the_bench_table():
+    from clickpaca.measure import checks
+    from clickpaca.measure.bench import benches
+
+    ap = build_parser()
+    for b in benches.BENCHES:
+        assert ap.parse_args(["bench", b.name]).what == b.name
+        assert importlib.import_module(f"clickpaca.measure.bench.{b.module}").run
+        for need in b.needs:  # every declared check exists, and its option is one of bench's
+            name, _, option = need.partition(" if ")
+            assert name in checks.CHECKS, (b.name, need)
+            assert not option or hasattr(ap.parse_args(["bench", b.name]), option), (b.name, need)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["bench", "decode_against"])
+    help_text = ap._subparsers._group_actions[0].choices["bench"].format_help()
+    assert all(f"  {b.name}" in help_text and b.help[:40] in " ".join(help_text.split()) for b in benches.BENCHES)
+
+
+def test_failures_read_from_a_result():
+    from clickpaca.measure.checks import failures
+
+    assert failures({"rows": [{"cache": "f16", "kv_bytes": 1}]}) == []
+    assert failures(None) == [] and failures({"rows": []}) == []
+    got = failures({"rows": [{"cache": "q8_0", "error": "server died"}, {"cache": "f16", "speed_error": "x"}],
+                    "problems": [{"source": "in-process", "message": "refused: f32/q8_0"}],
+                    "server_problems": ["4 sequences: errors"]})
+    assert got == ["refused: f32/q8_0", "4 sequences: errors", "q8_0: server died", "f16: x"]
 
 
 def test_group_stats_steady_state_window():

@@ -36,15 +36,16 @@ class TimedClient(Client):
 
 
 class Server:
-    """A spawned `clickpaca serve` with its init answer, stderr log and problems seen."""
+    """A spawned `clickpaca serve` with its init answer, stderr log and problems seen
+    (`env`: more of its environment, e.g. against.server_env for an earlier commit's)."""
 
-    def __init__(self, init: dict[str, Any], log_dir: str | None = None) -> None:
+    def __init__(self, init: dict[str, Any], log_dir: str | None = None, env: dict[str, str] | None = None) -> None:
         self.init_params = {k: v for k, v in init.items() if v is not None}
         fd, self.log_path = tempfile.mkstemp(prefix="clickpaca-bench-server-", suffix=".log",
                                              dir=log_dir)
         self._log = os.fdopen(fd, "wb")
         t0 = time.perf_counter()
-        self.client = TimedClient.spawn(env={"OMP_WAIT_POLICY": "passive"}, stderr=self._log,
+        self.client = TimedClient.spawn(env={"OMP_WAIT_POLICY": "passive", **(env or {})}, stderr=self._log,
                                         python=default_python())
         self.problems: list[str] = []
         self.exit_code: int | None = None
