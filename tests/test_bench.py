@@ -392,17 +392,6 @@ def test_the_command_line_offers_every_row_of_the_bench_table():
     assert all(f"  {b.name}" in help_text and b.help[:40] in " ".join(help_text.split()) for b in benches.BENCHES)
 
 
-def test_failures_read_from_a_result():
-    from clickpaca.measure.checks import failures
-
-    assert failures({"rows": [{"cache": "f16", "kv_bytes": 1}]}) == []
-    assert failures(None) == [] and failures({"rows": []}) == []
-    got = failures({"rows": [{"cache": "q8_0", "error": "server died"}, {"cache": "f16", "speed_error": "x"}],
-                    "problems": [{"source": "in-process", "message": "refused: f32/q8_0"}],
-                    "server_problems": ["4 sequences: errors"]})
-    assert got == ["refused: f32/q8_0", "4 sequences: errors", "q8_0: server died", "f16: x"]
-
-
 def test_group_stats_steady_state_window():
     from clickpaca.measure.bench.serve import SeqRun, group_stats
 
@@ -565,3 +554,31 @@ def test_ppl_table_names_its_second_kl_reference():
              "kl_ref2": "turbo3 default", "kl_mean_ref2": 0.0}]
     head = table({"params": {"ref": "f16"}, "rows": rows, "noise": []}).splitlines()[0]
     assert "KL mean vs turbo3 default" in head and head.count("KL mean vs f16") == 1
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_batch_against_an_earlier_commit_is_a_side_of_the_same_rounds(tmp_path):
+    """--against REV: REV's server (here HEAD's tree, extracted) beside this tree's, each
+    sequence its G tokens, the ratio per round."""
+    from clickpaca.measure.bench import batch
+
+    out = batch.run(_args(tmp_path, what="batch", seqs="1", tokens=4, prompt_tokens=8, against="HEAD"))
+    [row] = out["rows"]
+    assert row["old_tokens"] == [[4]] and row["server_tokens"] == [[4]]
+    assert len(row["old_paired_ratios"]) == 1 and row["old_ratio_to_default"] > 0
+    assert out["params"]["against"] == "HEAD" and "against / default" in batch.table(out)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_sampler_against_an_earlier_commit_per_tick(tmp_path, monkeypatch):
+    """--against REV --seqs: REV's sampling sides beside this tree's on the same logits of
+    each tick (the bench checks every side's results equal the first's)."""
+    from clickpaca.measure.bench import sampler, sampler_ticks
+
+    monkeypatch.setattr(sampler_ticks, "TICKS", 1)
+    out = sampler.run(_args(tmp_path, what="sampler", seqs="2", against="HEAD", threads=2))
+    [t] = out["ticks"]
+    assert t["sides"][:2] == ["old_per_seq", "old_batched"] and "new_batched" in t["sides"]
+    assert json.loads((tmp_path / "sampler-against.json").read_text())["params"]["against"] == "HEAD"

@@ -46,12 +46,16 @@ def _cache(args: Any, centered: bool = False) -> None:
     fields = [("--cache", s) for s in specs] + ([("--noise-of", noise_of)] if noise_of else [])
     for option, spec in fields:
         try:
+            c = False
             if centered:
-                k, v, _ = kvcenter.parse_pair(spec, option)
+                k, v, c = kvcenter.parse_pair(spec, option)
             else:
                 k, v = cachetypes.parse_pair(spec)
                 cachetypes.get(k, f"{option} {spec!r}: K"), cachetypes.get(v, f"{option} {spec!r}: V")
-            build = cachetypes.build_for(k, v)
+            if c and not getattr(args, "center", None):
+                raise Refused(f"{option} {spec!r}: a centered pair (K+c/V) needs --center FILE "
+                              "(`clickpaca kv-center` writes one)")
+            build = kvcenter.build_for_centered(k, v) if c else cachetypes.build_for(k, v)
         except ValueError as e:
             raise Refused(str(e)) from None
         if asked != cachetypes.MAINLINE:
@@ -132,8 +136,10 @@ def _against(args: Any) -> None:
 
 def _center(args: Any) -> None:
     center = getattr(args, "center", None)
-    if center and not Path(center).is_file():
-        raise Refused(f"--center {center}: no such file")
+    try:
+        kvcenter.read(center)
+    except (ValueError, OSError) as e:  # CenterError is a ValueError
+        raise Refused(f"--center {center}: {e}") from None
 
 
 #: name -> check of the parsed arguments (raises Refused).
@@ -171,7 +177,8 @@ def failures(out: Any) -> list[str]:
     for row in out.get("rows") or ():
         if isinstance(row, dict):
             for key, value in row.items():
-                if key == "error" or key.startswith("error_") or key.endswith("_error"):
+                if (key == "error" or key.startswith("error_") or key.endswith("_error")
+                        or (key == "errors" and value)):
                     label = row.get("cache") or row.get("name") or row.get("seqs")
                     found.append(f"{label}: {value}" if label is not None else str(value))
     return found

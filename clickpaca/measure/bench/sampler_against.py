@@ -1,7 +1,8 @@
 """`clickpaca bench sampler --against REV`: an earlier commit's sampler chain against this
 tree's, alternating in one process.
 
-REV's ``clickpaca/sampling`` (against.py) is imported as a package of its own; then, round
+REV's ``clickpaca/sampling`` (against.py) is imported beside this tree's (REV's package
+renamed ``clickpaca_old``); then, round
 by round, both microbenchmarks (synthetic rows) and both chains on the same 64 real logits
 rows of the default model: thread CPU us per token per sequence, best round; both
 ``batch.sample_tick`` (REV's when it has one) over the same rows as one tick, thread CPU
@@ -33,11 +34,13 @@ COLUMNS = ("old_synthetic", "new_synthetic", "old_real", "new_real", "old_batche
 
 
 def load_old(rev: str, into: Path):
-    """REV's clickpaca/sampling imported as the package ``sampling_old``."""
-    extract(rev, into, "clickpaca/sampling")
-    (into / "clickpaca" / "sampling").rename(into / "sampling_old")
+    """REV's clickpaca/sampling, imported from REV's whole package renamed ``clickpaca_old``
+    (its relative imports reach REV's own base/ and llama/); returns it and its bench."""
+    extract(rev, into)
+    (into / "clickpaca").rename(into / "clickpaca_old")
     sys.path.insert(0, str(into))
-    return importlib.import_module("sampling_old"), importlib.import_module("sampling_old.bench")
+    return (importlib.import_module("clickpaca_old.sampling"),
+            importlib.import_module("clickpaca_old.sampling.bench"))
 
 
 def _best(d: dict, key: str, v: float) -> None:
