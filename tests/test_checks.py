@@ -53,6 +53,8 @@ REFUSED = [
     (["bench", "schemas", "/nonexistent/schemas"], "clickpaca bench schemas: corpus '/nonexistent/schemas': not a directory"),
     (["bench", "batch", "--against", "no-such-rev"], "clickpaca bench batch: --against no-such-rev: not a commit"),
     (["bench", "batch", "--center", "/nonexistent/c.npz"], "clickpaca bench batch: --center /nonexistent/c.npz: "),
+    (["bench", "batch", "--chain", "greedy,nope"], "clickpaca bench batch: --chain: unknown chain 'nope'; known: greedy, "),
+    (["bench", "peer", "--loads", "greedy1,huge"], "clickpaca bench peer: --loads: unknown huge; known: greedy1, "),
     (["kv-retrieval", "--cache", "q4_0+c/q4_0"], "clickpaca kv-retrieval: --cache 'q4_0+c/q4_0': a centered pair"),
 ]
 #: refused for what the (bare) builds folder lacks

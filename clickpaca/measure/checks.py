@@ -2,7 +2,7 @@
 
 Before: the arguments that can be checked without measuring (the cache types against the
 build that computes them, the model, llama.cpp's tools, the text, the schema corpus, the
-commit of `--against`). Each failure is one `Refused` line naming the argument and what to
+commit of `--against`, a center file, the names of chains and loads). Each failure is one `Refused` line naming the argument and what to
 do; the command then exits non-zero and records nothing. A command declares what it needs
 as names of CHECKS (its row of bench/benches.py, or cli.py for ppl and kv-retrieval);
 `NAME if OPTION` runs that check only when the option is given.
@@ -142,6 +142,25 @@ def _center(args: Any) -> None:
         raise Refused(f"--center {center}: {e}") from None
 
 
+def _chain(args: Any) -> None:
+    from .bench.batch import chain_params
+
+    for name in str(args.chain).split(","):
+        try:
+            chain_params(name.strip(), {})
+        except ValueError as e:
+            raise Refused(str(e)) from None
+
+
+def _loads(args: Any) -> None:
+    from .bench.peer_loads import loads
+
+    known = [x.name for x in loads()]
+    unknown = [w.strip() for w in str(args.loads).split(",") if w.strip() and w.strip() not in known]
+    if unknown:
+        raise Refused(f"--loads: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+
+
 #: name -> check of the parsed arguments (raises Refused).
 CHECKS: dict[str, Callable[[Any], None]] = {
     "model": _model,
@@ -151,6 +170,8 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "corpus": _corpus,
     "against": _against,
     "center": _center,
+    "chain": _chain,
+    "loads": _loads,
     "llama-server": _llama_server,
     **{tool: _tool(tool) for tool in ("llama-bench", "llama-batched-bench", "llama-perplexity")},
 }

@@ -43,7 +43,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("batch", "batch", "N sequences at once, server against llama-batched-bench (--against REV: an "
           "earlier commit's server as one more side of the same rounds)",
           all={"seqs": "1,8,64", "prompt_tokens": 32, "tokens": 32, "repeats": 2},
-          needs=("model", "llama-batched-bench", "center if center", "against if against")),
+          needs=("chain if chain", "model", "llama-batched-bench", "center if center", "against if against")),
     Bench("grammar", "grammar", "constrained against unconstrained decoding (JSON schema, Lark, GBNF) at N sequences",
           all={"seqs": "1,8,64", "tokens": 32, "repeats": 3}, needs=("model",)),
     Bench("kv", "kv", "KV cache memory per cache type (--speed: also llama-bench pp/tg)",
@@ -51,7 +51,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("state", "state", "time to first token over a long document, cold against held state, per cache type",
           all={"repeats": 3, "cache": STUDY_CACHE}, needs=("model", "cache", "text")),
     Bench("peer", "peer", "against llama-server on the same loads (needs `make peer`)",
-          all={"repeats": 3}, needs=("model", "llama-server")),
+          all={"repeats": 3}, needs=("loads if loads", "model", "llama-server")),
     Bench("schemas", "schemas", "a corpus of JSON schemas through clickpaca and llama-server",
           needs=("corpus", "model", "llama-server")),
 )
