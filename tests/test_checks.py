@@ -42,6 +42,8 @@ def bare_builds(tmp_path_factory):
 REFUSED = [
     (["ppl", "--cache", "bogus"], "clickpaca ppl: --cache 'bogus': K: unknown cache type 'bogus'; valid: "),
     (["ppl", "--cache", "f16", "--noise", "--noise-of", "q9"], "clickpaca ppl: --noise-of 'q9': K: unknown cache type"),
+    (["ppl", "--ctx", "512", "--score-last", "4096"], "clickpaca ppl: --score-last"),
+    (["ppl", "--score-last", "128", "--native"], "clickpaca ppl: --score-last: llama-perplexity (--native) cannot"),
     (["bench", "kv", "--cache", "nope"], "clickpaca bench kv: --cache 'nope': K: unknown cache type 'nope'"),
     (["bench", "state", "--cache", "f16/zz"], "clickpaca bench state: --cache 'f16/zz': V: unknown cache type 'zz'"),
     (["bench", "kv", "--cache", "turbo3", "--build", "kvcenter"],

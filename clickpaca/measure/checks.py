@@ -2,7 +2,7 @@
 
 Before: the arguments that can be checked without measuring (the cache types against the
 build that computes them, the model, llama.cpp's tools, the text, the schema corpus, the
-commit of `--against`, a center file, the names of chains and loads). Each failure is one `Refused` line naming the argument and what to
+commit of `--against`, a center file, the names of chains and loads, --score-last). Each failure is one `Refused` line naming the argument and what to
 do; the command then exits non-zero and records nothing. A command declares what it needs
 as names of CHECKS (its row of bench/benches.py, or cli.py for ppl and kv-retrieval);
 `NAME if OPTION` runs that check only when the option is given.
@@ -161,6 +161,18 @@ def _loads(args: Any) -> None:
         raise Refused(f"--loads: unknown {', '.join(unknown)}; known: {', '.join(known)}")
 
 
+def _score_last(args: Any) -> None:
+    from ..wire.scoring import check_score_last
+
+    try:
+        check_score_last(args.score_last, args.ctx, "--score-last")
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    if getattr(args, "native", False):
+        raise Refused("--score-last: llama-perplexity (--native) cannot score a window's tail only; "
+                      "leave out one of the two")
+
+
 #: name -> check of the parsed arguments (raises Refused).
 CHECKS: dict[str, Callable[[Any], None]] = {
     "model": _model,
@@ -172,6 +184,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "center": _center,
     "chain": _chain,
     "loads": _loads,
+    "score_last": _score_last,
     "llama-server": _llama_server,
     **{tool: _tool(tool) for tool in ("llama-bench", "llama-batched-bench", "llama-perplexity")},
 }

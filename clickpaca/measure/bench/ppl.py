@@ -303,7 +303,7 @@ def plot(out: dict[str, Any], args: Any) -> None:
 
 
 #: What `clickpaca ppl` checks before any work (measure/checks.py).
-NEEDS = ("model", "cache", "text", "llama-perplexity if native")
+NEEDS = ("score_last if score_last", "model", "cache", "text", "llama-perplexity if native")
 
 
 def run_ppl(args: argparse.Namespace) -> int:
