@@ -142,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build", default="mainline")
     p.set_defaults(func=cmd_tok)
 
-    from .measure.bench.benches import BENCHES
+    from .measure.bench.benches import BENCHES, in_all
 
     p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="\n".join(f"  {b.name:8} {b.help}" for b in BENCHES)
-                       + "\n  all      every bench above but schemas, in that order (make bench)")
+                       + f"\n  all      {', '.join(b.name for b in in_all())} in turn (make bench)")
     p.add_argument("what", choices=[*(b.name for b in BENCHES), "all"])
     p.add_argument("corpus", nargs="?", default=None,
                    help="schemas: a directory of JSON schema files, or a package that ships some "

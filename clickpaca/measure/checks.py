@@ -2,10 +2,11 @@
 
 Before: the arguments that can be checked without measuring (the cache types against the
 build that computes them, the model, llama.cpp's tools, the text, the schema corpus, the
-commit of `--against`, a center file, the names of chains and loads, --score-last). Each failure is one `Refused` line naming the argument and what to
-do; the command then exits non-zero and records nothing. A command declares what it needs
-as names of CHECKS (its row of bench/benches.py, or cli.py for ppl and kv-retrieval);
-`NAME if OPTION` runs that check only when the option is given.
+commit of --against, a center file, the names of chains and loads, --score-last). A failure
+is one `Refused` line naming the argument and what to do; the command exits 2 and records
+nothing. A command declares what it needs as names of CHECKS (a bench in its row of
+bench/benches.py, ppl and kv-retrieval in their NEEDS); `NAME if OPTION` runs that check
+only when the option is given.
 
 After: `failures` reads a result for what went wrong while measuring (a type a server
 refused, a problem a side reported); the run is then recorded with what was measured and
@@ -126,12 +127,13 @@ def _corpus(args: Any) -> None:
 
 
 def _against(args: Any) -> None:
+    from .bench.against import ROOT
+
     rev = getattr(args, "against", None)
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        raise Refused(f"--against {rev}: not a commit of this checkout ({root})")
+        raise Refused(f"--against {rev}: not a commit of this checkout ({ROOT})")
 
 
 def _center(args: Any) -> None:
