@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 from .llama.cachetypes import DEFAULT, EXACT, STUDY_CACHE
 
@@ -146,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="\n".join(f"  {b.name:8} {b.help}" for b in BENCHES)
+                       description="\n".join(textwrap.fill(b.help, 96, initial_indent=f"  {b.name:9}",
+                                                            subsequent_indent=" " * 11) for b in BENCHES)
                        + f"\n  all      {', '.join(b.name for b in in_all())} in turn (make bench)")
     p.add_argument("what", choices=[*(b.name for b in BENCHES), "all"])
     p.add_argument("corpus", nargs="?", default=None,
