@@ -215,7 +215,7 @@ def failures(out: Any) -> list[str]:
             for key, value in row.items():
                 if (key == "error" or key.startswith("error_") or key.endswith("_error")
                         or (key == "errors" and value)):
-                    label = row.get("cache") or row.get("name") or row.get("seqs")
+                    label = next((row[k] for k in ("cache", "load", "name", "seqs") if row.get(k) is not None), None)
                     found.append(f"{label}: {value}" if label is not None else str(value))
     return found
 
