@@ -560,14 +560,18 @@ def test_ppl_table_names_its_second_kl_reference():
 @pytest.mark.slow
 def test_bench_batch_against_an_earlier_commit_is_a_side_of_the_same_rounds(tmp_path):
     """--against REV: REV's server (here HEAD's tree, extracted) beside this tree's, each
-    sequence its G tokens, the ratio per round."""
+    sequence its G tokens, the ratio per round; with --deterministic both run in
+    deterministic mode and each round's tokens are compared (HEAD's server is this one)."""
     from clickpaca.measure.bench import batch
 
-    out = batch.run(_args(tmp_path, what="batch", seqs="1", tokens=4, prompt_tokens=8, against="HEAD"))
+    out = batch.run(_args(tmp_path, what="batch", seqs="2", tokens=4, prompt_tokens=8, against="HEAD",
+                          deterministic=True))
     [row] = out["rows"]
-    assert row["old_tokens"] == [[4]] and row["server_tokens"] == [[4]]
-    assert len(row["old_paired_ratios"]) == 1 and row["old_ratio_to_default"] > 0
-    assert out["params"]["against"] == "HEAD" and "against / default" in batch.table(out)
+    assert row["old_tokens"] == [[4, 4]] and row["server_tokens"] == [[4, 4]] and row["det_tokens"] == [[4, 4]]
+    assert len(row["old_paired_ratios"]) == 1 and row["old_ratio_to_default"] > 0 and row["old_ratio_to_det"] > 0
+    assert row["old_same_tokens_as_det"] == [True]
+    text = batch.table(out)
+    assert out["params"]["against"] == "HEAD" and "against / default" in text and "| yes" in text
 
 
 @pytest.mark.model
@@ -582,3 +586,15 @@ def test_bench_sampler_against_an_earlier_commit_per_tick(tmp_path, monkeypatch)
     [t] = out["ticks"]
     assert t["sides"][:2] == ["old_per_seq", "old_batched"] and "new_batched" in t["sides"]
     assert json.loads((tmp_path / "sampler-against.json").read_text())["params"]["against"] == "HEAD"
+
+
+def test_group_stats_digests_every_sequences_tokens_in_order():
+    from clickpaca.measure.bench.serve import SeqRun, group_stats
+
+    def runs(*ids):
+        return [SeqRun(i, 0.0, tokens=len(t), ids=list(t), final={"type": "done"}) for i, t in enumerate(ids)]
+
+    same = group_stats(runs([1, 2], [3, 4]))["tokens_digest"]
+    assert same == group_stats(runs([1, 2], [3, 4]))["tokens_digest"]
+    assert same != group_stats(runs([1, 2], [3, 5]))["tokens_digest"]
+    assert same != group_stats(runs([3, 4], [1, 2]))["tokens_digest"]

@@ -7,7 +7,9 @@ exactly G) are sent back to back to one server, alternating with
 `llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV).
 
 --against REV: REV's whole server (measure/bench/against.py) is one more side of the same
-alternating rounds, on the same builds and loads, against this tree's default server.
+alternating rounds, on the same builds and loads, against this tree's default server; with
+--deterministic it runs in deterministic mode too, and each round's tokens are compared with
+this tree's deterministic server's (a sequence's tokens then do not depend on its batch).
 
 Every sequence samples greedily (temperature 0) unless --chain names a `bench sampler`
 scenario without a grammar (sampling/bench.py SCENARIOS: default, n_probs_5,
@@ -108,7 +110,9 @@ def measure(args: Any) -> dict[str, Any]:
 
             progress(f"batch: starting {rev}'s server")
             env = against.server_env(against.extract(rev, Path(old_tree.name)))
-            others[AGAINST[0]] = (AGAINST[1], Server(server_init(model, args.build, t, max(seqs), p, g), env=env))
+            det = {"deterministic": True} if "deterministic" in others else {}
+            others[AGAINST[0]] = (AGAINST[1], Server(server_init(model, args.build, t, max(seqs), p, g, **det),
+                                                     env=env))
     except BaseException:
         for _, s in others.values():
             s.close()
@@ -149,7 +153,9 @@ def measure(args: Any) -> dict[str, Any]:
              "eval_tps_sum (sum of done.eval_tps) reads about G/(G-1) high: see bench decode"]
     if rev:
         notes.append(f"against: {rev}'s server (its clickpaca/ from git archive, on this checkout's builds) "
-                     "in the same alternating rounds; against / default = its tok/s over this tree's")
+                     "in the same alternating rounds; against / default = its tok/s over this tree's"
+                     + ("; both in deterministic mode, old_same_tokens_as_det: per round, whether its "
+                        "tokens equal this tree's deterministic server's" if "deterministic" in others else ""))
     if len(chains) > 1:
         notes.append(f"chains {', '.join(chains)} ran on the same servers in the same rounds; vs_first = the "
                      f"median of the per-round ratios of a chain's tok/s to {chains[0]}'s on the same server")
@@ -202,6 +208,10 @@ def _row(n: int, chain: str, runs: dict[str, list[dict]], nat: list[dict], other
                     f"{key}_ratio_to_native": ratio(median(o_wall), median(n_tg)),
                     f"{key}_paired_ratios": [round(a / b, 4) for a, b in zip(o_wall, s_wall) if a and b],
                     f"{key}_tokens": [x["tokens"] for x in runs[name]]})
+    if AGAINST[0] in others and "deterministic" in others:  # both deterministic: the same tokens?
+        row["old_same_tokens_as_det"] = [a["tokens_digest"] == b["tokens_digest"]
+                                         for a, b in zip(runs[AGAINST[0]], runs["deterministic"])]
+        row["old_ratio_to_det"] = ratio(median(_wall(runs[AGAINST[0]])), median(_wall(runs["deterministic"])))
     if len(chains) > 1:
         for name, key in [("server", "server"), *((name, k) for name, (k, _) in others.items())]:
             first = _wall(res[_side(name, chains[0], chains)])
@@ -234,6 +244,11 @@ def table(out: dict[str, Any]) -> str:
                                                f"{name} / default", f"{name} / native",
                                                "per-round ratios (vs default)"]
                                        + ([f"{name} / its first chain"] if multi else []), side)
+    same = [(*lead(r), r["old_ratio_to_det"], ", ".join("yes" if x else "NO" for x in r["old_same_tokens_as_det"]))
+            for r in out["rows"] if "old_same_tokens_as_det" in r]
+    if same:
+        text += "\n\n" + markdown(head + ["against / deterministic (both deterministic)", "same tokens, per round"],
+                                   same)
     return text
 
 
