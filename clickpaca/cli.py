@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 from .llama.cachetypes import DEFAULT, EXACT, STUDY_CACHE
 
@@ -142,8 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build", default="mainline")
     p.set_defaults(func=cmd_tok)
 
-    p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools")
-    p.add_argument("what", choices=["decode", "batch", "grammar", "sampler", "kv", "state", "peer", "schemas", "all"])
+    from .measure.bench.benches import BENCHES, in_all
+
+    p = sub.add_parser("bench", help="benchmarks against the native llama.cpp tools",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="\n".join(textwrap.fill(b.help, 96, initial_indent=f"  {b.name:9}",
+                                                            subsequent_indent=" " * 11) for b in BENCHES)
+                       + f"\n  all      {', '.join(b.name for b in in_all())} in turn (make bench)")
+    p.add_argument("what", choices=[*(b.name for b in BENCHES), "all"])
     p.add_argument("corpus", nargs="?", default=None,
                    help="schemas: a directory of JSON schema files, or a package that ships some "
                         "(check-jsonschema, schemastore)")
@@ -192,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch: every sequence's sampler chain: greedy (default) or a bench sampler scenario "
                         "without a grammar (default, n_probs_5, temperature_only, top_p_only, bias_penalties); "
                         "a comma list runs each on the same servers in the same alternating rounds")
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="sampler, batch: an earlier commit (anything git names) beside this tree, in the same "
+                        "alternating rounds: sampler imports REV's clickpaca/sampling, batch runs REV's server")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_bench)

@@ -5,6 +5,7 @@ numbers depend on the machine and its load."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 
@@ -353,23 +354,42 @@ def test_bench_kv_f16_real(tmp_path):
 
 
 def test_bench_all_runs_every_bench_and_keeps_explicit_options(monkeypatch, tmp_path):
+    """`bench all` is the table's rows with options of their own: every row's checks before
+    any bench measures, then each bench with the user's options winning over the set's."""
+    from clickpaca.measure.bench import benches
     from clickpaca.measure.bench import cli as bench_cli
 
-    seen = {}
-
-    class Fake:
-        def __init__(self, name):
-            self.name = name
-
-        def run(self, args):
-            seen[self.name] = (args.repeats, args.tokens, args.seqs)
-
-    monkeypatch.setattr(bench_cli, "_module", lambda what: Fake(what))
+    events = []
+    monkeypatch.setattr(bench_cli, "check", lambda args, needs: events.append(("check", args.what, needs)))
+    monkeypatch.setattr(benches.Bench, "run", lambda self, args: events.append(
+        ("run", self.name, (args.repeats, args.tokens, args.seqs))) or {"rows": []})
     args = build_parser().parse_args(["bench", "all", "--repeats", "1", "--out", str(tmp_path)])
     assert bench_cli.run_bench(args) == 0
-    assert set(seen) == set(bench_cli.WHATS)
+    in_all = [b.name for b in benches.in_all()]
+    assert in_all == [b.name for b in benches.BENCHES if b.name != "schemas"]
+    assert events[:len(in_all)] == [("check", b.name, b.needs) for b in benches.in_all()]
+    seen = {name: got for kind, name, got in events[len(in_all):]}
+    assert [e[0] for e in events[len(in_all):]] == ["run"] * len(in_all) and list(seen) == in_all
     assert all(v[0] == 1 for v in seen.values())  # the explicit --repeats wins
     assert seen["batch"][1:] == (32, "1,8,64")  # the set's defaults fill the rest
+
+
+def test_the_command_line_offers_every_row_of_the_bench_table():
+    from clickpaca.measure import checks
+    from clickpaca.measure.bench import benches
+
+    ap = build_parser()
+    for b in benches.BENCHES:
+        assert ap.parse_args(["bench", b.name]).what == b.name
+        assert importlib.import_module(f"clickpaca.measure.bench.{b.module}").run
+        for need in b.needs:  # every declared check exists, and its option is one of bench's
+            name, _, option = need.partition(" if ")
+            assert name in checks.CHECKS, (b.name, need)
+            assert not option or hasattr(ap.parse_args(["bench", b.name]), option), (b.name, need)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["bench", "decode_against"])
+    help_text = ap._subparsers._group_actions[0].choices["bench"].format_help()
+    assert all(f"  {b.name}" in help_text and b.help[:40] in " ".join(help_text.split()) for b in benches.BENCHES)
 
 
 def test_group_stats_steady_state_window():
@@ -534,3 +554,47 @@ def test_ppl_table_names_its_second_kl_reference():
              "kl_ref2": "turbo3 default", "kl_mean_ref2": 0.0}]
     head = table({"params": {"ref": "f16"}, "rows": rows, "noise": []}).splitlines()[0]
     assert "KL mean vs turbo3 default" in head and head.count("KL mean vs f16") == 1
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_batch_against_an_earlier_commit_is_a_side_of_the_same_rounds(tmp_path):
+    """--against REV: REV's server (here HEAD's tree, extracted) beside this tree's, each
+    sequence its G tokens, the ratio per round; with --deterministic both run in
+    deterministic mode and each round's tokens are compared (HEAD's server is this one)."""
+    from clickpaca.measure.bench import batch
+
+    out = batch.run(_args(tmp_path, what="batch", seqs="2", tokens=4, prompt_tokens=8, against="HEAD",
+                          deterministic=True))
+    [row] = out["rows"]
+    assert row["old_tokens"] == [[4, 4]] and row["server_tokens"] == [[4, 4]] and row["det_tokens"] == [[4, 4]]
+    assert len(row["old_paired_ratios"]) == 1 and row["old_ratio_to_default"] > 0 and row["old_ratio_to_det"] > 0
+    assert row["old_same_tokens_as_det"] == [True]
+    text = batch.table(out)
+    assert out["params"]["against"] == "HEAD" and "against / default" in text and "| yes" in text
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_sampler_against_an_earlier_commit_per_tick(tmp_path, monkeypatch):
+    """--against REV --seqs: REV's sampling sides beside this tree's on the same logits of
+    each tick (the bench checks every side's results equal the first's)."""
+    from clickpaca.measure.bench import sampler, sampler_ticks
+
+    monkeypatch.setattr(sampler_ticks, "TICKS", 1)
+    out = sampler.run(_args(tmp_path, what="sampler", seqs="2", against="HEAD", threads=2))
+    [t] = out["ticks"]
+    assert t["sides"][:2] == ["old_per_seq", "old_batched"] and "new_batched" in t["sides"]
+    assert json.loads((tmp_path / "sampler-against.json").read_text())["params"]["against"] == "HEAD"
+
+
+def test_group_stats_digests_every_sequences_tokens_in_order():
+    from clickpaca.measure.bench.serve import SeqRun, group_stats
+
+    def runs(*ids):
+        return [SeqRun(i, 0.0, tokens=len(t), ids=list(t), final={"type": "done"}) for i, t in enumerate(ids)]
+
+    same = group_stats(runs([1, 2], [3, 4]))["tokens_digest"]
+    assert same == group_stats(runs([1, 2], [3, 4]))["tokens_digest"]
+    assert same != group_stats(runs([1, 2], [3, 5]))["tokens_digest"]
+    assert same != group_stats(runs([3, 4], [1, 2]))["tokens_digest"]

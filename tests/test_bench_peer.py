@@ -109,3 +109,19 @@ def test_bench_peer_short_real_run(tmp_path):
     assert "--no-kv-unified" in data["llama_server_commands"][peer.LS_SPLIT]["mixed"]
     assert "| load" in data["table_markdown"] and out["not_expressible"]
     assert (tmp_path / "peer.png").stat().st_size > 0
+
+
+def test_a_failed_load_is_a_row_of_its_own_and_fails_the_run():
+    """A load whose servers failed keeps its place in the tables, the loads measured beside
+    it keep theirs, and the run is recorded as failed (measure/checks.py failures)."""
+    from clickpaca.measure.bench.peer import headline_table, registration_lines, table
+    from clickpaca.measure.checks import failures
+
+    out = {"rows": [{"load": "greedy1", "title": "1 request", "error": "PeerError: llama-server exited",
+                     "problems": []}], "server_problems": []}
+    [row] = [line.split("|")[1:-1] for line in table(out).splitlines()[2:]]
+    assert [c.strip() for c in row[:2]] == ["1 request", "failed: PeerError: llama-server exited"]
+    [row] = [line.split("|")[1:-1] for line in headline_table(out).splitlines()[2:]]
+    assert [c.strip() for c in row] == ["1 request", "failed", "failed", "-"]
+    assert registration_lines(out) == []
+    assert failures(out) == ["greedy1: PeerError: llama-server exited"]

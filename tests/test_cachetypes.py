@@ -182,3 +182,62 @@ def test_the_rows_match_the_builds_own_type_table(build):
     families = tuple({re.sub(r"\d+$", "", row.name) for row in ROWS if row.build == build != MAINLINE})
     assert families or build == MAINLINE
     assert not {n for n in got["named"] if families and n.startswith(families)} - set(cachetypes.names())
+
+
+# ---------------------------------------------------------------- no rule outside the table
+
+PKG = Path(__file__).resolve().parent.parent / "clickpaca"
+#: Modules that may name a build with types of its own: they make or load builds by name
+#: (the build's name, not a rule about its types).
+BUILD_NAMERS = {
+    "base/paths.py": "the builds the Makefile has a target for",
+    "llama/cpu.py": "the make target that rebuilds a build for this CPU",
+    "llama/turboquant.py": "the numpy reference of that build's kernels, built from its rows",
+}
+
+
+def _literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string constant in a module that is not a docstring."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_no_module_but_the_table_names_a_cache_type_or_keys_a_rule_on_its_build():
+    """A type's facts (which types a rule covers, its bits per value, the default and exact
+    types) are read from the rows; a literal type name elsewhere is a rule drifting out of
+    the table (as the GPU build's CPU-only types once were, by build name, and kvsim's bits
+    of f16/q8_0/q4_0). Names in docstrings and comments are free."""
+    types = set(cachetypes.names())
+    own_builds = set(cachetypes.builds()) - {MAINLINE}
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel == "llama/cachetypes.py":
+            continue
+        for line, text in _literals(path):
+            if text in types or (text in own_builds and rel not in BUILD_NAMERS):
+                found.append(f"clickpaca/{rel}:{line}: {text!r}")
+    assert not found, "read these from llama/cachetypes.py:\n" + "\n".join(found)
+
+
+def test_the_simulated_real_types_are_rows_with_their_bits():
+    from clickpaca.measure.kvsim import quant
+
+    assert quant.REAL_KINDS[0] == DEFAULT
+    for kind in quant.REAL_KINDS:
+        row = cachetypes.get(kind)
+        assert row.build == MAINLINE
+        assert quant.bits_per_value(quant.parse(kind), 64) == row.bits, kind
+
+
+def test_the_gpu_build_refuses_exactly_the_cpu_only_rows():
+    from clickpaca.llama import gpu
+
+    assert gpu.cpu_only_types(cachetypes.names()) == [r.name for r in ROWS if r.cpu_only]
+    assert {r.build for r in ROWS if r.cpu_only} == {"turboquant"}

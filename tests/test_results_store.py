@@ -325,27 +325,26 @@ def test_emit_outside_a_recording_records_a_run_of_its_own(tmp_path, monkeypatch
 
 def test_bench_all_records_each_bench_in_one_group(tmp_path, monkeypatch):
     """`bench all` dispatches every bench inside its own recording, all in one group (the
-    benches here are stand-ins that only emit: the real set takes minutes)."""
+    benches here are stand-ins that only emit, and their checks before work, which need the
+    native tools, are tests/test_checks.py's: the real set takes minutes)."""
+    from clickpaca.measure.bench import benches
     from clickpaca.measure.bench import cli as bench_cli
     from clickpaca.results.report import emit
 
-    class Emits:
-        def __init__(self, name):
-            self.name = name
-
-        def run(self, args):
-            emit(str(tmp_path / "out"), self.name, {"params": {"repeats": args.repeats}}, "|x|", self.name)
+    def emits(self, args):
+        emit(str(tmp_path / "out"), self.name, {"params": {"repeats": args.repeats}}, "|x|", self.name)
 
     db = tmp_path / "r.sqlite3"
     monkeypatch.setenv("CLICKPACA_RESULTS", str(db))
     monkeypatch.delenv("CLICKPACA_RUN_GROUP", raising=False)
-    monkeypatch.setattr(bench_cli, "_module", lambda what: Emits(what))
+    monkeypatch.setattr(benches.Bench, "run", emits)
+    monkeypatch.setattr(bench_cli, "check", lambda args, needs: None)
     args = argparse.Namespace(what="all", repeats=1, tokens=None, seqs=None, prompt_tokens=None, cache=None,
                               out=str(tmp_path / "out"), model=None, build="mainline")
     assert bench_cli.run_bench(args) == 0
     with Store(db) as s:
         runs = s.runs()
-    assert sorted(r["command"] for r in runs) == sorted(f"bench {w}" for w in bench_cli.WHATS)
+    assert sorted(r["command"] for r in runs) == sorted(f"bench {b.name}" for b in benches.in_all())
     assert {r["status"] for r in runs} == {"complete"}
     [group] = {r["run_group"] for r in runs}
     assert group.startswith("bench-all-")

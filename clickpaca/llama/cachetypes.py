@@ -1,7 +1,8 @@
 """KV cache types: one row per type, and every rule about them, read from the rows.
 
 `cacheTypeK` / `cacheTypeV` take a row's name. What each consumer asks is here: which
-names a build offers (core.cache_types), which build a pair needs (build_for), whether
+names a build offers (core.cache_types), which build a pair needs (build_for), which have
+CPU kernels only (a GPU build refuses them, gpu.py), whether
 flash attention computes a type as itself (f32: llama.cpp casts it to f16), whether a V
 of it needs flash attention (a quantized V does), what deterministic mode sets for it
 (deterministic.py), the bits per value and block size (checked against ggml's own type
@@ -43,6 +44,8 @@ class CacheType:
     block: int
     #: the build that has it (a MAINLINE type is in every build)
     build: str = MAINLINE
+    #: its kernels exist for ggml's CPU backend alone: a GPU build refuses it (gpu.py)
+    cpu_only: bool = False
     #: block-quantized; llama.cpp computes a quantized V only with flash attention
     quantized: bool = True
     #: llama.cpp's flash attention reads this type as that one (f32 as f16): flash attention
@@ -76,7 +79,7 @@ class CacheType:
 _UNQUANTIZED = dict(block=1, quantized=False, det_flash_attn="off", lossless=True)
 #: TurboQuant-mse (clickpaca/llama/turboquant.py, native/turboquant/): 128 values per block and
 #: an fp16 scale; deterministic mode keeps its flash attention row by row (docs/DETERMINISM.md)
-_TURBO = dict(block=128, build="turboquant", det_flash_attn="on", det_ubatch=32, bench_k="q8_0")
+_TURBO = dict(block=128, build="turboquant", cpu_only=True, det_flash_attn="on", det_ubatch=32, bench_k="q8_0")
 
 #: Every type, in display order (bits per value, largest first; then the builds' own types).
 ROWS: tuple[CacheType, ...] = tuple(dataclasses.replace(r, order=i) for i, r in enumerate((

@@ -20,8 +20,6 @@ from . import cachetypes
 
 #: CMakePresets.json's presets that compile a GPU backend.
 GPU_PRESETS = ("linux-cuda", "linux-rocm", "macos-metal")
-#: Builds whose cache types have CPU kernels only (our patch sets add no GPU kernels).
-CPU_ONLY_TYPE_BUILDS = ("turboquant",)
 
 
 class GpuRefused(ValueError):
@@ -34,9 +32,8 @@ def gpu_build(info: dict) -> bool:
 
 
 def cpu_only_types(types: tuple[str, ...]) -> list[str]:
-    """The cache types among `types` whose kernels exist for the CPU alone."""
-    return [t for t in dict.fromkeys(types)
-            if (row := cachetypes.find(t)) is not None and row.build in CPU_ONLY_TYPE_BUILDS]
+    """The cache types among `types` whose kernels exist for the CPU alone (the rows say)."""
+    return [t for t in dict.fromkeys(types) if (row := cachetypes.find(t)) is not None and row.cpu_only]
 
 
 def refusal(gpu: bool, preset: str | None, types: tuple[str, str], deterministic: bool) -> GpuRefused | None:

@@ -1,7 +1,8 @@
 """Measurements: commands that drive the model or the server and record what they find
 in the results store (results/). bench/ is `clickpaca bench ...` and `clickpaca ppl`;
 retrieval/ is `clickpaca kv-retrieval`; what the two share sits here: common.py (the
-commands' shared arguments), kl.py (KL and top-1 against a reference, in-process),
+commands' shared arguments), checks.py (what every command checks before any work, what
+marks its run failed, and `measured`, which runs it between the two), kl.py (KL and top-1 against a reference, in-process),
 texts.py and corpus.py (the default public-domain texts); steering.py is the worked
 control-vector experiment of docs/ACTIVATIONS.md, through the server; schemas.py reads a
 corpus of JSON schemas from a directory or an installed package (`bench schemas`);

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Schema", "load", "pick", "versions", "PACKAGES"]
+__all__ = ["Schema", "load", "pick", "versions", "PACKAGES", "check_spec"]
 
 #: Package names with a corpus of their own, and the distribution that ships it.
 PACKAGES = {"check-jsonschema": "check-jsonschema", "check_jsonschema": "check-jsonschema",
@@ -86,6 +86,15 @@ def _schemastore() -> list[Schema]:
         if isinstance(value, dict):
             out.append(Schema(names.get(url, url), value, len(body)))
     return out
+
+
+def check_spec(spec: str) -> None:
+    """FileNotFoundError unless `spec` is a directory or an installed package (what `load`
+    reads, checked without reading it)."""
+    if Path(spec).is_dir():
+        return
+    _package_dir({"schemastore": "schemastore", "check-jsonschema": "check_jsonschema"}.get(
+        PACKAGES.get(spec, ""), spec.replace("-", "_")))
 
 
 def load(spec: str) -> list[Schema]:

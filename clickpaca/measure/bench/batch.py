@@ -6,6 +6,11 @@ same generation length G (--tokens, end-of-generation banned so every sequence m
 exactly G) are sent back to back to one server, alternating with
 `llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV).
 
+--against REV: REV's whole server (measure/bench/against.py) is one more side of the same
+alternating rounds, on the same builds and loads, against this tree's default server; with
+--deterministic it runs in deterministic mode too, and each round's tokens are compared with
+this tree's deterministic server's (a sequence's tokens then do not depend on its batch).
+
 Every sequence samples greedily (temperature 0) unless --chain names a `bench sampler`
 scenario without a grammar (sampling/bench.py SCENARIOS: default, n_probs_5,
 temperature_only, top_p_only, bias_penalties): its fields that differ from the defaults
@@ -23,6 +28,8 @@ latency = median time between a sequence's token events.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ..common import model_path, out_dir, png, threads, with_defaults
@@ -67,6 +74,8 @@ SIDES = (
     ("preselect", "pre", lambda a: {"preselect": True} if getattr(a, "preselect", False) else None),
     ("centered", "cen", lambda a: {"kvCenter": a.center} if getattr(a, "center", None) else None),
 )
+#: --against REV: REV's default server, its rows' key prefix
+AGAINST = ("against", "old")
 
 
 def side_servers(args: Any) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -91,13 +100,25 @@ def measure(args: Any) -> dict[str, Any]:
     progress(f"batch: starting the server (nSeqMax {max(seqs)})")
     server = Server(server_init(model, args.build, t, max(seqs), p, g))
     others: dict[str, tuple[str, Server]] = {}
+    rev = getattr(args, "against", None)
+    old_tree = tempfile.TemporaryDirectory(prefix="clickpaca-against-") if rev else None
     try:
         for name, (key, init) in side_servers(args).items():
             others[name] = (key, Server(server_init(model, args.build, t, max(seqs), p, g, **init)))
+        if old_tree is not None:
+            from . import against
+
+            progress(f"batch: starting {rev}'s server")
+            env = against.server_env(against.extract(rev, Path(old_tree.name)))
+            det = {"deterministic": True} if "deterministic" in others else {}
+            others[AGAINST[0]] = (AGAINST[1], Server(server_init(model, args.build, t, max(seqs), p, g, **det),
+                                                     env=env))
     except BaseException:
         for _, s in others.values():
             s.close()
         server.close()
+        if old_tree is not None:
+            old_tree.cleanup()
         raise
     chains = parse_list(getattr(args, "chain", None) or "greedy", str)
     ban = server.ban_eog()
@@ -123,11 +144,18 @@ def measure(args: Any) -> dict[str, Any]:
         server.close()
         for _, other in others.values():
             other.close()
+        if old_tree is not None:
+            old_tree.cleanup()
     notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
              "span tok/s also counts ticks where some prompts were still being processed",
              "ratio = server wall-clock generation tok/s / llama-batched-bench S_TG "
              f"(medians of {args.repeats} alternating rounds); goals >= 0.9 at 8, >= 0.8 at 64",
              "eval_tps_sum (sum of done.eval_tps) reads about G/(G-1) high: see bench decode"]
+    if rev:
+        notes.append(f"against: {rev}'s server (its clickpaca/ from git archive, on this checkout's builds) "
+                     "in the same alternating rounds; against / default = its tok/s over this tree's"
+                     + ("; both in deterministic mode, old_same_tokens_as_det: per round, whether its "
+                        "tokens equal this tree's deterministic server's" if "deterministic" in others else ""))
     if len(chains) > 1:
         notes.append(f"chains {', '.join(chains)} ran on the same servers in the same rounds; vs_first = the "
                      f"median of the per-round ratios of a chain's tok/s to {chains[0]}'s on the same server")
@@ -140,7 +168,7 @@ def measure(args: Any) -> dict[str, Any]:
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
                        "repeats": args.repeats, "build": args.build, "model": model,
                        "deterministic": "deterministic" in others, "preselect": "preselect" in others,
-                       "center": getattr(args, "center", None), "chain": ",".join(chains),
+                       "center": getattr(args, "center", None), "chain": ",".join(chains), "against": rev,
                        "infer_fields": params_of[chains[0]] if len(chains) == 1 else params_of},
             "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
             "server_problems": server.problems}
@@ -180,6 +208,10 @@ def _row(n: int, chain: str, runs: dict[str, list[dict]], nat: list[dict], other
                     f"{key}_ratio_to_native": ratio(median(o_wall), median(n_tg)),
                     f"{key}_paired_ratios": [round(a / b, 4) for a, b in zip(o_wall, s_wall) if a and b],
                     f"{key}_tokens": [x["tokens"] for x in runs[name]]})
+    if AGAINST[0] in others and "deterministic" in others:  # both deterministic: the same tokens?
+        row["old_same_tokens_as_det"] = [a["tokens_digest"] == b["tokens_digest"]
+                                         for a, b in zip(runs[AGAINST[0]], runs["deterministic"])]
+        row["old_ratio_to_det"] = ratio(median(_wall(runs[AGAINST[0]])), median(_wall(runs["deterministic"])))
     if len(chains) > 1:
         for name, key in [("server", "server"), *((name, k) for name, (k, _) in others.items())]:
             first = _wall(res[_side(name, chains[0], chains)])
@@ -201,7 +233,7 @@ def table(out: dict[str, Any]) -> str:
     text = markdown(head + ["server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
                             "ratio", "goal", "server ms/token/seq", "native ms/token/seq"]
                     + (["server / first chain"] if multi else []), rows)
-    for name, key, _ in SIDES:
+    for name, key in [*((name, key) for name, key, _ in SIDES), AGAINST]:
         side = [(*lead(r), r[f"{key}_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
                  r[f"{key}_ratio_to_default"], r.get(f"{key}_ratio_to_native"),
                  ", ".join(f"{x:.3f}" for x in r[f"{key}_paired_ratios"]))
@@ -212,6 +244,11 @@ def table(out: dict[str, Any]) -> str:
                                                f"{name} / default", f"{name} / native",
                                                "per-round ratios (vs default)"]
                                        + ([f"{name} / its first chain"] if multi else []), side)
+    same = [(*lead(r), r["old_ratio_to_det"], ", ".join("yes" if x else "NO" for x in r["old_same_tokens_as_det"]))
+            for r in out["rows"] if "old_same_tokens_as_det" in r]
+    if same:
+        text += "\n\n" + markdown(head + ["against / deterministic (both deterministic)", "same tokens, per round"],
+                                   same)
     return text
 
 

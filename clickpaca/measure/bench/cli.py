@@ -1,60 +1,47 @@
-"""`clickpaca bench WHAT`: dispatch, and `bench all` (what `make bench` runs)."""
+"""`clickpaca bench WHAT` and `bench all` (what `make bench` runs), from the rows of
+benches.py, each run as measure/checks.py's `measured` runs every measuring command."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
 
-from ...llama.cachetypes import STUDY_CACHE
-from ...results import recording
 from ...results.stats import progress
-
-WHATS = ("decode", "batch", "grammar", "sampler", "kv", "state", "peer")
-#: benches outside `bench all`: they need an argument (schemas: a corpus)
-
-#: `bench all`: the standard set (make bench); the peer bench against llama-server is part of
-#: every run (issue 18: the headline claim re-measured whenever the scheduler changes).
-ALL_PLAN = {
-    "sampler": {"repeats": 3},
-    "decode": {"tokens": 64, "repeats": 3},
-    "batch": {"seqs": "1,8,64", "prompt_tokens": 32, "tokens": 32, "repeats": 2},
-    "grammar": {"seqs": "1,8,64", "tokens": 32, "repeats": 3},
-    "kv": {},
-    "state": {"repeats": 3, "cache": STUDY_CACHE},
-    "peer": {"repeats": 3},
-}
-
-
-def _module(what: str):
-    from . import batch, decode, grammar, kv, peer, sampler, schemas, state
-
-    return {"decode": decode, "batch": batch, "grammar": grammar, "sampler": sampler, "kv": kv,
-            "state": state, "peer": peer, "schemas": schemas}[what]
-
+from ..checks import Refused, check, measured
+from .benches import get, in_all
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.what != "all":
-        with recording(f"bench {args.what}", args):
-            _module(args.what).run(args)
-        return 0
+        bench = get(args.what)
+        return measured(f"bench {bench.name}", args, bench.needs, bench.run)
+    runs = []
+    for bench in in_all():
+        sub = copy.copy(args)
+        sub.what = bench.name
+        for k, v in bench.all.items():
+            if getattr(sub, k, None) is None:  # what the user gave explicitly wins
+                setattr(sub, k, v)
+        runs.append((bench, sub))
+    for bench, sub in runs:  # every bench's checks before any of them measures
+        try:
+            check(sub, bench.needs)
+        except Refused as e:
+            print(f"clickpaca bench all: {bench.name}: {e}", file=sys.stderr)
+            return 2
     failed = []
     t0 = time.perf_counter()
     group = time.strftime("bench-all-%Y%m%dT%H%M%SZ", time.gmtime())
-    for what, overrides in ALL_PLAN.items():
-        sub = copy.copy(args)
-        sub.what = what
+    for bench, sub in runs:
         sub.run_group = group
-        for k, v in overrides.items():
-            if getattr(sub, k, None) is None:  # what the user gave explicitly wins
-                setattr(sub, k, v)
-        progress(f"all: {what} ({time.perf_counter() - t0:.0f} s so far)")
+        progress(f"all: {bench.name} ({time.perf_counter() - t0:.0f} s so far)")
         try:
-            with recording(f"bench {what}", sub):
-                _module(what).run(sub)
-        except Exception as e:  # noqa: BLE001 - one failing bench does not stop the set
-            failed.append(f"{what}: {e}")
-            progress(f"all: {what} FAILED: {e}")
+            if measured(f"bench {bench.name}", sub, (), bench.run) != 0:  # one failing bench does not stop the set
+                failed.append(bench.name)
+        except Exception as e:  # noqa: BLE001 - nor does a defect in one
+            failed.append(f"{bench.name}: {e}")
+            progress(f"all: {bench.name} FAILED: {e}")
     progress(f"all: done in {time.perf_counter() - t0:.0f} s")
     for f in failed:
         print(f"FAILED {f}")

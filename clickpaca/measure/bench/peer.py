@@ -167,10 +167,19 @@ def measure(args: Any) -> dict[str, Any]:
     model, t = model_path(args), threads(args)
     m0 = machine()
     commands: dict[str, dict[str, str]] = {}
-    rows = [measure_load(load, args, model, t, commands) for load in selected_loads(args)]
+    rows = []
+    for load in selected_loads(args):
+        try:
+            rows.append(measure_load(load, args, model, t, commands))
+        except (RuntimeError, OSError, ValueError) as e:  # llama-server or a server failed: the
+            # other loads are still measured, and the run is recorded as failed (checks.failures)
+            progress(f"peer {load.name}: FAILED: {e}")
+            rows.append({"load": load.name, "title": load.title, "error": f"{type(e).__name__}: {e}",
+                         "problems": []})
+    measured = [r for r in rows if "error" not in r]
     notes = list(NOTES) + [f"medians of {args.repeats} alternating rounds (min-max in brackets); "
                            f"ratio = clickpaca / llama-server medians"]
-    for r in rows:
+    for r in measured:
         for name, s in r["sides"].items():
             c = s["checks"]
             bad = {k: c[k] for k in ("errors", "invalid", "unparsed", "banned_seen",
@@ -201,7 +210,8 @@ def _cell(s: dict[str, Any] | None) -> str:
 def headline_table(out: dict[str, Any]) -> str:
     """The README table: llama-server --kv-unified against clickpaca."""
     rows = [(r["title"], _cell(r["sides"][LS_UNIFIED]["tps"]), _cell(r["sides"][CP]["tps"]),
-             r["ratio_vs_unified"]) for r in out["rows"]]
+             r["ratio_vs_unified"]) if "error" not in r else (r["title"], "failed", "failed", None)
+            for r in out["rows"]]
     return markdown(["load", "llama-server tok/s", "clickpaca tok/s", "ratio"], rows, align="lrrr")
 
 
@@ -209,6 +219,9 @@ def table(out: dict[str, Any]) -> str:
     """Every side, tokens per request and validity."""
     rows = []
     for r in out["rows"]:
+        if "error" in r:
+            rows.append((r["title"], f"failed: {r['error'][:80]}", *[None] * 8))
+            continue
         s = r["sides"]
         valid = (lambda c: f"{c['valid']}/{c['outputs']}" if r["schemas"] else
                  f"{c['outputs'] - c['errors']}/{c['outputs']} ok")
@@ -227,7 +240,7 @@ def table(out: dict[str, Any]) -> str:
 
 def registration_lines(out: dict[str, Any]) -> list[str]:
     return [f"{r['load']}: clickpaca schema registration {_cell(r['registration_ms'])} ms per schema "
-            f"(8 schemas, once per server)" for r in out["rows"] if r["registration_ms"]]
+            f"(8 schemas, once per server)" for r in out["rows"] if r.get("registration_ms")]
 
 
 def plot(out: dict[str, Any], path) -> None:
@@ -239,7 +252,7 @@ def plot(out: dict[str, Any], path) -> None:
     for k, name in enumerate(names):
         xs, ys, lo, hi = [], [], [], []
         for i, r in enumerate(out["rows"]):
-            t = r["sides"].get(name, {}).get("tps")
+            t = r.get("sides", {}).get(name, {}).get("tps")
             if t and t["median"] is not None:
                 xs.append(i + (k - (len(names) - 1) / 2) * width)
                 ys.append(t["median"])

@@ -302,12 +302,19 @@ def plot(out: dict[str, Any], args: Any) -> None:
                 "Perplexity vs bits per value")
 
 
-def run_ppl(args: argparse.Namespace) -> int:
-    from ...results import recording
+#: What `clickpaca ppl` checks before any work (measure/checks.py).
+NEEDS = ("score_last if score_last", "model", "cache", "text", "llama-perplexity if native")
 
-    with recording("ppl", args):
-        out = measure(args)
-        emit(out_dir(args), "ppl", out, table(out), "Perplexity / KL / top-1 per KV cache type")
-        if args.plot:
-            plot(out, args)
-    return 0
+
+def run_ppl(args: argparse.Namespace) -> int:
+    from ..checks import measured
+
+    return measured("ppl", args, NEEDS, _work)
+
+
+def _work(args: argparse.Namespace) -> dict:
+    out = measure(args)
+    emit(out_dir(args), "ppl", out, table(out), "Perplexity / KL / top-1 per KV cache type")
+    if args.plot:
+        plot(out, args)
+    return out

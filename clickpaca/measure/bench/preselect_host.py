@@ -9,7 +9,7 @@ packed rows into `Preselected` values (`Presampler.read_many`). Each part is thr
 time per pre-selected row, the best of the rounds, for a tick of N sequences of one
 scenario (one token each, every row an output) on the default model; the parts are
 those of the round with the least total. The decode's own
-time (the ops) is `preselect_ops`'s measurement, not this one.
+time (the ops) is inside `bench batch --preselect`'s figures, not here.
 
 "again" is read + sample repeated at once on the same packs (on forks of the samplers
 made before the decode): the same work without the decode's eviction of this core's
@@ -20,7 +20,7 @@ less "again" is that refill. A GPU build's decode leaves the host's caches alone
 The ticks run as served: each sampled token is accepted (it enters the history and the
 penalty window, and is the next tick's input), and the timed rounds start once every
 sequence's K has settled (a K that grows changes the plan, and llama.cpp builds the graph
-again: a warm-up cost, reported in the rounds of `preselect_ops`, not a steady one).
+again: a warm-up cost, not a steady one).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ rounds, on synthetic rows shaped like Gemma 3 270M's, 262,144 tokens). Then runs
 same scenarios on REAL logits rows of the model (the first tokens of a public-domain
 play) as a check that the synthetic rows are representative; wall time is shown too.
 Then each step alone on the full vocabulary beside llama.cpp's C sampler
-(`sampler_steps.py`).
+(`sampler_steps.py`). --seqs: the host's time per tick beside the decode (sampler_ticks.py);
+--against REV: an earlier commit's sampling beside this tree's (sampler_against.py).
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ def steps_table(out: dict[str, Any]) -> str:
 
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args)
+    if getattr(args, "against", None):
+        return run_against(args)
     seqs = getattr(args, "seqs", None)
     if seqs:  # --seqs: host time per tick beside the decode of the same tick
         from . import sampler_ticks
@@ -220,4 +223,31 @@ def run(args: Any) -> dict[str, Any]:
         pts = [(r["scenario"], i, r["us_per_token"]) for i, r in enumerate(out["results"])]
         plot_points(png(args, "sampler"), pts, "scenario #", "microseconds per token (CPU)",
                     "Sampler chain cost per token per sequence")
+    return out
+
+
+def run_against(args: Any) -> dict[str, Any]:
+    """--against REV: REV's sampling beside this tree's (sampler_against.py), on the ticks of
+    --seqs or on the microbenchmark and real rows."""
+    from . import sampler_against as A
+    from . import sampler_ticks
+
+    rev, t = args.against, int(getattr(args, "threads", None) or 2)
+    seqs = getattr(args, "seqs", None)
+    params = {"against": rev, "threads": t, "rounds": int(args.repeats), "seqs": seqs}
+    if seqs:
+        ticks = A.ticks(rev, [int(x) for x in str(seqs).split(",")], t)
+        out = {"params": params, "machine_start": machine(), "ticks": ticks,
+               "notes": [f"old = {rev}'s clickpaca/sampling, new = this tree's, each side on samplers of its "
+                         "own over the same logits of every tick, results checked equal"]}
+        emit(out_dir(args), "sampler-against", out, sampler_ticks.table(ticks),
+             f"Sampler host time per tick, {rev} (old) against this tree (new)")
+        return out
+    res, cal = A.compare(rev, real_rows(REAL_ROWS, getattr(args, "model", None)), int(args.repeats), t)
+    out = {"params": params, "machine_start": machine(), "chains": res, "calibration_us": cal,
+           "notes": [f"old = {rev}'s clickpaca/sampling, new = this tree's, alternating round by round; "
+                     "us per token per sequence, best round: synthetic rows (CPU), 64 real rows (CPU), one "
+                     f"sample_tick over them (CPU and wall; new also on {t} threads)"]}
+    emit(out_dir(args), "sampler-against", out, A.table(res, cal),
+         f"Sampler chain, {rev} (old) against this tree (new), us per token per sequence")
     return out

@@ -1,27 +1,22 @@
-"""The sampler chain of an earlier commit against this tree's, alternating in one process.
+"""`clickpaca bench sampler --against REV`: an earlier commit's sampler chain against this
+tree's, alternating in one process.
 
-``python -m clickpaca.measure.bench.sampler_against REV [--rounds N] [--threads T]``: extracts
-REV's ``clickpaca/sampling`` (git archive) into a temporary directory as a package of
-its own, then alternates, round by round, both microbenchmarks (synthetic rows) and
-both chains on the same 64 real logits rows of the default model: thread CPU us per
-token per sequence, best round; both ``batch.sample_tick`` (REV's when it has one) over
-the same rows as one tick, thread CPU and wall, and this tree's on T threads (wall: the
-other threads' CPU is not this thread's). For an "old against new in one run" table on
-a shared machine (issue 29).
+REV's ``clickpaca/sampling`` (against.py) is imported beside this tree's (REV's package
+renamed ``clickpaca_old``); then, round
+by round, both microbenchmarks (synthetic rows) and both chains on the same 64 real logits
+rows of the default model: thread CPU us per token per sequence, best round; both
+``batch.sample_tick`` (REV's when it has one) over the same rows as one tick, thread CPU
+and wall, and this tree's on T threads (wall: the other threads' CPU is not this thread's).
 
-``--seqs 1,8,64``: instead, ``bench sampler --seqs``'s ticks (sampler_ticks) with REV's
+With ``--seqs 1,8,64``: instead, ``bench sampler --seqs``'s ticks (sampler_ticks) with REV's
 sides (per sequence, batched) beside this tree's (per sequence, batched, on T threads),
 each on samplers of its own, on the same logits of every tick, results checked equal.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import io
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +26,7 @@ import numpy as np
 from ...sampling import SequenceSampler
 from ...sampling import bench as NB
 from ...sampling.batch import sample_tick
-from .sampler import real_rows
+from .against import extract
 from ...results.table import markdown
 
 COLUMNS = ("old_synthetic", "new_synthetic", "old_real", "new_real", "old_batched_real", "new_batched_real",
@@ -39,15 +34,13 @@ COLUMNS = ("old_synthetic", "new_synthetic", "old_real", "new_real", "old_batche
 
 
 def load_old(rev: str, into: Path):
-    """REV's clickpaca/sampling imported as the package ``sampling_old``."""
-    root = Path(__file__).resolve().parents[3]
-    data = subprocess.run(["git", "-C", str(root), "archive", rev, "clickpaca/sampling"],
-                          check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    (into / "clickpaca" / "sampling").rename(into / "sampling_old")
+    """REV's clickpaca/sampling, imported from REV's whole package renamed ``clickpaca_old``
+    (its relative imports reach REV's own base/ and llama/); returns it and its bench."""
+    extract(rev, into)
+    (into / "clickpaca").rename(into / "clickpaca_old")
     sys.path.insert(0, str(into))
-    return importlib.import_module("sampling_old"), importlib.import_module("sampling_old.bench")
+    return (importlib.import_module("clickpaca_old.sampling"),
+            importlib.import_module("clickpaca_old.sampling.bench"))
 
 
 def _best(d: dict, key: str, v: float) -> None:
@@ -90,13 +83,14 @@ def _old_tick(rev_pkg):
         return None
 
 
-def compare(rev: str, rounds: int = 3, threads: int = 2) -> tuple[dict, dict]:
-    """({scenario: {column: us}}, calibration {row_max, row_exp}: the minimum of both sides)."""
+def compare(rev: str, real: tuple[np.ndarray, np.ndarray] | None, rounds: int = 3,
+            threads: int = 2) -> tuple[dict, dict]:
+    """({scenario: {column: us}}, calibration {row_max, row_exp}: the minimum of both sides),
+    on the real (logits rows, tokens) given (None: the synthetic rows only)."""
     with tempfile.TemporaryDirectory(prefix="clkp-old-sampling-") as tmp:
         old, OB = load_old(rev, Path(tmp))
         old_tick = _old_tick(old)
         names = [k for k in NB.SCENARIOS if k != "trace" and k in OB.SCENARIOS]
-        real = real_rows(64, None)
         res: dict = {}
         cal: dict = {}
         for _ in range(rounds):
@@ -136,28 +130,8 @@ def ticks(rev: str, seqs: list[int], threads: int) -> list[dict]:
             sys.path.remove(tmp)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clickpaca.measure.bench.sampler_against")
-    ap.add_argument("rev", help="the earlier commit (its clickpaca/sampling)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2, help="this tree's threaded tick (default 2)")
-    ap.add_argument("--seqs", default=None, help="comma list: per-tick sides on the real decode instead")
-    a = ap.parse_args(argv)
-    if a.seqs:
-        from . import sampler_ticks as T
-
-        out = ticks(a.rev, [int(x) for x in a.seqs.split(",")], a.threads)
-        print(T.table(out))
-        print("\nus per token per sequence, CPU of this thread: " + "; ".join(
-            f"{t['n_seq']} {name}: " + ", ".join(f"{side} {s[f'us_per_token_per_seq_{side}']}" for side in t["sides"])
-            for t in out for name, s in t["scenarios"].items()))
-        return 0
-    res, cal = compare(a.rev, a.rounds, a.threads)
-    print(f"calibration (us): one np.max over a row {cal['row_max']:g}, one np.exp {cal['row_exp']:g}")
-    print(markdown(["chain", *COLUMNS], [[k, *(round(d[c], 1) if c in d else None for c in COLUMNS)]
-                                         for k, d in res.items()]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def table(res: dict, cal: dict) -> str:
+    """`compare`'s figures, one row per chain, the calibration below."""
+    return (markdown(["chain", *COLUMNS], [[k, *(round(d[c], 1) if c in d else None for c in COLUMNS)]
+                                           for k, d in res.items()])
+            + f"\n\ncalibration (us): one np.max over a row {cal['row_max']:g}, one np.exp {cal['row_exp']:g}")

@@ -5,7 +5,7 @@ For each sequence count n: one context, n sequences with the same short prompt, 
 a few ticks of one token per sequence. Each tick's decode is timed (wall), then every
 scenario samples the tick's [n, n_vocab] logits block once per side: per sequence (one
 ``SequenceSampler.sample`` per row), batched (``sampling.batch.sample_tick``) and
-batched on the decode's threads (``threads=``); ``sampler_against --seqs`` adds an
+batched on the decode's threads (``threads=``); ``bench sampler --against REV --seqs`` adds an
 earlier commit's sides. Each side has samplers of its own, and every side's results
 must equal the first side's (checked). The order of the sides turns round from tick to
 tick (the first side after a decode meets the coldest rows). Host ms per tick: wall,

@@ -7,6 +7,7 @@ thread gets round to reading a queue.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -36,15 +37,16 @@ class TimedClient(Client):
 
 
 class Server:
-    """A spawned `clickpaca serve` with its init answer, stderr log and problems seen."""
+    """A spawned `clickpaca serve` with its init answer, stderr log and problems seen
+    (`env`: more of its environment, e.g. against.server_env for an earlier commit's)."""
 
-    def __init__(self, init: dict[str, Any], log_dir: str | None = None) -> None:
+    def __init__(self, init: dict[str, Any], log_dir: str | None = None, env: dict[str, str] | None = None) -> None:
         self.init_params = {k: v for k, v in init.items() if v is not None}
         fd, self.log_path = tempfile.mkstemp(prefix="clickpaca-bench-server-", suffix=".log",
                                              dir=log_dir)
         self._log = os.fdopen(fd, "wb")
         t0 = time.perf_counter()
-        self.client = TimedClient.spawn(env={"OMP_WAIT_POLICY": "passive"}, stderr=self._log,
+        self.client = TimedClient.spawn(env={"OMP_WAIT_POLICY": "passive", **(env or {})}, stderr=self._log,
                                         python=default_python())
         self.problems: list[str] = []
         self.exit_code: int | None = None
@@ -101,6 +103,7 @@ class SeqRun:
     t_last: float | None = None
     final: dict = field(default_factory=dict)
     times: list[float] = field(default_factory=list)  # arrival of every token event
+    ids: list[int] = field(default_factory=list)  # the token of every token event
 
     @property
     def ok(self) -> bool:
@@ -144,6 +147,7 @@ def run_group(server: Server, prompts: list[str], params: dict[str, Any],
                     r.t_first = ev["_t"]
                 r.t_last = ev["_t"]
                 r.times.append(ev["_t"])
+                r.ids.append(ev.get("token"))
             else:
                 r.final = ev
     return runs
@@ -158,6 +162,7 @@ def group_stats(runs: list[SeqRun]) -> dict[str, Any]:
     sequence's first / (last token anywhere - first token anywhere), which also counts
     ticks where some sequences were still in their prompt. admission_skew_ms: spread of
     the sequences' first tokens. eval_tps_sum: the sum of the server's done.eval_tps.
+    tokens_digest: of every sequence's tokens, in order (two sides' outputs compared).
     """
     ok = [r for r in runs if r.ok]
     errors = [r.final for r in runs if not r.ok]
@@ -186,6 +191,7 @@ def group_stats(runs: list[SeqRun]) -> dict[str, Any]:
     return {
         "seqs": len(runs), "ok": len(ok), "errors": [e.get("message") for e in errors],
         "tokens": [r.tokens for r in runs], "stop_reasons": stop,
+        "tokens_digest": hashlib.sha256(repr([r.ids for r in runs]).encode()).hexdigest()[:16],
         "prompt_tokens": sorted({r.final.get("tokens_prompt") for r in ok}),
         "steady_tps": steady,
         "span_tps": gen / span if span and span > 0 else None,

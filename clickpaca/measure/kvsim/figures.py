@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ...llama.cachetypes import DEFAULT, EXACT
+
 
 def _plt() -> Any:
     import matplotlib
@@ -28,8 +30,8 @@ def ppl_points(smol_ppl: dict) -> tuple[list[tuple[str, float, float]], float]:
     """(cache, bits, KL vs f16) of a `clickpaca ppl --ref f32 --noise` JSON, and its floor."""
     pts = []
     for r in smol_ppl["rows"]:
-        kl = r.get("kl_mean_ref2") if r.get("kl_ref2") == "f16" else None
-        if r["cache"] in ("f16", "f32") or kl is None:
+        kl = r.get("kl_mean_ref2") if r.get("kl_ref2") == DEFAULT else None
+        if r["cache"] in (DEFAULT, EXACT) or kl is None:
             continue
         pts.append((r["cache"], float(r["bpv"]), float(kl)))
     floor = max(n["kl_mean"] for n in smol_ppl["noise"])
@@ -39,7 +41,7 @@ def ppl_points(smol_ppl: dict) -> tuple[list[tuple[str, float, float]], float]:
 def fig_ppl(gemma: dict, smol_ppl: dict, out: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    g = [(r["cache"], r["bits"], r["kl_f16"]) for r in gemma["ppl"]["rows"] if r["cache"] != "f16"]
+    g = [(r["cache"], r["bits"], r["kl_f16"]) for r in gemma["ppl"]["rows"] if r["cache"] != DEFAULT]
     s, s_floor = ppl_points(smol_ppl)
     for pts, floor, label, m, c in ((g, gemma["ppl"]["floor"]["kl"], "Gemma 3 270M (1 KV head x 256)", "o", "C0"),
                                     (s, s_floor, "SmolLM2-135M (3 KV heads x 64)", "s", "C1")):
@@ -65,7 +67,7 @@ def retrieval_series(smol: dict) -> tuple[list[int], dict[str, list[float]], lis
     lengths = sorted({int(r["length"]) for r in rows})
     series: dict[str, list[float]] = {}
     for r in rows:
-        if r["cache"] in ("f16", "f32") or not r.get("dlogp"):
+        if r["cache"] in (DEFAULT, EXACT) or not r.get("dlogp"):
             continue
         series.setdefault(r["cache"], [float("nan")] * len(lengths))[lengths.index(int(r["length"]))] = \
             float(r["dlogp"]["mean"])

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ...llama.cachetypes import DEFAULT
 from ...llama.native import Native
 from . import quant
 
@@ -89,7 +90,7 @@ class FakeQuant(_Base):
 
     def wants(self, is_k: bool, layer: int) -> bool:
         spec = self.k if is_k else self.v
-        return spec.kind != "f16" and (self.layers is None or layer in self.layers)
+        return spec.kind != DEFAULT and (self.layers is None or layer in self.layers)
 
     def rows(self, is_k: bool, layer: int, rows: np.ndarray) -> None:
         spec = self.k if is_k else self.v

@@ -40,12 +40,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from ...llama import cachetypes
 from ...llama import turboquant as tq
 
 
 @dataclass(frozen=True)
 class Spec:
-    kind: str  # f16 | q8_0 | q4_0 | lm | split
+    kind: str  # a REAL_KINDS name (a cache type's) | lm | split
     bits: int = 0
     group: int | None = None  # lm: values per gain
     n_out: int = 0  # split: outlier channels
@@ -72,26 +73,22 @@ def parse(text: str) -> Spec:
             opts["rotate"] = False
         else:
             raise ValueError(f"quantizer {text!r}: unknown modifier {m!r} (c, s, norot)")
-    if head in ("f16", "q8_0", "q4_0"):
-        if head == "f16" and (opts["signs"] or not opts["rotate"] or opts["center"]):
-            raise ValueError(f"quantizer {text!r}: f16 takes no modifier")
+    if head in REAL_KINDS:
+        if head == cachetypes.DEFAULT and (opts["signs"] or not opts["rotate"] or opts["center"]):
+            raise ValueError(f"quantizer {text!r}: {head} takes no modifier")
         return Spec(head, text=text, **opts)
     if (m := _LM.match(head)):
         return Spec("lm", int(m.group(1)), int(m.group(2)) if m.group(2) else None, text=text, **opts)
     if (m := _SPLIT.match(head)):
         return Spec("split", int(m.group(2)), n_out=int(m.group(1)), text=text, **opts)
-    raise ValueError(f"quantizer {text!r}: unknown kind {head!r} (f16, q8_0, q4_0, lmB[gG], splitN:B)")
+    raise ValueError(f"quantizer {text!r}: unknown kind {head!r} ({', '.join(REAL_KINDS)}, lmB[gG], splitN:B)")
 
 
 def bits_per_value(spec: Spec, head: int) -> float:
     """Everything stored, per value: indices, scales/gains (fp16). Centering stores one
-    vector per layer and head (not per token): 0 per value."""
-    if spec.kind == "f16":
-        return 16.0
-    if spec.kind == "q8_0":
-        return 8.5
-    if spec.kind == "q4_0":
-        return 4.5
+    vector per layer and head (not per token): 0 per value. A real type's is its row's."""
+    if spec.kind in REAL_KINDS:
+        return cachetypes.get(spec.kind).bits
     if spec.kind == "lm":
         return spec.bits + 16 / lm_group(spec, head)
     n = spec.n_out
@@ -199,11 +196,16 @@ def lloyd_max_any(x: np.ndarray, bits: int, group: int) -> np.ndarray:
     return (g[:, None] * c[idx]).reshape(x.shape)
 
 
+#: The real cache types reproduced by ggml's reference quantizers (each function is named
+#: after its type's row), and every real kind a spec may name: those and the f16 cache the
+#: hook writes into (cachetypes.DEFAULT), which needs no round trip.
+REFERENCE = {f.__name__: f for f in (q8_0, q4_0)}
+REAL_KINDS = (cachetypes.DEFAULT, *REFERENCE)
+
+
 def _code(spec: Spec, x: np.ndarray, head: int) -> np.ndarray:
-    if spec.kind == "q8_0":
-        return q8_0(x)
-    if spec.kind == "q4_0":
-        return q4_0(x)
+    if spec.kind in REFERENCE:
+        return REFERENCE[spec.kind](x)
     return lloyd_max(x, spec.bits, lm_group(spec, head))
 
 
@@ -221,7 +223,7 @@ class Calib:
 
 def apply(spec: Spec, x: np.ndarray, is_k: bool, calib: Calib | None = None) -> np.ndarray:
     """Round trip of rows x [tokens, heads, head] (float32) as the spec stores them."""
-    if spec.kind == "f16":
+    if spec.kind == cachetypes.DEFAULT:
         return x
     t, heads, head = x.shape
     y = x.astype(np.float32)

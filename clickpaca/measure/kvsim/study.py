@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ...llama import core, kvcenter
-from ...llama.cachetypes import build_for, get
+from ...llama.cachetypes import DEFAULT, EXACT, MAINLINE, build_for, get
 from ...results.paired import bootstrap, delta_ppl, mean_ci
 from ...results.table import markdown
 from ..bench.ppl import cut_text
@@ -97,7 +97,7 @@ class _Factory:
 
 
 def calibrate(model: str, tokens: np.ndarray, threads: int | None,
-              build: str = "mainline") -> tuple[dict, Any]:
+              build: str = MAINLINE) -> tuple[dict, Any]:
     """Mean and RMS of K and V per layer and head over one window (Recorder). On the CPU
     whatever the build (the hook reads the rows in host memory; a GPU build's CPU backend
     computes them), so a GPU machine calibrates too."""
@@ -106,7 +106,7 @@ def calibrate(model: str, tokens: np.ndarray, threads: int | None,
         rec = hk.Recorder(m.nat)
         n = len(tokens)
         ctx = core.Context(m, n_ctx=-(-n // 256) * 256, n_batch=64, n_ubatch=64, n_seq_max=2,
-                           type_k="f16", type_v="f16", n_threads=threads, flash_attn="on",
+                           type_k=DEFAULT, type_v=DEFAULT, n_threads=threads, flash_attn="on",
                            eval_callback=rec.callback)
         b = core.Batch(m.nat, 64)
         for s in range(0, n, 64):
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_path(args)
     reals = [parse_real(r) for r in (args.real or "").split(",") if r.strip()]
     # one build per process: the one the real types need (turboquant offers the mainline types too)
-    build = build_for(*(t for k, v, _ in reals for t in (k, v))) if reals else "mainline"
+    build = build_for(*(t for k, v, _ in reals for t in (k, v))) if reals else MAINLINE
     n_layer = n_layers(model, build)
     text, text_path = read_text(args.text)
     sims = [parse_sim(s, n_layer) for s in (args.sim or "").split(";") if s]
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for h in f.made:
             if h.errors:
                 raise RuntimeError(f"{f.args[:2]}: {h.errors[0]}")
-            if h.calls == 0 and not (f.args[0] == f.args[1] == "f16"):
+            if h.calls == 0 and not (f.args[0] == f.args[1] == DEFAULT):
                 raise RuntimeError(f"{f.args[:2]}: the hook never saw a K or V node")
             head = max(head, h.head)
     for c in centered:
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["bits"] = (get(v.type_k).bits + get(v.type_v).bits) / 2
             row["centered"] = v.hook is not None
         own = [(variants[i].name, "own") for i in refs[2:]]
-        for ref, key in [(NOISE_BASE.name, "f16"), (F32_REF.name, "f32")] + own:
+        for ref, key in [(NOISE_BASE.name, DEFAULT), (F32_REF.name, EXACT)] + own:
             vs = rec["vs"].get(ref)
             if vs:
                 ci = mean_ci(vs["token_kl"])

@@ -366,7 +366,18 @@ def plot(out: dict[str, Any], args: Any) -> None:
         draw_retrieval(out, key, png(args, name))
 
 
+#: What `clickpaca kv-retrieval` checks before any work (measure/checks.py).
+NEEDS = ("model", "cache+c", "text", "center if center")
+
+
 def run_kv_retrieval(args: argparse.Namespace) -> int:
+    from ..checks import Refused, check
+
+    try:
+        check(args, NEEDS)
+    except Refused as e:
+        print(f"clickpaca kv-retrieval: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         with recording("kv-retrieval", args):
