@@ -135,10 +135,24 @@ def doc_commands() -> list[tuple[str, list[str]]]:
 COMMANDS = doc_commands()
 
 
-def _subcommands() -> set[str]:
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def strict_parser() -> argparse.ArgumentParser:
+    """The CLI's parser with abbreviations off at every level: `--prompt` for a flag renamed
+    from `--prompt-tokens` to `--prompt-tokens-count` must fail, not match a prefix."""
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return set(sub.choices)
+    todo = [parser]
+    while todo:
+        p = todo.pop()
+        p.allow_abbrev = False
+        todo += list(_subparsers(p).values())
+    return parser
+
+
+def _subcommands() -> set[str]:
+    return set(_subparsers(build_parser()))
 
 
 def parse_error(argv: list[str]) -> str | None:
@@ -160,7 +174,7 @@ def parse_error(argv: list[str]) -> str | None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(argv)
+            strict_parser().parse_args(argv)
     except SystemExit as e:
         return err.getvalue().strip() or f"exit {e.code}"
     return None
@@ -209,6 +223,7 @@ def test_a_renamed_flag_fails():
     assert parse_error(["bench", "batch", "--seqs", "8"]) is None
     assert "--sequences" in parse_error(["bench", "batch", "--sequences", "8"])
     assert parse_error(["bench", "nosuchbench"]) is not None
+    assert parse_error(["bench", "batch", "--prompt", "32"]) is not None  # no prefix matching
     assert parse_error(["ppl", "--cache", "f16", "[--ctx", "512]", "[--native]"]) is None
     assert parse_error(["ppl", "[--kontext", "512]"]) is not None
     assert parse_error(["cvec"]) is None and parse_error(["cvecs"]) == "no subcommand cvecs"
