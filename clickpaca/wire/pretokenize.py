@@ -5,7 +5,7 @@ unknown tokens; `tokenizer_st_partition` in llama-vocab.cpp): for each special t
 longest first, it searches every raw fragment left, and every match walks the fragment
 list from its head. The cost is (special tokens) x (text) plus (matches)^2: with the
 default Gemma 3 vocabulary (6,249 control tokens, all starting with `<`, and 165
-user-defined ones) 16 KB of `<` took 2.7 s and 20,000 empty chat turns 50 s (issue 30).
+user-defined ones) 16 KB of `<` took 2.7 s and 20,000 empty chat turns 50 s.
 
 `tokenize` makes the same split here, then hands each raw fragment to llama_tokenize
 alone with parse_special off. That is what llama.cpp does after its split (each raw

@@ -1,6 +1,6 @@
 """Two builds of the same source against each other: pp512 and tg64 of llama-bench from
 each build's bin/, in alternating rounds of one run (the order flips every round), with
-the per-round ratio. Used for #23's question, portable against native:
+the per-round ratio: portable against native (docs/DETERMINISM.md, "Native or portable"):
 
     python -m clickpaca.measure.bench.builds portable mainline --rounds 5
 

@@ -14,7 +14,7 @@ WHATS = ("decode", "batch", "grammar", "sampler", "kv", "state", "peer")
 #: benches outside `bench all`: they need an argument (schemas: a corpus)
 
 #: `bench all`: the standard set (make bench); the peer bench against llama-server is part of
-#: every run (issue 18: the headline claim re-measured whenever the scheduler changes).
+#: every run (the headline claim, re-measured whenever the scheduler changes).
 ALL_PLAN = {
     "sampler": {"repeats": 3},
     "decode": {"tokens": 64, "repeats": 3},

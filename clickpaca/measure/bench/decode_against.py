@@ -10,7 +10,7 @@ T tokens, distinct prompts, started together; tokens/s is all sequences' tokens 
 the wall time from the first request to the last `done`. The two sides alternate
 (which goes first alternates too), so a change of load on a shared machine reaches both
 alike; the table prints each side's median (min-max) and the ratio of medians,
-new / old. For a restructuring's "no slowdown" (issue 38). Default mode (what users
+new / old. For a restructuring's "no slowdown". Default mode (what users
 run), or `--deterministic`: then a sequence's tokens do not depend on what shares its
 decode, and the table says whether both sides generated the same greedy tokens in every
 round (a speed-up that changed the output would not count). In default mode the batches

@@ -7,7 +7,7 @@ both chains on the same 64 real logits rows of the default model: thread CPU us 
 token per sequence, best round; both ``batch.sample_tick`` (REV's when it has one) over
 the same rows as one tick, thread CPU and wall, and this tree's on T threads (wall: the
 other threads' CPU is not this thread's). For an "old against new in one run" table on
-a shared machine (issue 29).
+a shared machine.
 
 ``--seqs 1,8,64``: instead, ``bench sampler --seqs``'s ticks (sampler_ticks) with REV's
 sides (per sequence, batched) beside this tree's (per sequence, batched, on T threads),
