@@ -69,7 +69,7 @@ class Tick:
 
     def draw(self, seq: "Sequence", row: int, sampler: "SequenceSampler") -> None:
         """Sample a token for `seq` from logits row `row` with its sampler, together with
-        the tick's other rows (one batched call after every job's `fed`); the result
+        the tick's other rows, after every job's `fed` (Scheduler._sample); the result
         comes back through the job's `sampled`."""
         self.draws.append((seq, row, sampler))
 
