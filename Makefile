@@ -191,7 +191,7 @@ kv-long-study: setup patched
 ## kv-smollm2-study: the second architecture of docs/KV-RESEARCH.md (SmolLM2-135M-Instruct, 3 KV heads of 64):
 ## perplexity/KL with the f32 reference and the noise floor, and retrieval at 1-4k with its floor. The turbo
 ## types need head sizes divisible by 128 and are refused on it (llama.cpp: block size does not divide 64)
-## (the second retrieval, 4k without the floor, is what the session's load allowed: docs/KV-RESEARCH.md)
+## (the second retrieval: 4k without the floor, as in docs/KV-RESEARCH.md)
 KV_SMOL_TYPES ?= f16,q8_0,q4_0,iq4_nl,q8_0/q4_0,q4_0/f16,f16/q4_0
 KV_SMOL_OUT ?= bench-results/kv-smollm2
 kv-smollm2-study: KV_GROUP := kv-smollm2-study-$(shell date -u +%Y%m%dT%H%M%SZ)

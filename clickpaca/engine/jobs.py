@@ -12,9 +12,9 @@ request runs on it, it holds that request's job, and only the job knows its kind
 - how it ends (`done`: the `done` event of a cancel, a shutdown or its own end),
 - the events it sends, through the protocol's constructors.
 
-The scheduler calls only this interface. The rows of every job that samples in a tick
-are drawn together, in one batched call (Scheduler._sample: sampling.batch.sample_tick),
-and each result goes back to its job.
+The scheduler calls only this interface. It samples the rows that the tick's jobs asked
+for together (Scheduler._sample: the pre-selected rows through sampling.fastpath, the rest
+in one batched host call, sampling.batch.sample_tick) and hands each token to its job.
 
 Fork and load are ways a held sequence starts (no job: nothing to run), not kinds. A
 new request kind that runs over ticks is one class here, its protocol dataclass and its
@@ -69,7 +69,7 @@ class Tick:
 
     def draw(self, seq: "Sequence", row: int, sampler: "SequenceSampler") -> None:
         """Sample a token for `seq` from logits row `row` with its sampler, together with
-        the tick's other rows (one batched call after every job's `fed`); the result
+        the tick's other rows, after every job's `fed` (Scheduler._sample); the result
         comes back through the job's `sampled`."""
         self.draws.append((seq, row, sampler))
 

@@ -1,33 +1,16 @@
 """The work proportional to a request's size, done on a client's reader thread before
 the request reaches the engine.
 
-The engine thread decodes for every client; anything it does for one request that
-grows with that request delays all the others (tokenizing a 4 MB prompt blocked every
-sequence for 9.5 s, compiling a 3,000-rule grammar for 8.7 s, formatting and tokenizing
-20,000 empty chat turns for 50 s). So every request's own text is worked on here
-instead, on the thread that read it (stdio: the reader; socket: that client's reader),
-and the result travels beside the typed request as a `Prepared` (the request itself
-holds only what the client sent):
-
-- `infer` / `prefill`: the prompt, or the chat messages formatted by the same
-  Runtime.prompt_text the engine uses, tokenized both with and without BOS (whether
-  the prompt continues a held sequence is known only when the engine applies it); a
-  template that cannot format them, or a text whose special tokens alone overflow the
-  context, is kept as the ProtocolError to answer with (`prompt`);
-- `score`: the text's tokens (`text`);
-- `grammar`: the compiled grammar, or the GrammarError to answer with (`grammar`);
-- an `infer` with DRY: its sequence breakers' table (kept by sampling/dry.py, not here).
-
-Tokenizing is linear in the text (pretokenize.py) and llama_tokenize and llguidance
-release the GIL, so the engine thread keeps decoding meanwhile. One function does the
-work (`work_for`): the reader threads call it through `prepare` (the transports: as
-`Engine.prepare`, the result carried in the inbox beside the request), and the engine
-calls it before every handler, where it does the work no reader did (in-process use, a
-request read before `init`, or a reader that met a bug), so the handlers only read the
-Prepared they are given and a request is answered the same either way.
-
-State files are not read here: a `load` must see the file of every `save` before it,
-so they are written and read on the engine's own worker, in order (engine/stateio.py).
+The engine thread decodes for every client, so anything it does for one request that grows
+with that request delays all the others (a 4 MB prompt's tokenizing blocked every sequence
+for 9.5 s). So each request's own text is worked on here, on the thread that read it, and
+the result travels beside the typed request as a `Prepared`: `infer` / `prefill` their
+prompt (or formatted chat) tokenized with and without BOS, or the ProtocolError to answer
+with; `score` its tokens; `grammar` the compiled grammar or its GrammarError; DRY's
+breaker table. One function does the work (`work_for`): readers call it through
+`prepare`, and the engine calls it before every handler for what no reader did, so a
+request is answered the same either way. State files are not read here: a `load` must see
+every earlier `save`, so they go through the engine's own worker (engine/stateio.py).
 """
 
 from __future__ import annotations

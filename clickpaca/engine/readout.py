@@ -1,25 +1,17 @@
 """Activation readout through the jobs: which rows of a tick's batch each job captures,
 and what it keeps of them until its end event.
 
-Two parts, one job each:
-
-- `Readout`, one per runtime: the context's eval callback (activations/capture.py). Before
-  a decode, `arm(plan, batch)` asks every feed's job which of its positions it captures
-  and arms the callback with those batch rows per sequence; after it, `take()` hands each
-  sequence its rows (or the error that stops it). A decode that no job captures in runs
-  without the callback on a build with `llama_set_eval_callback` (features.py row
-  `eval-callback-live`): set for the capturing decodes only, so requests without
-  `capture` cost nothing. On a build without it the callback can only be given at
-  context creation, where llama.cpp asks it about every graph node of every decode
-  (~4 ms a decode here): it is installed only when `init` asks (`capture: true`), and a
-  request's `capture` is refused otherwise, naming what to do. The batch rows reach the
-  callback through the micro-batches llama.cpp will split the batch into
-  (capture.micro_batches: several when per-sequence KV streams meet slots out of order).
-- `JobCapture`, one per capturing request: its node names, which positions of a feed it
-  captures (`captureTokens`), whether it needs logits rows where it captures (nodes of
-  the last layer that llama.cpp computes only for rows with logits), the rows gathered
-  so far, and the `capture` field of its end event (base64, or an `.npy` file in the
-  state directory when large).
+- `Readout`, one per runtime: the context's eval callback (activations/capture.py). Before a
+  decode `arm(plan, batch)` asks every feed's job which positions it captures and arms the
+  callback with those batch rows (through the micro-batches llama.cpp will split the batch
+  into); after it `take()` hands each sequence its rows or the error that stops it. On a
+  build with `llama_set_eval_callback` (features.py `eval-callback-live`) the callback is set
+  for capturing decodes only, so requests without `capture` cost nothing; without it the
+  callback is installed only when `init` asks (`capture: true`), since it then sees every node
+  of every decode.
+- `JobCapture`, one per capturing request: its nodes, the positions it captures
+  (`captureTokens`), whether it needs logits rows, the rows so far, and its end event's
+  `capture` field (base64, or an `.npy` file in the state directory when large).
 """
 
 from __future__ import annotations

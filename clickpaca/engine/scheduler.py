@@ -1,25 +1,19 @@
 """The scheduler: every tick is one llama_decode for all active sequences.
 
-A tick is planned once (plan.py: one token for each generating sequence, then prompt
-and scoring chunks, fewest tokens left first, up to nBatch tokens) and the batch is
-filled from the plan. The scheduler knows no request kind and calls only the Job
-interface (jobs.py): each active sequence's job says what it wants from a tick and which
-grammar masks its sampled row (filled while the decode runs: mask_ahead.py); after the
-decode each sequence advances by the tokens its plan entry fed and its job takes its
-share (`fed`: score, hold, end, or ask for a row to sample); then every row asked for is
-sampled in one batched call (sampling.batch.sample_tick) and each token handed back to
-its job (`sampled`).
+A tick is planned once (plan.py: one token for each generating sequence, then prompt and
+scoring chunks, fewest tokens left first, up to nBatch tokens). The scheduler knows no
+request kind and calls only the Job interface (jobs.py): after the decode each sequence
+advances by the tokens it fed and its job takes its share (`fed`: score, hold, end, or ask
+for a row to sample). Then the rows asked for are sampled: with a presampler (init
+`preselect`) the rows the decode pre-selected first (sampling.fastpath.sample_tick; a row
+whose values cannot decide is sampled on its whole row), then every other row in one
+batched host call (sampling.batch.sample_tick); each token goes back to its job (`sampled`).
 
-Failures stay local: a decode that finds no KV room first defers prompt chunks, then
-ends the sequence that holds the most cells; a failed decode ends only the sequences
-that were in it. Every stage that serves one sequence (faults.STAGES: its preparation,
-mask, readout, feed, sampling, accept, events, capture file) runs guarded (`_guard`):
-a failure there ends that sequence alone with an `error` naming the stage, and the
-others in the tick go on; the batched mask fill and the batched sampling call, on
-failing, are redone one sequence at a time to find whose it was. Only what serves the
-whole batch (planning, the decode) can fail a tick; the server then ends every request
-in it with an error (Sequences.fail_all). Every `infer` ends in exactly one `done` or
-`error`.
+Failures stay local: a stage that serves one sequence (faults.STAGES) runs guarded and
+ends that sequence alone with an `error` naming the stage; a batched call that fails is
+redone one sequence at a time to find whose it was; a decode without KV room defers prompt
+chunks, then ends the sequence holding the most cells. Only planning and the decode can
+fail a tick (Sequences.fail_all). Every `infer` ends in exactly one `done` or `error`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Where `save` and `load` may touch the file system: names inside one state directory.
 
-A client names a state file; it never gives a path. Names are one path component
-(letters, digits, '.', '_', '-', not starting with '.'), resolved inside a namespace
-directory opened with O_NOFOLLOW, and every file operation is relative to that
-directory's descriptor, so no name can reach outside it. Only regular files are read
-or replaced: a symlink, FIFO, device or directory is refused before it is opened
-(lstat first, then open with O_NOFOLLOW | O_NONBLOCK and fstat again), so a FIFO can
-never block the engine. An existing file is replaced only if it is a clickpaca state
-file. Error messages name the client's name, never a path outside the directory.
-
-Namespaces: the stdio client's names live in the state directory itself. A socket
-client's names live in `clients/<id>/`, private to its connection and removed when it
-disconnects; `shared: true` uses `shared/`, where an existing name is replaced only
-when the save says `replace: true`, so clients never overwrite each other silently.
-
-Names the server picks itself never collide: a capture file's name holds the server's
-run id (`StateDir.run_id`: pid and a random part) and is created with O_EXCL, so
-servers and runs that share the directory never overwrite each other's files.
-
-Writes go to a temporary file `.clickpaca-tmp-<pid>-<random>` renamed into place. A
-process killed mid-write leaves its temporary file behind; `sweep()` (run at start)
-removes those of processes that no longer exist, and the private namespaces of dead
-servers.
-
-Absolute paths are accepted only when the server was started with `--allow-any-path`
-(stdio only): the same checks apply to the file itself, in the directory it names;
-no directory is created and no '..' component is allowed.
+A client names a state file; it never gives a path. A name is one path component (letters,
+digits, '.', '_', '-', not starting with '.') resolved relative to a namespace directory's
+descriptor opened with O_NOFOLLOW, so no name reaches outside it; only regular files are
+read or replaced (lstat, then open with O_NOFOLLOW | O_NONBLOCK and fstat again: a FIFO
+never blocks the engine), and an existing file only if it is a clickpaca state file.
+Namespaces: stdio's names live in the directory itself; a socket client's in
+`clients/<id>/`, removed when it disconnects; `shared: true` in `shared/`, replaced only
+with `replace: true`. Server-picked names (captures) hold the run id and use O_EXCL.
+Writes go to `.clickpaca-tmp-<pid>-<random>` renamed into place; `sweep()` at start removes
+dead processes' leftovers. Absolute paths only with `--allow-any-path` (stdio), same checks.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """GBNF (llama.cpp's grammar syntax) -> llguidance's Lark dialect, meaning what llama.cpp means.
 
-llguidance ships a GBNF parser and printer (`llguidance.gbnf_to_lark`); we use its parser and
-AST and correct what it gets wrong against llama.cpp's own grammar engine and tests
-(tests/test_grammars_vendored.py runs llama.cpp's test-grammar-*.cpp through ours):
-
-- **Nested quantifiers.** llguidance prints a quantified group holding one quantified item
-  without its brackets (`( [x]* )*` became `/[x]/**`, which does not compile). Every
-  repetition here prints as a group when quantified again: `(/[x]/*)*`.
-- **Token references.** `<[10]>` (token id 10), `!<[11]>` (any one token but 11) and
-  `<text>` (the one token that text tokenizes to, special tokens parsed, as llama.cpp
-  resolves it) are parsed here and printed as llguidance's `<[10]>` / `<[^11]>`.
-- **Repetition bounds** as llama.cpp's parser sets them (MAX_REPETITION_THRESHOLD = 2000):
-  a minimum above 2000 is refused, a maximum above 2000 means no maximum (`"a"{0,5000}`
-  is `"a"*` there).
-- **A token rule that ends in optional whitespace** (`num ::= [0-9]+ ws`) is not folded into
-  one greedy lexeme with it, which would swallow a following literal "\\n" and change the
-  language (llama.cpp's arithmetic.gbnf rejected "1+2= 3\\n" without this).
-
-Left recursion (`root ::= "a" | root "a"`) compiles: llguidance's Earley parser handles
-it, where llama.cpp refuses the grammar (docs/GRAMMARS.md lists this as deliberate).
+We use llguidance's GBNF parser and AST (`llguidance.gbnf_to_lark`) and correct what it gets
+wrong against llama.cpp's own grammar engine (tests/test_grammars_vendored.py runs llama.cpp's
+test-grammar-*.cpp through ours): nested quantifiers print as groups (`(/[x]/*)*`); token
+references `<[10]>`, `!<[11]>` and `<text>` are parsed here; repetition bounds follow
+llama.cpp's MAX_REPETITION_THRESHOLD (a minimum above 2000 is refused, a maximum above 2000
+means none); a token rule ending in optional whitespace is not folded into one greedy lexeme
+with it (which would swallow a newline literal after it). Left recursion compiles (llguidance's
+Earley parser), where llama.cpp refuses it: deliberate (docs/GRAMMARS.md, "GBNF").
 """
 
 from __future__ import annotations

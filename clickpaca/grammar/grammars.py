@@ -1,77 +1,16 @@
 """Grammar text -> per-sequence matchers -> token masks for a whole batch (llguidance).
 
 One `GrammarEngine` per loaded model holds llguidance's tokenizer, built once from the
-model's own vocabulary (every token's bytes from `llama_token_to_piece(special=True)`,
-control tokens prefixed with b"\\xff") and llama.cpp's own `llama_tokenize` function
-pointer. Building it takes ~2-3 s, so `GrammarEngine.start(model)` builds it in a
-background thread and `compile()` waits for it.
-
-Formats, detected from the first non-blank characters of the text:
-
-- ``%llguidance ...``  a grammar in llguidance's Lark dialect, passed on unchanged (the
-  header is llguidance's own options directive, e.g. ``%llguidance {}``).
-- ``%json_schema <JSON>``  a JSON schema (the rest of the text must parse as JSON).
-- anything else  GBNF (llama.cpp's syntax, rule ``root``), converted to Lark by
-  clickpaca/grammar/gbnf.py (llguidance's GBNF parser, corrected to mean what llama.cpp means:
-  nested quantifiers, token references, repetition bounds, token rules ending in optional
-  whitespace). A Lark grammar without the ``%llguidance`` header is read as GBNF and fails
-  to parse (the error says to add it).
-
-`compile()` validates completely before returning (llguidance does not raise on bad
-grammars: the matcher is built, checked with ``is_error()``, and its first mask is
-computed), so a grammar either compiles or raises `GrammarError` carrying llguidance's
-own message. Compiled grammars are cached by text and options (LRU).
-
-JSON whitespace (options chosen here)
--------------------------------------
-Gemma's vocabulary has single tokens for long runs of spaces and newlines; with
-llguidance's default flexible JSON whitespace (``[\\x20\\x0A\\x0D\\x09]+`` between any two
-JSON tokens) a sampler can loop on whitespace tokens forever. JSON schemas are therefore
-compiled with ``JSON_OVERRIDES = {"whitespace_flexible": False, "whitespace_pattern":
-None}`` applied as llguidance *overrides* (after the schema's own ``x-guidance`` options,
-so a schema cannot turn free whitespace back on: a schema's ``whitespace_pattern`` alone
-would re-enable it even with ``whitespace_flexible`` false; null removes it) and
-``JSON_DEFAULTS = {"item_separator": ", ", "key_separator": ": "}`` as *defaults* (a
-schema may choose other fixed separators through ``"x-guidance": {"item_separator": ",",
-"key_separator": ":"}``). The output is then exactly ``json.dumps(value)`` layout: one
-space after ``,`` and ``:``, no other whitespace, no indentation, which is what small
-models most often produce. What llguidance does not enforce is found by
-`schema_for_llguidance` (schema_coverage.py) and listed in `CompiledGrammar.ignored`:
-unknown formats (annotations) and oneOfs compiled as anyOf by default; with the request's
-``lenient`` also the keywords llguidance does not implement (``uniqueItems``,
-``if``/``then``/``else``...), which otherwise refuse the schema; ``strict`` refuses all of
-them. llguidance's own ``lenient`` is never used: the keywords to ignore are removed
-before it compiles, so nothing is dropped without being listed. A schema not enforced
-whole (or registered with ``validate``) has every finished output checked
-(schema_check.py). Typed numbers are bounded to NUMBER_DIGITS integral digits
-unless ``number_digits`` is None (clickpaca/grammar/json_schema.py).
-Objects without ``"additionalProperties": false`` accept any extra keys, per JSON Schema.
-Inside ``%llguidance`` grammars, ``%json {...}`` sub-schemas use llguidance's defaults
-(flexible whitespace); add ``"x-guidance": {"whitespace_flexible": false}`` yourself.
-GBNF/Lark grammars get exactly the whitespace they spell out (llama.cpp's json.gbnf
-bounds it: ``ws ::= | " " | "\\n" [ \\t]{0,20}``; arithmetic.gbnf's ``[ \\t\\n]*`` does
-not, so a sampler can loop there as it could in llama.cpp).
-
-Masks
------
-Layout is llguidance's: int32 words, bit j of word i set = token 32*i+j allowed; one row
-of ``ceil(n_vocab/32)`` words per sequence. When the grammar may end (the tokenizer's
-EOS is allowed), every end-of-generation token of the model (``model.eog_tokens``; Gemma
-1, 106, 212) is allowed too, and `Matcher.consume` accepts any of them as the end.
-`fill_masks` computes a tick's rows serially by default (llguidance drops the GIL for
-each). llguidance's parallel fill (`fill_next_token_bitmask_par` on a 2-thread
-`LLExecutor`) was measured on this 2-core machine (busy with C++ builds, as it will be
-in use) and lost at every batch size: medians per sequence, serial vs parallel, JSON
-schema 181/203 us (batch 1), 100/241 (8), 85/172 (64); json.gbnf 137/174, 71/331,
-29/109; Lark 142/107, 100/408, 112/187. It stays available (`parallel=True`, or
-$CLICKPACA_GRAMMAR_PAR_MIN=<batch>) for machines with idle cores;
-tests/test_grammars.py::test_report_mask_timings re-measures.
-The scheduler calls `fill_masks` on a worker thread while llama_decode runs
-(engine/mask_ahead.py), which hides most of a tick's mask time behind the forward pass.
-
-Samplers: do not write -inf across the vocabulary; take the top candidates from the
-logits, keep those `is_allowed(row, ids)` says the grammar allows, and fall back to
-`allowed_ids(row)` (all allowed ids, ~1-2 ms for a dense row) only when none is.
+model's own vocabulary and `llama_tokenize` in a background thread (`start`; `compile` waits
+for it). `compile` detects the format from the text's first characters (``%llguidance``
+Lark, ``%json_schema`` JSON schema, otherwise GBNF through gbnf.py), validates completely
+(llguidance does not raise on a bad grammar, so its matcher and first mask are checked here)
+and raises `GrammarError` with llguidance's message, or returns a cached `CompiledGrammar`.
+JSON schemas get fixed separators and no free whitespace (`JSON_OVERRIDES`, `JSON_DEFAULTS`),
+and what llguidance would not enforce is listed in `CompiledGrammar.ignored`.
+`fill_masks` computes a tick's mask rows (int32 words, bit j of word i = token 32*i+j),
+serially by default; the scheduler runs it during the decode (engine/mask_ahead.py).
+docs/GRAMMARS.md, "How a grammar is compiled and masked", has the details and the costs.
 """
 
 from __future__ import annotations

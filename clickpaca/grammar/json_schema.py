@@ -1,25 +1,14 @@
 """A JSON schema made ready for llguidance: numbers bounded.
 
-**Bounded numbers.** A bare ``{"type": "number"}`` or ``"integer"`` lets a sampler write
-digits until maxTokens (Gemma has a token per digit): llama.cpp's schema converter bounds
-the integral part to 16 digits for that reason (`[1-9] [0-9]{0,15}`). llguidance has no
-such option, so `bound_numbers` adds the bound as schema keywords, which narrow the
-language without changing what validates:
-
-- every schema typed ``integer`` or ``number`` (alone or in a list of types) without a
-  lower bound gets ``"minimum": -(10**digits - 1)``, without an upper bound
-  ``"maximum": 10**digits - 1``. llguidance reads bounds as f64, and 10**16 - 1 rounds to
-  10**16: with the default 16 digits, 10000000000000000 (17 digits) is the one longer
-  integer allowed.
-- a ``number`` without ``multipleOf`` also gets ``"multipleOf": 1e-10``: at most 10
-  fractional digits (llguidance refuses a finer multipleOf, so llama.cpp's 16 cannot be
-  had). A bounded number has no exponent in llguidance.
-
-Numbers inside untyped values (``{}``, ``true``, objects without ``additionalProperties``)
-are llguidance's unbounded JSON numbers: no schema keyword reaches them.
-`numberDigits: null` on the `grammar` request lifts the bound (docs/GRAMMARS.md).
-
-What the schema asks that llguidance does not enforce is schema_coverage.py's.
+A bare ``{"type": "number"}`` or ``"integer"`` lets a sampler write digits until maxTokens
+(Gemma has a token per digit); llama.cpp's converter bounds the integral part to 16 digits.
+llguidance has no such option, so `bound_numbers` adds the bound as schema keywords, which
+narrow the language without changing what validates: a typed number without bounds gets
+``minimum`` / ``maximum`` of +-(10**digits - 1) (read as f64 by llguidance, so one 17-digit
+integer slips through at 16 digits), and a ``number`` without ``multipleOf`` gets
+``"multipleOf": 1e-10`` (llguidance refuses a finer one). Numbers inside untyped values are
+not reached. `numberDigits: null` on the `grammar` request lifts the bound
+(docs/GRAMMARS.md). What llguidance does not enforce is schema_coverage.py's.
 """
 
 from __future__ import annotations

@@ -2,27 +2,14 @@
 
 llguidance reports what it leaves out without saying where (``Unimplemented keys: [...]``,
 ``Unknown format: x``, ``oneOf not fully supported``). `coverage` walks the schema the way
-llguidance's compiler reaches it and lists every keyword it does not enforce with the JSON
-pointer of the subschema that holds it, from the tables below (llguidance's own:
-parser/src/json/schema.rs IMPLEMENTED and META_AND_ANNOTATIONS, context_simple/draft.rs
-for the keywords each draft knows, formats.rs for the formats). `strip` then removes
-exactly those keywords before llguidance compiles the schema with its own `lenient` off,
-so a keyword this walk misses is refused by llguidance, never dropped unannounced
-(tests/test_schema_coverage.py checks the tables against llguidance).
-
-What the walk follows (as llguidance does): the root; `properties`, `patternProperties`,
-`additionalProperties` where the subschema admits objects; `items`, `prefixItems`
-(draft 2020-12) or array `items` + `additionalItems` (older drafts) where it admits
-arrays; every `anyOf`, `allOf`, `oneOf` branch; local `$ref`s (JSON pointers, `$id`s,
-`$anchor`s), each target once. A subschema holding only annotations and keywords its
-draft does not know constrains nothing and is not entered. Keywords that are not
-enforced are not entered either (nothing under `not` or `if` is compiled).
-
-``oneOf`` is enforced where llguidance proves its branches disjoint (it is then the same as
-``anyOf``); elsewhere it compiles as ``anyOf`` (``coerce_one_of``: a value matching two
-branches is accepted) and is listed. Which ones are approximated is decided by llguidance:
-`approximated_one_ofs` compiles the schema without ``coerce_one_of`` and, where that
-fails and there are several, once per ``oneOf`` with the others made ``anyOf``.
+llguidance's compiler reaches it (properties and items where the subschema admits objects or
+arrays, every anyOf / allOf / oneOf branch, local `$ref`s once each; nothing under `not` or
+`if`) and lists every keyword it does not enforce with the JSON pointer of its subschema,
+from tables copied from llguidance's own (parser/src/json/schema.rs, draft.rs, formats.rs;
+tests/test_schema_coverage.py checks them). `strip` removes exactly those keywords before
+llguidance compiles with its own `lenient` off, so a keyword the walk misses is refused,
+never dropped unannounced. A ``oneOf`` whose branches llguidance cannot prove disjoint
+compiles as ``anyOf`` and is listed (`approximated_one_ofs` asks llguidance which).
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Deterministic mode: the settings under which a sequence's logits depend only on its
 own tokens, not on what else is decoded with it or where its KV cells sit.
 
-Measured with opdump/opdiff (docs/DETERMINISM.md) on this CPU build, each of these is a
-kernel path that changes a token's result with the batch shape or cell placement:
-- repacked weights (llama_model_params.use_extra_bufts): a GEMM kernel for blocks of rows,
-  a GEMV kernel for the rest;
-- the tiled K-quant matmul (GGML_CPU_TILED_MM, read once per process): taken from 8 rows;
-- flash attention: a tiled path for many query rows, a split-KV path for one query row
-  over 512 cells or more, a one-by-one path otherwise;
-- one KV buffer for all sequences: attention sums over cells in SIMD lanes by cell index,
-  so where a sequence's cells sit (after other sequences', after a fork's shared cells)
-  changes the rounding.
-The mode turns each off: weights in file layout, tiled matmul off, flash attention off,
-one KV stream per sequence (its cells at 0..n-1 of its own stream).
-
-What the mode sets for each cache type is in its row (cachetypes.py: det_flash_attn,
-det_ubatch). An unquantized K/V takes attention without flash attention. A turbo K/V
-cache needs flash attention (llama.cpp: a quantized V), and the turboquant patch sends it
-down flash attention's tiled path from FA_TILE_ROWS query rows of a stream in one
-micro-batch; the split-KV path takes only f16/f32 K/V. With micro-batches below that (the
-row's det_ubatch), every row goes row by row and the logits do not depend on the batch
-shape (tests/test_turbo_deterministic.py). `init` with both K and V of such types
-therefore sets flash attention on and those micro-batches (required(), ubatch()). Other
-types (a quantized K alone takes other matmul kernels, not measured for this) and mixed
-pairs are refused (type_problem()).
+opdump/opdiff (docs/DETERMINISM.md) found four kernel paths that change a token's result
+with the batch shape or cell placement: repacked weights (GEMM for blocks of rows, GEMV for
+the rest), the tiled K-quant matmul (from 8 rows), flash attention's tiled and split-KV
+paths, and one KV buffer for all sequences (sums over cells by cell index). The mode turns
+each off: weights in file layout, tiled matmul off, flash attention off, one KV stream per
+sequence. What it sets per cache type is that type's row (cachetypes.py: det_flash_attn,
+det_ubatch): turbo K and V need flash attention, and micro-batches below FA_TILE_ROWS keep
+every row on the row-by-row path (tests/test_turbo_deterministic.py); other quantized types
+and mixed pairs are refused (type_problem()).
 """
 
 from __future__ import annotations

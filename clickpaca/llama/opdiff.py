@@ -4,23 +4,14 @@
     python -m clickpaca.llama.opdiff --cache turbo3 --fa on --dump A.pkl      # on one build
     python -m clickpaca.llama.opdiff --against A.pkl B.pkl                     # B made on another
 
-Each experiment decodes the same token of sequence 0 twice, on two fresh contexts with
-the same settings, differing only in one thing, records every node (opdump.py) and
-prints the nodes that are sources of a difference:
-  gen        its next token alone, or with the next tokens of 7 other sequences
-  chunk      its 24-token prompt in one chunk, or as 16 + 8
-  chunk1     its 24-token prompt in one chunk, or as 23 + 1
-  batch      its 24-token prompt alone, or with 7 other 24-token prompts in the decode
-  placement  its prompt in the first cells, or after another sequence's (unified cache)
-  fork       a held 24-token prompt continued (its last token re-fed with 8 more), or the
-             same continued in a fork of it (llama_memory_seq_cp), as the engine does
-The tiled K-quant matmul is read from GGML_CPU_TILED_MM once per process (0 = off).
-
-Across builds (two libraries cannot share a process): `--dump` decodes one 96-token prompt
-(`--tokens`) in one micro-batch (from 64 query rows flash attention takes its tiled path) with the
-cache type of `--cache` on the build that serves it (`--build`, CLICKPACA_BUILDS) and saves
-every node; `--against` compares two such dumps at the prompt's first, 64th and last token.
-A source there is a kernel that rounds differently on the two builds for the same inputs.
+Each experiment decodes the same token of sequence 0 twice, on two fresh contexts differing
+in one thing, records every node (opdump.py) and prints the nodes that are sources of a
+difference: gen (alone or beside 7 other sequences' tokens), chunk (a 24-token prompt whole
+or as 16 + 8), chunk1 (23 + 1), batch (beside 7 other prompts), placement (after another
+sequence's cells), fork (continued in a fork). Across builds (two libraries cannot share a
+process) `--dump` saves every node of one 96-token prompt on the build that serves `--cache`,
+and `--against` compares two dumps at its first, 64th and last token: a source there is a
+kernel that rounds differently on the two builds. Findings: docs/DETERMINISM.md.
 """
 
 from __future__ import annotations

@@ -1,49 +1,16 @@
 """Pre-selection inside the decode: the few values per sampled row that a chain needs.
 
-llama.cpp b11312's backend sampling lets a sampler add ggml ops to the decode graph
-(``llama_sampler_i.backend_apply``) for the output row of its sequence; what the ops
-produce comes back through ``llama_get_sampled_logits_ith`` instead of the whole row.
-`Presampler` attaches one sampler (a chain holding one sampler of ours, whose hooks are
-cffi callbacks) to every slot when the context is created (``llama_set_sampler`` later
-would re-reserve the scheduler at each call), and composes ggml's own ops through the
-generated bindings: no C of ours.
-
-Per decode the engine gives `order` the rows it wants pre-selected (`RowOrder`, by slot);
-every other output row passes through whole (its sampler leaves the row as it is, so
-llama.cpp copies it into the sampled-logits block, where score jobs and the host path
-read it). The ops run once over all pre-selected rows of a micro-batch (one [V, n]
-tensor, so ggml spreads the rows over its threads), not once per sequence:
-
-    x      = the rows, gathered from the output logits         [V, n]
-    y      = x + grammar bias (0 / -inf expanded in the graph from the bitmask's bytes
-             through a 256 x 8 table: ``get_rows``), when some row has a grammar
-    ids    = top_k(y, K), vals = y[ids]                        [K, n]
-    top    = y[argmax(y)]                                      [1, n]
-    blocks = sum over 1,024-token blocks of softmax(y / tau), and the top's own
-             probability (the host divides by it: exp((y - top) / tau))  [V/1024, n]
-    dense  = (when some row draws from the whole set) the 3 blocks around the one where
-             u x total lands (cumsum of the blocks) and their 3,072 masses
-    raw    = (when some row needs raw log-probabilities and its y is not the raw row at
-             tau 1) x's max, its mass sum exp(x - max), and x's own top K
-    touched= x at the ids the host adjusts (logit bias, penalties)
-
-all packed into one float32 row per sequence (`Layout`; ids as floats: exact below 2^24).
-The host decodes it (`Presampler.read`) into a `Preselected`; the sampler chain's fast
-path (sampling/fastpath.py) decides from it, or takes the whole row (`full_row`: on a
-host-only build every pre-selected row is also copied whole, into llama.cpp's
-sampled-probs block, so the host path can always take over).
-
-Graph reuse stays on. llama.cpp reuses the last graph when the micro-batch has the same
-shape and the samplers are the same objects; our ops' shape follows the tick's orders
-(`Plan`: the ordered slots, K, the pieces, a single temperature baked into the softmax).
-So before each decode (`before_decode`, called by core.Context.decode) the plan is
-compared with the one the last graph was built for; when that graph does not serve it
-(`fits`: a larger K or more touched ids serve, up to twice as many), slot 0 gets a new
-sampler chain (``llama_set_sampler``), which makes llama.cpp build a new graph (and
-re-reserve its scheduler: docs/BENCHMARKS.md has the cost), for the plan with some room
-(`roomy`: K and the touched ids rounded up, so a penalty window that gains a distinct
-token does not rebuild the graph every tick). On a reused graph only the inputs are
-uploaded again (the rows, 1/tau, u, the touched ids, the masks: set_input).
+llama.cpp's backend sampling lets a sampler add ggml ops to the decode graph for its
+sequence's output row; what they produce comes back instead of the whole row. `Presampler`
+attaches one sampler per slot when the context is created (its hooks are cffi callbacks) and
+composes ggml's own ops through the generated bindings: no C of ours. Per decode the engine
+orders the rows it wants pre-selected (`RowOrder`, by slot); the ops run once over all of them
+as one [V, n] tensor, and every other row passes through whole. Each pre-selected row comes
+back packed in one float32 row (`Layout`), which `Presampler.read` turns into a `Preselected`
+for the chain's fast path (sampling/fastpath.py); `full_row` gives the whole row when that
+path cannot decide. The graph is rebuilt only when the tick's `Plan` no longer `fits` the
+last one. The ops, the packing, graph reuse and the costs: docs/BENCHMARKS.md,
+"Pre-selection inside the decode".
 """
 
 from __future__ import annotations

@@ -1,106 +1,17 @@
 """TurboQuant-mse KV-cache types (turbo2 / turbo3 / turbo4): codebooks and a numpy reference.
 
 The native types live in the turboquant flavor of llama.cpp (native/turboquant/). This module
-is their specification: everything the C code does to a block is done here with numpy, with
-the same floating-point operations in the same order, so that the bytes of a quantized block
-and the floats of its reconstruction are bit-for-bit those of the C path
-(tests/test_turboquant_native.py checks it through the generated bindings). Experiments on
-codebooks, norms or signs can therefore be tried here first. numpy only; no model.
+is their specification: it does to a block everything the C code does, with the same
+floating-point operations in the same order, so the bytes of a quantized block and the floats
+of its reconstruction are bit-for-bit those of the C path (tests/test_turboquant_native.py
+checks it through the generated bindings), and experiments on codebooks, norms or signs can be
+tried here first. It also generates the C tables (`emit_c_tables`). numpy only; no model.
 
-The scheme
-----------
-Mainline llama.cpp rotates Q, K and V with an orthonormal Hadamard transform whenever a
-cache type is quantized, so a cached vector arrives here already rotated. A block holds
-``QK = 128`` consecutive values ``x`` (one rotation group). Stored per block:
-
-* ``d``: the block's gain as IEEE fp16 (little-endian, first two bytes): about ``||x||``;
-  by default the least-squares gain for the chosen levels (see "The norm" below);
-* one ``bits``-bit index per value into a fixed codebook ``c`` (``2**bits`` levels): the
-  Lloyd-Max (MSE-optimal) scalar quantizer for N(0, 1/128), which is what every coordinate
-  of a rotated unit vector of 128 dimensions looks like.
-
-Reconstruction: ``x_hat[j] = fp32(d) * c[idx[j]]``. Sizes per 128 values: turbo2 34 bytes
-(2.125 bits/value), turbo3 50 bytes (3.125), turbo4 66 bytes (4.125).
-
-Quantization, exactly (float32 unless said otherwise)
------------------------------------------------------
-1. ``s = sum_j double(x_j)**2``, accumulated in double, in order j = 0..127.
-2. If ``s`` is not finite (some x_j is NaN or +-inf): the block is stored as
-   ``d = fp16 NaN (0x7E00)`` and every index 0; it dequantizes to NaN everywhere. A bad
-   value is thus never hidden, in the same way an f16 cache would keep it.
-3. ``n = sqrt(s)`` and ``inv = 1/n`` (``0`` if ``n == 0``), both in double.
-4. ``u_j = float(double(x_j) * inv)`` (one double multiply, rounded once to float32; in
-   double so that denormal-sized blocks cannot overflow ``inv``), and ``idx_j`` = the number of decision
-   boundaries ``b_i`` with ``u_j > b_i``. The boundaries are the midpoints of adjacent float32
-   codebook levels, rounded to float32. So each value gets its nearest level, and a value
-   exactly on a boundary gets the LOWER level (ties go down).
-5. The gain ``g`` in double: ``n`` ("plain"), ``n / sqrt(cc)`` ("preserve") or
-   ``n * xc / cc`` ("lsq", the default), with ``cc = sum_j c[idx_j]**2`` and
-   ``xc = sum_j double(u_j) * c[idx_j]`` accumulated in double from +0.0 in order j = 0..127.
-   ``d = fp16(min(float(g), 65504))``, rounding to nearest even. Gains beyond the largest
-   finite fp16 saturate to 65504 rather than becoming inf: a huge vector stays finite
-   (its direction is still coded; its length is clipped).
-
-Consequences: an all-zero block stores ``d = 0`` and every index ``L/2 - 1`` (the negative
-level nearest zero: ``0 > 0`` is false at the middle boundary, which is exactly 0), and
-reconstructs as zeros. A one-hot block ``a * e_k`` puts level ``L-1`` (or 0 for a < 0) at
-k and the middle-low level elsewhere; its reconstruction keeps the sign and most of the
-energy at k but, as for any vector whose coordinates are far from Gaussian, the error is
-large (that is what the rotation upstream exists to prevent).
-
-The norm
---------
-``NORM_MODE`` says what ``d`` holds: ``"plain"`` stores ``||x||``; ``"preserve"`` stores
-``||x|| / ||c[idx]||`` so that the reconstruction has exactly the original length (what the
-public fork did); ``"lsq"`` (the default, also the C default) stores the least-squares gain
-``<x, c[idx]> / ||c[idx]||**2`` (in units of ||x||), the gain that minimises the block's
-squared error for the chosen indices. ``compare_norm_modes()`` measures them (20,000 random
-rotated blocks; relative MSE):
-
-    turbo2  plain 0.1162  preserve 0.1190  lsq 0.1154
-    turbo3  plain 0.0340  preserve 0.0338  lsq 0.0335
-    turbo4  plain 0.00933 preserve 0.00919 lsq 0.00917
-
-so "lsq" is best for every type (by 0.7-1.8 % over "plain"); "preserve" is worst at 2 bits
-and between the two at 3 and 4 bits. Perplexity does not follow the MSE ranking, though:
-turbo3 K+V on Gemma 3 270M (llama-perplexity, 8 x 512 tokens of Hamlet) gave plain 74.66,
-preserve 76.36, lsq 76.46 (f16 47.19). One text and one model: too little to move the
-default, enough to say that the MSE is not the whole story for K (the scale of attention
-logits matters). The C code can be switched for such experiments with the environment
-variable GGML_TURBO_NORM=plain|preserve|lsq (read once per process).
-
-Random signs on top of mainline's Hadamard rotation
---------------------------------------------------
-The public fork applies a fixed random +-1 sign flip before its Walsh-Hadamard transform;
-mainline's rotation has no signs. ``compare_rotations()`` / ``sign_flip_experiment()``
-measure it (relative squared error, turbo3; K rotated in one group of 256 as mainline does
-for head size 256, V in groups of 64):
-
-* Real K/V of Gemma 3 270M (all 18 layers, 512 tokens of Hamlet, captured before the
-  rotation with an eval callback through the bindings): K none 0.197, Hadamard 0.0312,
-  signs + Hadamard 0.0312 (worst layer 0.0342 vs 0.0334); V none 0.077, Hadamard 0.0332,
-  signs + Hadamard 0.0332. turbo2 and turbo4 alike. The rotation itself matters (6x for
-  K); the signs make no measurable difference on this model.
-* Synthetic: isotropic, outlier channels, low rank, per-channel means of random sign: no
-  difference either (e.g. outlier channels 0.398 -> 0.0295 -> 0.0296). But data with
-  structure aligned to the Hadamard basis defeat a sign-less Hadamard: a constant offset
-  shared by all channels (it lands on ONE rotated coordinate) gives 0.028 unrotated,
-  0.481 with Hadamard, 0.031 with signs + Hadamard; sums of Hadamard rows 0.537 vs 0.032.
-
-So random signs are cheap insurance against a DC-like component in K or V, not a gain on
-the data measured here. Adding them natively would mean different matrices for rotating
-and un-rotating V (mainline relies on H being its own inverse) and losing its fast
-Hadamard hint, so they are not in the patch set.
-
-Packing of the indices (value j of a block, 0 <= j < 128)
---------------------------------------------------------
-* turbo2: ``qs[32]``; bits ``2*(j // 32)`` .. of byte ``j % 32``.
-* turbo3: ``qs[32]`` holds the low 2 bits as turbo2 does; ``qh[16]`` holds bit 2 of the
-  index at bit ``j // 16`` of byte ``j % 16``.
-* turbo4: ``qs[64]``; low nibble of byte ``j`` for j < 64, high nibble of byte ``j - 64``.
-
-These planar layouts let SIMD code expand 16 indices with one byte load, one widening and
-one shift, then look the levels up with a register permute.
+A block is 128 values of mainline's Hadamard-rotated K or V: an fp16 gain and one index per
+value into the Lloyd-Max codebook of N(0, 1/128). The block layout, the quantization rules
+(NaN blocks, ties, saturation), the gain choices (`NORM_MODE`, `compare_norm_modes`), the
+random-sign measurements (`compare_rotations`, `sign_flip_experiment`) and the packing of the
+indices are in docs/KV-RESEARCH.md, "The turbo block format".
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """`make gpu-check`: everything a GPU machine can prove that this project's machines cannot,
 in one command (docs/GPU.md).
 
-Why one command: no GPU is at hand where clickpaca is developed, so the first GPU machine
-should need nothing but this. On a machine with an NVIDIA GPU and a CUDA toolkit (offline:
-with `make setup BUNDLE=dir` done first), it
-
-1. builds linux-cuda for the local GPU's architecture with every core, only the targets it
-   needs: mainline (the library, llama-bench, llama-batched-bench), llama-server in the
-   same tree (native/peer.py), the patched flavour as a library (control vectors; the
-   turbo refusal); linked under builds/linux-cuda-sm<arch>/ (CLICKPACA_BUILDS), so the
-   CPU builds under builds/ stay as they are;
-2. generates their bindings (bindgen);
-3. runs the tests marked `gpu` (tests/test_gpu.py);
-4. measures with the existing benches: single decode against llama-bench, 64 sequences
-   against llama-batched-bench, 64 sequences with 8 different JSON schemas against
-   llama-server, and the sampler's host time per tick as a fraction of the decode;
-5. writes summary.json and summary.md (each step's command, exit status and seconds, the
-   benches' own tables) under --out.
-
-Every step runs even when one before it failed (except when a build fails: nothing after
-it could run), and the exit status says whether all passed and the budget (9 minutes on a
-16-core machine with one H100/H200-class GPU) held.
+No GPU is at hand where clickpaca is developed, so the first GPU machine should need nothing
+but this. With an NVIDIA GPU and a CUDA toolkit it builds linux-cuda for the local GPU's
+architecture (mainline with llama-bench and llama-batched-bench, llama-server, the patched
+flavour as a library; linked under builds/linux-cuda-sm<arch>/, beside the CPU builds),
+generates their bindings, runs the tests marked `gpu` (tests/test_gpu.py), runs the
+existing benches against llama.cpp's own tools, and writes summary.json and summary.md
+(each step's command, exit status and seconds) under --out. Every step runs even when one
+before it failed (except after a failed build), and the exit status says whether all passed
+and the time budget held. The steps and the budget: docs/GPU.md.
 """
 
 from __future__ import annotations

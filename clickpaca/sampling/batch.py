@@ -2,27 +2,14 @@
 
 ``sample_tick(samplers, logits, rows, masks)`` returns what
 ``[s.sample(logits[r], m) for s, r, m in ...]`` returns, bit for bit, in the same order,
-drawing the same random numbers. Two plans run batched, everything else per sequence:
-
-- greedy (``chain.greedy_tail``, no grammar, no nProbs, no trace): one argmax per row,
-  the token is the canonical first, one candidate.
-- top-k k (1 < k <= KMAX) first, then optionally top-p, then optionally temperature > 0,
-  with nothing else active (no grammar, bias, penalties, nProbs, trace): the default
-  chain. The k best of every row come from column maxima gathered in one fancy index
-  over the block; after top-k every row has exactly k candidates, so top-p and the draw
-  run on a [n, k] matrix in the same element order as the per-sequence steps (ids
-  ascending for the sums, canonical order for the cumulative mass), which keeps every
-  float64 reduction identical (numpy reduces each contiguous row as it reduces a 1-D
-  array; the tests check it).
-
-A row whose top is NaN or infinite, or whose plan is anything else, takes the
-per-sequence path. With ``threads`` > 1 the row passes (the per-sequence rows, the
-greedy argmaxes, the top-k rows' candidates) are spread over that many threads
-(``workers.run_all``): each row is computed by the same calls as on one thread, so the
-results do not change; rows whose chain holds a step whose row says it reads shared
-state (``Step.shared_state``: DRY, through the vocabulary; every user-defined step,
-usersteps) stay on the calling thread. The engine calls it once per tick
-with its decode's thread count (docs/BENCHMARKS.md, "Sampler host cost").
+drawing the same random numbers. Two plans run batched: greedy (one argmax per row) and
+top-k (1 < k <= KMAX), then optionally top-p and a temperature > 0, with nothing else
+active (the default chain: the k best from column maxima, then top-p and the draw on an
+[n, k] matrix in the per-sequence steps' element order, so every float64 reduction is the
+same). Every other row, and a row whose top is not finite, takes the per-sequence path.
+With ``threads`` > 1 the row passes are spread over threads (``workers.run_all``) without
+changing any result; chains with a step that reads shared state (``Step.shared_state``)
+stay on the calling thread. Costs: docs/BENCHMARKS.md, "Sampler host cost per token".
 """
 
 from __future__ import annotations

@@ -7,25 +7,15 @@ Two halves, before and after the decode:
   registry row says whether it can (``Step.preselected``); trace, user-defined steps,
   DRY, typical-p, XTC, dynamic temperature, mirostat and top-n-sigma need the whole row.
   `order(sampler, mask)` then says what the graph must hand back (`RowOrder`).
-- `sample(sampler, pre, words)`: the token, from the K best values, the touched tokens'
-  raw values, the block masses and (for a draw over the whole set) the masses of the
-  blocks around the draw, or None when those cannot decide exactly, and the whole row
-  is needed (the caller runs the host path on it then; `FastStats` counts why).
+- `sample(sampler, pre, words)`: the token (a `SampleResult`) from the K best values, the
+  touched tokens' raw values and the block masses, or, when those cannot decide exactly,
+  the reason the whole row is needed (a short string such as `PAST_K`; nothing was drawn,
+  the caller runs the host path on the row and `FastStats` counts why).
 
-Why it is exact up to rounding (tests/test_sampling_fastpath.py checks it against the
-host path, ``chain.SequenceSampler.sample``): every token outside the K best has a
-value at most the K-th (``Preselected.floor``); the elementwise steps before the first
-truncation change only the touched tokens, whose raw values come back; a positive
-temperature keeps the order. So a truncation that keeps an upper set, run over the K
-best plus the touched tokens, keeps exactly what it keeps over the whole row when every
-value it keeps lies strictly above the smallest untouched one of the K best (at least
-floor / tau: checked; otherwise PAST_K). Top-p gets the
-mass left out from the block masses minus the K best's own. From the first truncation
-on the set is explicit and the steps run as on the host. With no truncation (a draw
-over every allowed token), the draw walks the float64 cumulative block masses and then
-the masses of the block it lands in, as the host does. The contract: the same token
-except within rounding of a boundary (a logit tie, or the draw at a cumulative edge),
-log-probabilities within 1e-5 nats.
+The contract: the same token as the host path (``chain.SequenceSampler.sample``) except
+within rounding of a boundary, log-probabilities within 1e-5 nats
+(tests/test_sampling_fastpath.py). Why it holds: docs/BENCHMARKS.md, "Pre-selection inside
+the decode".
 """
 
 from __future__ import annotations

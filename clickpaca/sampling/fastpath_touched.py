@@ -1,44 +1,18 @@
 """fastpath.sample_tick's batched rows with touched tokens: logit bias and penalties
 before a top-k [top-p] [temperature] chain, for a whole tick at once.
 
-A row qualifies (`plan`) when, without a grammar, its chain's steps before the first
-truncation are only logit bias (no forced token) and penalties, and the rest is what
-``batch.topk_draw`` runs: top-k (1 < k <= batch.KMAX), then optionally top-p, then
-optionally a positive temperature; no nProbs, no trace. `tick` then does what
-``fastpath.sample`` does for such a row, for all of them together:
-
-- the touched tokens' raw values (NaN as -inf) get the prefix steps' own arithmetic, in
-  the chain's order, in float64, elementwise over the tick's touched tokens side by side
-  (``steps.logit_bias``: value + bias, a bias <= BAN removes the token;
-  ``steps.penalties``: a positive value divided by the repeat penalty, another
-  multiplied, then count * freq + present subtracted, the counts those the order kept
-  for the touched ids: ``SequenceSampler.order_counts``): the same operations on the
-  same operands as the host's, so the same bits;
-- the K best handed back are the raw row's (no grammar), so a touched token is among
-  them when its raw value lies above the K-th value, perhaps when it equals it (looked
-  up), never when below; the others keep their values, and the smallest of those is
-  the row's floor, as fastpath.sample takes it (every untouched token not handed back
-  is at most the K-th value, so at most the floor; not the K-th value itself, which may
-  be a touched token's);
-- top-k keeps exactly what it keeps over the whole row when its k values all lie above
-  the floor, that is when at least k values of the row's set do; else the row goes to
-  ``fastpath.sample``, which refuses it too (PAST_K, the stream untouched). Only the
-  values above the floor go on (untouched ones, touched ones not banned), their first k
-  in canonical order, to ``batch.topk_draw(best=...)``, the draw the host's batched rows
-  use (top-k, top-p over the k, temperature, the draw over them in id order). Where no
-  touched token is among the K best or above the floor (a window's tokens and most
-  biased ids lie far below the best), those are the K best's own first k columns, as in
-  the plain top-k tick; elsewhere the row's values are sorted stably from the K best's
-  canonical order, a touched token's value replaced in place or appended, and rows
-  where a moved value ties another out of id order are sorted by (value, id).
-
-A row whose values were pre-selected for another plan (a touched set that misses a bias
-id, another temperature), whose window changed since its order (its counts are gone),
-or whose K best hold -inf (fewer finite values than K), goes to ``fastpath.sample``,
-which gives the reason or handles it. Every per-row quantity is computed from that row's
-values alone (the elementwise steps, searches and minima), so a row's answer does not
-depend on the other rows of its tick; ``topk_draw`` reduces each row of its [m, k]
-matrices on its own.
+A row qualifies (`plan`) when, without a grammar, nProbs or trace, its steps before the
+first truncation are only logit bias (no forced token) and penalties, and the rest is what
+``batch.topk_draw`` runs. `tick` then does what ``fastpath.sample`` does for such a row,
+for all of them together: the touched tokens' raw values get the prefix steps' own float64
+arithmetic (``steps.logit_bias``, ``steps.penalties``, with the counts the order kept), so
+the same bits as the host; top-k is exact when its k values all lie above the row's floor
+(the smallest untouched value handed back), else the row goes to ``fastpath.sample``
+(PAST_K); the values above the floor, their first k in canonical order, go to
+``batch.topk_draw``, the draw the host's batched rows use. A row pre-selected for another
+plan, whose penalty window changed, or whose K best hold -inf also goes to
+``fastpath.sample``. Every per-row quantity comes from that row's values alone, so a row's
+answer does not depend on the other rows of its tick.
 """
 
 from __future__ import annotations

@@ -1,36 +1,20 @@
 """The step registry: one row per sampler step owns everything about it.
 
-A row (``Step``) names the step, says its kind, its wire parameters (``Param``: name,
-check, default, misspellings, meaning), whether it keeps per-sequence state, when it is
-an identity, when it truncates, which tokens it touches when elementwise, and an
-optional superset hook (``cut``) for the fast path. ``SamplerParams`` (params.py), the
-protocol's checks and misspelling hints, the accepted ``samplers`` names and the
-docs/PROTOCOL.md sampler table are all derived from the rows, so adding a step is one
-function (the definition, usually in ``steps``) and one ``register`` call:
+A row (``Step``) names the step and gives its kind, its wire parameters (``Param``: name,
+check, default, misspellings, meaning), its state, when it is an identity, what it touches
+or truncates, and an optional superset hook (``cut``) for the fast path. ``SamplerParams``,
+the protocol's checks and hints, the ``samplers`` names and docs/PROTOCOL.md's sampler table
+are derived from the rows, so a new step is one function and one ``register`` call:
 
     register(Step("my_step", GENERAL, run=my_step_run,
                   params=(Param("my_x", "myX", 0.0, real(0, 1), doc="0 = off"),),
                   off=lambda p, has_hist: p.my_x == 0))
 
-A step with no ``cut`` runs on the full candidate set when it is the first step that
-is not elementwise: correct, only slower. Randomness comes from ``StepContext.uniform``,
-a stream of the sequence's own seed; state from ``StepContext.state``. A step that reads
-anything shared between sequences (the vocabulary, module-level mutable state) says so
-with ``shared_state=True``, and its chains stay on the calling thread; one that keeps a
-one-token set says ``keeps_one=True`` (the greedy short path may then run it).
-
-Kinds:
-- constraint: the grammar. Always first when the caller passes a bitmask, never run by
-  name: the chain lists or counts the allowed tokens instead.
-- elementwise: changes the logits of a small, known set of tokens (``touches``) and
-  leaves every other token as it is (it may drop some of them: bans).
-- truncation: keeps an upper set of the current candidates (all tokens at or above
-  some logit); with ``cut``, the chain finds a superset of it from column maxima.
-  Before greedy, a stateless truncation cannot change the result and is skipped.
-- scale: temperature. Divides every logit; at t <= 0 it is greedy, a truncation to the
-  first candidate in canonical order.
-- general: anything else (may drop any candidates, move any logits, draw random
-  numbers or keep state). Runs on every candidate its place in the chain sees.
+Kinds: constraint (the grammar, always first, never run by name); elementwise (changes a
+small known set of tokens, ``touches``); truncation (keeps an upper set; skipped before
+greedy when stateless); scale (temperature; t <= 0 is greedy); general (anything else).
+Randomness comes from ``StepContext.uniform`` (the sequence's own seed); a step that reads
+shared state says ``shared_state=True`` and stays on the calling thread.
 """
 
 from __future__ import annotations

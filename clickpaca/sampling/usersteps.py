@@ -7,18 +7,12 @@
     def shift(ids, logits, p, ctx):
         return ids, logits + p.shift_by
 
-`step` registers the function through the step registry (sampling/registry.py), as one
-row like the built-in steps': its parameters get the same checks, defaults and error
-messages, and requests name it in `samplers` and pass its parameters by their wire
-names. The function gets the candidate set (int32 token ids, their logits at its place
-in the chain), the request's SamplerParams and a StepContext (penalty window, context
-tokens, vocabulary, per-step state and random stream); it returns the (ids, logits) to
-keep, a subset of the ids it got.
-
-In the server it runs on the engine thread for every token of every sequence whose
-chain holds it. An exception (or a result that is not a subset of its input) ends that
-sequence with an `error` naming the step; the others go on. Its thread CPU time per
-request is the `done` event's `steps_ms`.
+`step` registers the function as one row of the step registry (sampling/registry.py), so its
+parameters get the built-in steps' checks, defaults and errors. It gets the candidate set
+(int32 ids and their logits), the SamplerParams and a StepContext, and returns the (ids,
+logits) to keep, a subset of its ids. It runs on the engine thread; an exception or a result
+that is not a subset ends that sequence alone with an `error` naming the step. Its thread
+CPU time per request is `done.steps_ms`. docs/EXPERIMENTS.md has an example.
 """
 
 from __future__ import annotations

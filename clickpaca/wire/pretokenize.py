@@ -1,25 +1,14 @@
 """Tokenizing any text in time linear in its size, with llama.cpp's own results.
 
-llama_tokenize first splits the text at special tokens (control, user-defined and
-unknown tokens; `tokenizer_st_partition` in llama-vocab.cpp): for each special token,
-longest first, it searches every raw fragment left, and every match walks the fragment
-list from its head. The cost is (special tokens) x (text) plus (matches)^2: with the
-default Gemma 3 vocabulary (6,249 control tokens, all starting with `<`, and 165
-user-defined ones) 16 KB of `<` took 2.7 s and 20,000 empty chat turns 50 s (issue 30).
-
-`tokenize` makes the same split here, then hands each raw fragment to llama_tokenize
-alone with parse_special off. That is what llama.cpp does after its split (each raw
-fragment goes to the tokenizer session by itself, with the space prefix of a fragment
-that starts the text or follows a special token), so the ids are the same;
-tests/test_pretokenize.py checks that against llama_tokenize on mixed texts.
-
-The split: tokens in llama.cpp's order (longest text first), each taking its leftmost
-non-overlapping occurrences that lie wholly in text no earlier token took (and
-dropping the whitespace next to it when its attributes say LSTRIP / RSTRIP). A token
-is searched for only when an 8-byte prefix of it occurs in the text at all; its
-occurrences are found with numpy over the bytes, so a text with a million matches
-costs milliseconds, not a Python loop (which would also hold the GIL the engine
-thread needs between its native calls).
+llama_tokenize first splits the text at special tokens (`tokenizer_st_partition` in
+llama-vocab.cpp) at a cost of (special tokens) x (text) plus (matches)^2: with Gemma 3's
+6,249 control tokens, 16 KB of `<` took 2.7 s and 20,000 empty chat turns 50 s. `tokenize`
+makes the same split here (tokens longest first, each taking its leftmost non-overlapping
+occurrences in text no earlier token took, with LSTRIP / RSTRIP; a token is searched for only
+when an 8-byte prefix of it occurs, its occurrences found with numpy over the bytes), then
+hands each raw fragment to llama_tokenize alone with parse_special off, as llama.cpp does
+after its split, so the ids are the same (tests/test_pretokenize.py checks them against
+llama_tokenize on mixed texts) and no Python loop holds the GIL the engine thread needs.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """`clickpaca bench batch`: N sequences at once, server vs llama-batched-bench (with
 --rpc: local against one and two RPC workers, measure/bench/rpc.py).
 
-For each N in --seqs, N infers of the same prompt length P (--prompt-tokens) and the
-same generation length G (--tokens, end-of-generation banned so every sequence makes
-exactly G) are sent back to back to one server, alternating with
-`llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV).
+For each N in --seqs, N infers of P prompt tokens (--prompt-tokens) and exactly G generated
+tokens (--tokens; end of generation banned) go to one server, alternating with
+`llama-batched-bench -npp P -ntg G -npl N` (same build, model, threads, unified KV). Every
+sequence samples greedily unless --chain names `bench sampler` scenarios without a grammar
+(sampling/bench.py SCENARIOS): each chain's fields go into every infer, so its host cost is
+inside the server's figure; several chains share the servers and rounds, each beside the
+first (`vs_first`, the median of per-round ratios). Server throughput = generated tokens
+after each sequence's first / (last token event - first token event), the generation phase
+only, as S_TG is; per-sequence latency = median time between its token events.
 
 --against REV: REV's whole server (measure/bench/against.py) is one more side of the same
-alternating rounds, on the same builds and loads, against this tree's default server; with
---deterministic it runs in deterministic mode too, and each round's tokens are compared with
-this tree's deterministic server's (a sequence's tokens then do not depend on its batch).
-
-Every sequence samples greedily (temperature 0) unless --chain names a `bench sampler`
-scenario without a grammar (sampling/bench.py SCENARIOS: default, n_probs_5,
-temperature_only, top_p_only, bias_penalties): its fields that differ from the defaults
-go into every infer, so the host's sampling cost of that chain is inside the server's
-figure (llama-batched-bench does not sample). A comma list of chains runs each of them
-on the same servers in the same alternating rounds (one llama-batched-bench run per
-round serves them all), one row per chain, each beside the first chain's figures
-(`vs_first`: the median of the per-round ratios to it, on the same server).
-
-Server throughput = generated tokens after each sequence's first / (last token event -
-first token event): the generation phase only, as S_TG is (nBatch >= N*P, so every
-prompt is decoded in one tick and all sequences generate together). Per-sequence
-latency = median time between a sequence's token events.
+alternating rounds; with --deterministic its tokens are compared with this tree's per round.
 """
 
 from __future__ import annotations

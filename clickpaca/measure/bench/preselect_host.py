@@ -1,26 +1,15 @@
 """The host's whole share of the pre-selection, measured on a real decode.
 
-`bench sampler`'s synthetic "preselect" column times the two halves that do not need a
-model (`fastpath.order_many` before the decode, `fastpath.sample_tick` after it, on numpy's
-reference of the graph's values). A real tick has two more parts on the host, both here:
-the callbacks llama.cpp makes into Python while it builds the graph (the ops are composed
-there and their inputs uploaded: `Presampler.cost["callback_ns"]`), and decoding the
-packed rows into `Preselected` values (`Presampler.read_many`). Each part is thread CPU
-time per pre-selected row, the best of the rounds, for a tick of N sequences of one
-scenario (one token each, every row an output) on the default model; the parts are
-those of the round with the least total. The decode's own
-time (the ops) is inside `bench batch --preselect`'s figures, not here.
-
-"again" is read + sample repeated at once on the same packs (on forks of the samplers
-made before the decode): the same work without the decode's eviction of this core's
-caches. On a CPU build the decode runs on the cores the host samples on, and the first
-numpy and Python calls after it pay to bring their code and data back; read + sample
-less "again" is that refill. A GPU build's decode leaves the host's caches alone.
-
-The ticks run as served: each sampled token is accepted (it enters the history and the
-penalty window, and is the next tick's input), and the timed rounds start once every
-sequence's K has settled (a K that grows changes the plan, and llama.cpp builds the graph
-again: a warm-up cost, not a steady one).
+`bench sampler`'s synthetic "preselect" column times `fastpath.order_many` and
+`fastpath.sample_tick` on numpy's reference of the graph's values. A real tick has two more
+host parts, both timed here: the callbacks llama.cpp makes into Python while it builds the
+graph (`Presampler.cost["callback_ns"]`) and decoding the packed rows
+(`Presampler.read_many`). Each is thread CPU time per pre-selected row, the best of the
+rounds, for a tick of N sequences of one scenario on the default model. "again" repeats
+read + sample at once on the same packs: the difference is the refill of the host core's
+caches that a CPU build's decode evicted. The ticks run as served (each token accepted),
+and timing starts once every sequence's K has settled. The decode's own time is
+`preselect_ops`'s measurement.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def measure(args: Any) -> dict[str, Any]:
                       "decode of 64 sequences of the default model (measure/bench/preselect_host.py): "
                       "order + the callbacks that compose the graph's ops and upload their inputs + "
                       "read (decoding the packed rows) + sample_tick; real rows preselect is the "
-                      "like-for-like of the host path's real rows (docs/BENCHMARKS.md, fifth pass)",
+                      "like-for-like of the host path's real rows (docs/BENCHMARKS.md, 'Sampler host cost per token')",
                       "again: read + sample repeated at once on the same packs, the same work without "
                       "the decode's eviction of the host core's caches (a CPU build's decode runs on the "
                       "cores the host samples on; read + sample less 'again' is their refill)"]}

@@ -2,26 +2,15 @@
 llama-server.
 
 The corpus is a directory of schema files or one shipped in an installed package
-(measure/schemas.py: check-jsonschema, schemastore); `--limit` takes a fixed, evenly
-spread subset, `--max-bytes` leaves out larger files. Reported:
-
-- compile, in-process (GrammarEngine.compile: the coverage walk, llguidance, the first
-  mask): how many compile by default, with `lenient`, and are enforced whole; the time
-  per schema (median, p99); and how many llama-server's converter accepts (one
-  1-token request per schema);
-- mask time per token, in-process: each compiled schema's matcher walked by random
-  allowed tokens (up to --tokens), every mask timed (median, p99 over all tokens);
-- generation at each of --seqs sequences in flight (request i uses schema i mod n, the
-  same prompt and seed on both sides), clickpaca and llama-server (--kv-unified, same
-  model, build, threads, KV cells) alternating: tokens/s (all generated tokens / wall
-  time from handing over the requests to the last answer), and per output finished
-  (clickpaca: stop_reason grammar; llama-server: stop_type eos), cut (token limit) and
-  valid: every finished output of both sides checked by the same validator
-  (grammar/schema_check.py, jsonschema). clickpaca's own `done.schemaValid` is compared
-  with it (disagreements reported).
-
-Schemas that compile here only with `lenient` are registered so (their outputs are
-checked anyway); llama-server gets each schema as given and its converter decides.
+(measure/schemas.py; `--limit` takes an evenly spread subset, `--max-bytes` leaves out large
+files). Reported: how many compile in-process (by default, with `lenient`, enforced whole)
+and in how long, and how many llama-server's converter accepts; the mask time per token,
+walking each matcher with random allowed tokens; and generation at each of --seqs sequences,
+clickpaca and llama-server alternating on the same model, build and KV cells: tokens/s and,
+per output, finished, cut or valid, every output of both sides checked by the same validator
+(grammar/schema_check.py), with clickpaca's own `done.schemaValid` compared to it.
+Schemas that compile here only with `lenient` are registered so; llama-server gets each
+schema as given. Results: docs/GRAMMARS.md, "Real-world schemas".
 """
 
 from __future__ import annotations

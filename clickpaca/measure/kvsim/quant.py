@@ -1,34 +1,20 @@
 """KV quantizers in numpy, applied to one layer's K or V rows as a cache would store them.
 
-Why: llama.cpp offers one cache type for every layer, K and V each, and only the types it
-has kernels for. To test *why* a type loses (K or V, which layers, which rotation) and to
-try new types before writing C, `hook.py` passes a decode's K and V through one of these
-quantize-dequantize round trips ("fake quantization") into an f16 cache, so the model
-computes with exactly the values the type would give back.
+llama.cpp has one cache type for every layer and only the types it has kernels for. To test
+why a type loses (K or V, which layers, which rotation) and to try types before writing C,
+hook.py passes a decode's K and V through one of these quantize-dequantize round trips into
+an f16 cache. A spec is `KIND[+MOD...]`:
 
-A spec is `KIND[+MOD...]`:
+* kinds: `f16`; `q8_0`, `q4_0` (ggml's, bit for bit); `lmB` / `lmBgG` (TurboQuant-mse:
+  B-bit Lloyd-Max levels, one fp16 least-squares gain per G values; `lm4` on 128-value
+  blocks is turbo4 bit for bit); `splitN:B` (the outlier split: the N channels of largest
+  calibrated RMS at B+1 bits, the rest at B);
+* modifiers: `+c` (subtract the layer's calibrated mean before quantizing, add it back:
+  exact for attention), `+s` (random signs before the rotation), `+norot` (no rotation).
 
-* `f16`: unchanged (the cache's own f16 rounding only);
-* `q8_0`, `q4_0`: ggml's reference quantizers (blocks of 32, fp16 scale), in the rotated
-  domain as mainline stores them;
-* `lmB` / `lmBgG`: TurboQuant-mse: Lloyd-Max levels of N(0, 1/G) with B bits, one fp16
-  least-squares gain per G values (default G = min(128, head size)); `lm4` on 128-value
-  blocks is turbo4 bit for bit (`clickpaca.llama.turboquant`);
-* `splitN:B`: TurboQuant's outlier split: the N channels of largest calibrated RMS (per
-  layer and head, in the unrotated basis) get B+1 bits, the rest B bits, each set
-  rotated by its own fixed orthogonal matrix and coded as `lm` with one gain per set;
-
-and modifiers:
-* `+c`: centering: subtract the calibrated mean vector of the layer's head before
-  quantizing, add it back after. For K it is exact for attention whatever the vector
-  (q.(k - m) differs from q.k by one constant per query, which softmax removes); for V the
-  mean is added back to the output (the weights sum to one), also exact;
-* `+s`: random signs (fixed seed) before the Hadamard rotation;
-* `+norot`: no rotation (mainline rotates whenever the type is quantized).
-
-Rotation as mainline's (llama-kv-cache.cpp, attn_rot_k / attn_rot_v): K in one Hadamard
-group as wide as the largest power of two dividing the head size (256 for Gemma 3 270M, 64
-for SmolLM2), V in groups of 64.
+Rotation is mainline's (llama-kv-cache.cpp): K in one Hadamard group as wide as the largest
+power of two dividing the head size, V in groups of 64. docs/KV-RESEARCH.md, "The reasons,
+tested", has what they showed.
 """
 
 from __future__ import annotations
