@@ -95,12 +95,17 @@ def test_each_injected_fault_fails_the_whole_call_and_then_that_item(fail_at):
     assert got[0] == 1 and isinstance(got[1], faults.InjectedFault) and got[1].stage == "take"
 
 
-def test_each_with_a_count_charges_the_item_it_counts(fail_at):
-    """`@1` on a batch-wide stage: the call for all does not count, the item's own does."""
-    fail_at("arm:2@1")
-    got = faults.each("arm", [Key(1), Key(2)], lambda k: k.seq_id, lambda ks: [0, 0], seq_ids=[1, 2])
+def test_each_counts_one_reach_per_item_and_call(fail_at):
+    """`@n` on a batch-wide stage: each call reaches each item once, whichever path
+    serves it; the n-th call charges that item alone."""
+    fail_at("arm:2@2")
+    wholes = []
+    whole = lambda ks: wholes.append(len(ks)) or [0] * len(ks)  # noqa: E731
+    assert faults.each("arm", [Key(1), Key(2)], lambda k: k.seq_id, whole) == [0, 0]
+    got = faults.each("arm", [Key(1), Key(2)], lambda k: k.seq_id, whole)
     assert got[0] == 1 and isinstance(got[1], faults.InjectedFault)
-    assert faults.each("arm", [Key(2)], lambda k: k.seq_id, lambda ks: [7]) == [7]
+    assert faults.each("arm", [Key(2)], lambda k: k.seq_id, whole) == [0]
+    assert wholes == [2, 1]
 
 
 def test_describe_names_the_stage():

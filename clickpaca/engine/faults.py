@@ -22,7 +22,8 @@ entry is `stage:seq_id[:point][@n]`:
   capture file created and half written;
 - `@n` (n >= 1) fails only the n-th time the server reaches that stage (or point) for
   that seq_id (`capture:3:opened@2`: the second capture file of seq_id 3, the first one
-  written whole). Without it, every time.
+  written whole; `read:3@2`: its second tick's read, a stage a tick reaches once for
+  each sequence). Without it, every time.
 
 Read once, at import; unset (the default), each check is one test of an empty set. The
 stages, in tick order, are `STAGES`; `TICK_STAGES` are those that serve the whole batch
@@ -110,25 +111,28 @@ _AT = parse(os.environ.get(ENV, ""))
 _reached: dict[tuple[str, int, str | None], int] = {}  # times each entry of _AT was reached
 
 
-def _due(stage: str, seq_id: int | None, point: str | None = None) -> bool:
-    """Whether CLICKPACA_FAIL_AT fails this stage (point) for this seq_id when it is
-    reached next (nothing counted)."""
+def _reach(stage: str, seq_id: int | None, point: str | None = None) -> bool:
+    """Count one reach of this stage (point) for this seq_id; whether CLICKPACA_FAIL_AT
+    fails it now."""
     key = (stage, seq_id, point)
-    return key in _AT and _AT[key] in (None, _reached.get(key, 0) + 1)
+    if key not in _AT:
+        return False
+    n = _reached[key] = _reached.get(key, 0) + 1
+    return _AT[key] in (None, n)
+
+
+def _fault(stage: str, point: str | None = None) -> InjectedFault:
+    where = STAGES.get(stage) or TICK_STAGES[stage]
+    if point is not None:
+        where = f"{where}, {POINTS[(stage, point)]}"
+    return InjectedFault(stage, f"{stage}: injected failure ({ENV}), {where}")
 
 
 def hit(stage: str, seq_id: int | None, point: str | None = None) -> None:
     """Raise InjectedFault when CLICKPACA_FAIL_AT names this stage (at this point) for
     this seq_id (and this is the n-th time, for an entry with @n)."""
-    if not _AT or (stage, seq_id, point) not in _AT:
-        return
-    due = _due(stage, seq_id, point)
-    _reached[(stage, seq_id, point)] = _reached.get((stage, seq_id, point), 0) + 1
-    if due:
-        where = STAGES.get(stage) or TICK_STAGES[stage]
-        if point is not None:
-            where = f"{where}, {POINTS[(stage, point)]}"
-        raise InjectedFault(stage, f"{stage}: injected failure ({ENV}), {where}")
+    if _AT and _reach(stage, seq_id, point):
+        raise _fault(stage, point)
 
 
 def each(stage: str, items: Sequence[Any], alone: Callable[[Any], Any],
@@ -141,18 +145,20 @@ def each(stage: str, items: Sequence[Any], alone: Callable[[Any], Any],
     default each item's `seq_id`) are what the tests' hook reads (`hit`)."""
     items = list(items)
     ids = list(seq_ids) if seq_ids is not None else [getattr(it, "seq_id", None) for it in items]
+    due = [bool(_AT) and _reach(stage, sid) for sid in ids]  # the tests' hook: one reach each
     if whole is not None:
         try:
-            if _AT and any(_due(stage, sid) for sid in ids):  # the tests' way to fail the call for all
+            if any(due):  # the tests' way to fail the call for all
                 raise InjectedFault(stage, f"{stage}: injected failure ({ENV}) of the call for all")
             return list(whole(items))
         except Exception as e:  # noqa: BLE001 - find whose part it was, below
             if not isinstance(e, StageFailed):
                 traceback.print_exc(file=sys.stderr)
     out: list[Any] = []
-    for it, sid in zip(items, ids):
+    for it, failing in zip(items, due):
         try:
-            hit(stage, sid)
+            if failing:
+                raise _fault(stage)
             out.append(alone(it))
         except Exception as e:  # noqa: BLE001 - this item's; the others go on
             out.append(e)
