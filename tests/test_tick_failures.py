@@ -64,6 +64,11 @@ def wait_ends(c: Client, seq_ids: list[int]) -> list[dict]:
 FAILING = {stage: 1 + i for i, stage in enumerate(STAGES)}
 HEALTHY_IDS = [0, 14, 15]
 PRESELECT_ONLY = ("order", "read")
+#: (build, preselect) of the servers each test runs on: the test build with the capture's
+#: callback given at creation, on both sampling paths, and the activations build, whose
+#: callback is set for the capturing decodes only (engine/readout.py)
+SERVERS = [pytest.param(TEST_BUILD, False, id="host"), pytest.param(TEST_BUILD, True, id="preselect"),
+           pytest.param("activations", False, id="activations", marks=pytest.mark.activations)]
 
 
 def request_for(stage: str, sid: int) -> dict:
@@ -79,11 +84,11 @@ def request_for(stage: str, sid: int) -> dict:
     return req
 
 
-@pytest.mark.parametrize("preselect", [False, True], ids=["host", "preselect"])
-def test_each_stage_fails_only_its_own_sequence(preselect):
+@pytest.mark.parametrize("build, preselect", SERVERS)
+def test_each_stage_fails_only_its_own_sequence(build, preselect):
     failing = {stage: sid for stage, sid in FAILING.items() if preselect or stage not in PRESELECT_ONLY}
     spec = ",".join(f"{stage}:{sid}" for stage, sid in failing.items())
-    c = spawn({ENV: spec}, preselect=preselect)
+    c = spawn({ENV: spec}, preselect=preselect, build=build)
     try:
         c.grammar("yn", 'root ::= ("yes" | "no" | " ")+')
         lines = [
@@ -173,8 +178,8 @@ def test_the_partial_points_are_the_documented_ones():
     assert all(entry.split(":")[0] in STAGES for entry, _, _, _ in PARTIAL.values())
 
 
-@pytest.mark.parametrize("preselect", [False, True], ids=["host", "preselect"])
-def test_a_stage_that_fails_part_way_ends_only_its_request(tmp_path, preselect):
+@pytest.mark.parametrize("build, preselect", SERVERS)
+def test_a_stage_that_fails_part_way_ends_only_its_request(tmp_path, build, preselect):
     """Deterministic mode: the neighbours' tokens with the failing requests beside them
     are those of their run without them; each failing request ends once, with an error
     naming its stage, after the token events its stage sent before it failed; nothing of
@@ -187,7 +192,7 @@ def test_a_stage_that_fails_part_way_ends_only_its_request(tmp_path, preselect):
     state.mkdir()
     # 1,024 cells a sequence (deterministic mode: one KV stream each) for LONG's prompt
     c = spawn({ENV: ",".join(p[0] for p in partial.values())}, str(state), deterministic=True,
-              preselect=preselect, nCtx=16 * 1024)
+              preselect=preselect, build=build, nCtx=16 * 1024)
     try:
         c.grammar("yn", 'root ::= ("yes" | "no" | " ")+')
         alone = run_infers(c, NEIGHBOURS)
