@@ -95,30 +95,47 @@ class Capture:
     def take_each(self) -> dict[Hashable, dict[str, np.ndarray] | CaptureError]:
         """As `take`, but each key gets its own rows or the CaptureError of the first of
         its nodes that failed; disarms."""
-        got, errors, rows, wanted = self._got, self._errors, self._rows, self._wanted
+        self.settle()
+        try:
+            return {k: self.take_one(k) for k in self.keys}
+        finally:
+            self.disarm()
+
+    @property
+    def keys(self) -> list[Hashable]:
+        """The keys armed for the last decode."""
+        return list(self._rows)
+
+    def settle(self) -> None:
+        """After the decode: a node evaluated other than once per micro-batch fails the
+        keys that asked for it (before `take_one`)."""
         n_ub = len(self._ubatches)
         for name, k in self._count.items():
-            if k != n_ub and name not in errors:
-                errors[name] = (f"node {name!r} was evaluated {k} times in one decode, in "
-                                f"{'one micro-batch' if n_ub == 1 else f'{n_ub} micro-batches'} "
-                                f"expected: llama.cpp split the batch otherwise; not guessed")
+            if k != n_ub and name not in self._errors:
+                self._errors[name] = (f"node {name!r} was evaluated {k} times in one decode, in "
+                                      f"{'one micro-batch' if n_ub == 1 else f'{n_ub} micro-batches'} "
+                                      f"expected: llama.cpp split the batch otherwise; not guessed")
+
+    def take_one(self, k: Hashable) -> dict[str, np.ndarray] | CaptureError:
+        """One key's rows (node -> [rows, ...], copies) or the CaptureError of the first
+        of its nodes that failed (after `settle`, before `disarm`)."""
+        got, errors, r = self._got, self._errors, self._rows[k]
+        names = sorted(self._wanted.get(k, ()))
+        bad = next((n for n in names if n in errors), None)
+        absent = [n for n in names if n not in self._count]
+        if bad is not None:
+            return CaptureError("capture", errors[bad])
+        if absent:
+            return CaptureError("capture", f"nodes {absent} were not evaluated in this decode")
+        if any(int(i) not in got.get(n, {}) for n in names for i in r):
+            return CaptureError("capture", f"rows {r.tolist()} were not all in the nodes "
+                                           f"{names} as evaluated: not guessed")
+        return {n: np.stack([got[n][int(i)] for i in r]) if len(r) else np.zeros((0,), np.float32)
+                for n in names}
+
+    def disarm(self) -> None:
+        """Forget the last decode's rows: every node is declined until the next arm."""
         self._names, self._rows, self._wanted, self._got, self._errors = frozenset(), {}, {}, {}, {}
-        out: dict[Hashable, dict[str, np.ndarray] | CaptureError] = {}
-        for k, r in rows.items():
-            names = sorted(wanted.get(k, ()))
-            bad = next((n for n in names if n in errors), None)
-            absent = [n for n in names if n not in self._count]
-            if bad is not None:
-                out[k] = CaptureError("capture", errors[bad])
-            elif absent:
-                out[k] = CaptureError("capture", f"nodes {absent} were not evaluated in this decode")
-            elif any(int(i) not in got.get(n, {}) for n in names for i in r):
-                out[k] = CaptureError("capture", f"rows {r.tolist()} were not all in the nodes "
-                                                 f"{names} as evaluated: not guessed")
-            else:
-                out[k] = {n: np.stack([got[n][int(i)] for i in r]) if len(r) else np.zeros((0,), np.float32)
-                          for n in names}
-        return out
 
     # ---------------------------------------------------------------- callback
 

@@ -32,7 +32,8 @@ pure modules load without the model's bindings):
                    job reads, and what it keeps of them until its end event
     mask_ahead.py  grammar masks filled while the decode runs
     faults.py      the stages of one sequence's service in a tick (a failure there
-                   ends that sequence alone), and the tests' hook that fails one
+                   ends that sequence alone), how a batch-wide step finds whose part
+                   failed (`each`), and the tests' hook that fails one
     text.py        token bytes -> valid UTF-8 pieces; stop strings
     stateio.py     state files (`save`, `load`) hashed, written and read on a worker
                    thread; completions come back through the server's inbox

@@ -32,6 +32,7 @@ import numpy as np
 from ..wire.protocol import done_event, prefilled_event, scored_event, token_event
 from ..wire.scoring import score_rows
 from ..sampling.usersteps import StepFailed, step_ms
+from . import faults
 from .plan import Feed, Want
 from .text import StopMatcher, Utf8Assembler
 
@@ -235,9 +236,11 @@ class InferJob(Job):
         if rt.model.is_eog(token):
             self._end_if_over(tick, seq, eog=True)
             return
-        if self.matcher is not None and not self.matcher.consume(token):
-            tick.seqs.fail(seq, f"grammar rejected token {token} (matcher: {self.matcher.error()})")
-            return
+        if self.matcher is not None:
+            if not self.matcher.consume(token):
+                tick.seqs.fail(seq, f"grammar rejected token {token} (matcher: {self.matcher.error()})")
+                return
+            faults.hit("accept", seq.seq_id, "consumed")  # the tests' hook: the grammar has moved on
         piece = self.utf8.feed(rt.model.token_to_piece(token, special=True))
         if self.check is not None:
             self.text.append(piece)
@@ -248,6 +251,7 @@ class InferJob(Job):
         if res.trace is not None:
             logprobs = {**(logprobs or {}), "trace": res.trace}
         tick.seqs.send(seq, token_event(seq.seq_id, token, piece, logprobs))
+        faults.hit("accept", seq.seq_id, "sent")  # the tests' hook: its token is out
         self.n_predicted += 1
         self._end_if_over(tick, seq, stop=self.stops.feed(piece) if self.stops else None)
 

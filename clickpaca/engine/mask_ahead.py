@@ -65,21 +65,12 @@ class MaskJob:
 
 
 def _fill(keys: list, matchers: list[Matcher], bitmask: np.ndarray) -> dict[Hashable, Exception]:
-    """Fill every mask in one call; if that fails, each alone: {key: its exception}."""
-    try:
-        for k in keys:
-            faults.hit("mask", getattr(k, "seq_id", None))
-        fill_masks(matchers, bitmask[:len(matchers)])
-        return {}
-    except Exception:  # noqa: BLE001 - find whose mask fails, the others are filled
-        errors = {}
-        for i, (k, m) in enumerate(zip(keys, matchers)):
-            try:
-                faults.hit("mask", getattr(k, "seq_id", None))
-                fill_masks([m], bitmask[i:i + 1])
-            except Exception as e:  # noqa: BLE001
-                errors[k] = e
-        return errors
+    """Fill every mask in one call; if that fails, each alone (faults.each): {key: its exception}."""
+    got = faults.each("mask", range(len(keys)),
+                      lambda i: fill_masks([matchers[i]], bitmask[i:i + 1]),
+                      lambda _: fill_masks(matchers, bitmask[:len(matchers)]) or [None] * len(matchers),
+                      seq_ids=[getattr(k, "seq_id", None) for k in keys])
+    return {k: e for k, e in zip(keys, got) if isinstance(e, Exception)}
 
 
 class MaskAhead:

@@ -81,32 +81,57 @@ class Readout:
                 "it: send init capture: true (every decode then pays the callback, ~4 ms here: "
                 "docs/ACTIVATIONS.md) or use a build that has it", seq_id, kind)
 
-    def arm(self, plan: list[Feed], batch: Any) -> None:
-        """Arm the callback with each capturing job's rows of this batch (filled from `plan`)."""
+    def arm(self, plan: list[Feed], batch: Any) -> dict[Any, Exception]:
+        """Arm the callback with each capturing job's rows of this batch (filled from
+        `plan`); {sequence: why} of those whose part failed (stage `arm`: each job's rows
+        are found alone, faults.each), armed without them (the scheduler ends them)."""
+        feeds = [f for f in plan if f.key.job.capture is not None]
+        got = faults.each("arm", feeds, lambda f: self._rows_of(f, batch), seq_ids=[f.key.seq_id for f in feeds])
+        failed = {f.key: g for f, g in zip(feeds, got) if isinstance(g, Exception)}
         wants = {}
-        for f in plan:
-            jc = f.key.job.capture
-            if jc is None:
-                continue
-            pos = jc.positions(f)
-            if pos:
-                wants[f.key] = (jc.names, [f.at + p - f.pos for p in pos])
-                jc.pending = pos
+        for f, g in zip(feeds, got):
+            if g is not None and not isinstance(g, Exception):
+                names, rows, f.key.job.capture.pending = g
+                wants[f.key] = names, rows
         self._armed = bool(wants)
         if self.cap is None:
-            return
+            return failed
         # armed with nothing, it declines every node (a retry after a failed decode disarms it)
         self.cap.arm_each(wants, batch, C.micro_batches(batch.seq[:batch.n], self.n_ubatch, self.streams)
                           if wants else None)
         self._set_live(bool(wants))
+        return failed
 
-    def take(self) -> dict[Any, dict[str, np.ndarray] | C.CaptureError]:
+    @staticmethod
+    def _rows_of(f: Feed, batch: Any) -> tuple[tuple[str, ...], list[int], list[int]] | None:
+        """(node names, batch rows, positions) of one feed's capture (None: it captures
+        nothing in this decode); CaptureError for rows outside the batch."""
+        jc = f.key.job.capture
+        pos = jc.positions(f)
+        if not pos:
+            return None
+        rows = [f.at + p - f.pos for p in pos]
+        if min(rows) < 0 or max(rows) >= batch.n:
+            raise C.CaptureError("captureTokens", f"rows {rows} outside the batch of {batch.n}")
+        return jc.names, rows, pos
+
+    def take(self) -> dict[Any, dict[str, np.ndarray] | Exception]:
         """After a successful decode: sequence -> its rows (node -> [rows, ...]) or the
-        CaptureError that ends it; {} when nothing was armed."""
+        error that ends it (a CaptureError; a failure of its own part of the take, stage
+        `take`: each sequence's rows are taken alone, faults.each); {} when nothing was
+        armed."""
         if not self._armed or self.cap is None:
             return {}
         self._armed = False
-        return self.cap.take_each()
+        cap = self.cap
+        try:
+            cap.settle()
+            keys = cap.keys
+            got = faults.each("take", keys, cap.take_one)
+        finally:
+            cap.disarm()
+        return {k: g if not isinstance(g, Exception) or isinstance(g, (C.CaptureError, faults.StageFailed))
+                else faults.StageFailed("take", faults.describe("take", g)) for k, g in zip(keys, got)}
 
     def _set_live(self, on: bool) -> None:
         if not self.live or on == self._on or self.ctx is None:
@@ -167,13 +192,19 @@ class JobCapture:
         """The end event's `capture`: positions and one array per node, inline (base64) up
         to MAX_INLINE_BYTES, else an .npy file in the state directory (its path)."""
         nodes = {}
-        for name in self.names:
-            parts = self.rows.get(name)
-            arr = np.concatenate(parts) if parts else np.zeros((0,), self.dtype)
-            if arr.nbytes > MAX_INLINE_BYTES:
-                nodes[name] = write_npy(arr, self.states, self.namespace, seq_id, name)
-            else:
-                nodes[name] = C.encode(arr, self.dtype)
+        try:
+            for name in self.names:
+                parts = self.rows.get(name)
+                arr = np.concatenate(parts) if parts else np.zeros((0,), self.dtype)
+                if arr.nbytes > MAX_INLINE_BYTES:
+                    nodes[name] = write_npy(arr, self.states, self.namespace, seq_id, name)
+                else:
+                    nodes[name] = C.encode(arr, self.dtype)
+        except BaseException:  # its event never goes out: no file it names stays behind
+            for ref in nodes.values():
+                if "file" in ref:
+                    remove_npy(ref, self.states, self.namespace)
+            raise
         return {"tokens": self.tokens, "positions": list(self.positions_read), "nodes": nodes}
 
 
@@ -191,7 +222,7 @@ def write_npy(arr: np.ndarray, states: Any, namespace: str | None, seq_id: int, 
             for _ in range(8):
                 name = f"capture-{states.run_id}-{seq_id}-{next(_files)}-{_SAFE.sub('_', node)}"[:120] + ".npy"
                 try:
-                    statedir.create_file(dir_fd, name, [buf.getbuffer()])
+                    statedir.create_file(dir_fd, name, _halves(buf.getbuffer(), seq_id))
                     break
                 except FileExistsError:
                     continue
@@ -204,6 +235,27 @@ def write_npy(arr: np.ndarray, states: Any, namespace: str | None, seq_id: int, 
                                             f"directory: {e}") from e
     sub = namespace or ""
     return {"dtype": str(arr.dtype), "shape": list(arr.shape), "file": str(states.root / sub / name)}
+
+
+def _halves(data: memoryview, seq_id: int):
+    """The file's bytes in two writes, the tests' hook between them (faults.py point
+    `capture:<seq_id>:opened`: the file exists, half written; create_file removes it)."""
+    half = len(data) // 2
+    yield data[:half]
+    faults.hit("capture", seq_id, "opened")
+    yield data[half:]
+
+
+def remove_npy(ref: dict, states: Any, namespace: str | None) -> None:
+    """Remove a capture file `write_npy` made (its event was never sent)."""
+    try:
+        dir_fd = states.namespace_dir(namespace)
+        try:
+            os.unlink(os.path.basename(ref["file"]), dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except (OSError, statedir.StatePathError):
+        pass  # gone already, or its directory with it
 
 
 def for_request(rt: Any, req: Any, namespace: str | None, max_rows: int) -> JobCapture | None:

@@ -9,11 +9,20 @@ for a row to sample). Then the rows asked for are sampled: with a presampler (in
 whose values cannot decide is sampled on its whole row), then every other row in one
 batched host call (sampling.batch.sample_tick); each token goes back to its job (`sampled`).
 
-Failures stay local: a stage that serves one sequence (faults.STAGES) runs guarded and
-ends that sequence alone with an `error` naming the stage; a batched call that fails is
-redone one sequence at a time to find whose it was; a decode without KV room defers prompt
-chunks, then ends the sequence holding the most cells. Only planning and the decode can
-fail a tick (Sequences.fail_all). Every `infer` ends in exactly one `done` or `error`.
+Failures stay local: a decode that finds no KV room first defers prompt chunks, then
+ends the sequence that holds the most cells; a failed decode ends only the sequences
+that were in it. Every stage that serves one sequence (faults.STAGES: its preparation,
+capture arm, order, mask, capture take, readout, feed, read, sampling, accept, events,
+capture file) runs guarded (`_guard`): a failure there ends that sequence alone with an
+`error` naming the stage, and the others in the tick go on. The calls that serve
+several sequences at once (the mask fill, the capture's arm and take, the
+pre-selection's orders and reads, the sampling) go through faults.each: on failing,
+they are redone one sequence at a time to find whose it was. A sequence that ends while
+the batch is filled (`_plan`) or its grammar rows are ordered is taken out of the batch,
+which is filled again: its tokens must not reach cells it no longer owns. Only what
+serves the whole batch (planning, the decode, its logits) can fail a tick; the server
+then ends every request in it with an error (Sequences.fail_all). Every `infer` ends in
+exactly one `done` or `error`.
 """
 
 from __future__ import annotations
@@ -60,8 +69,11 @@ class Scheduler:
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
-            self._grammar_orders(job)
             while plan:
+                if self._grammar_orders(job, plan):  # one in the batch ended: filled again without it
+                    plan = self._plan(defer_prompts=False)
+                    job = self._start_masks(plan)
+                    continue
                 for f in plan:  # the tests' way to fail the tick itself (faults.py)
                     faults.hit("decode", f.key.seq_id)
                 rc = ctx.decode(self.rt.batch)
@@ -70,7 +82,6 @@ class Scheduler:
                 job.wait()  # the matchers must be idle before any sequence ends
                 plan = self._recover(plan, rc)
                 job = self._start_masks(plan)
-                self._grammar_orders(job)
         finally:
             job.wait()
         if plan:
@@ -88,11 +99,16 @@ class Scheduler:
             faults.hit(stage, seq.seq_id)
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - the others in the tick go on
-            if not isinstance(e, faults.StageFailed):
-                traceback.print_exc(file=sys.stderr)
-            if seq.job is not None:  # still running: its request has had no end event
-                self.seqs.fail(seq, faults.describe(stage, e))
+            self._fail(seq, stage, e)
             return _FAILED
+
+    def _fail(self, seq: Sequence, stage: str, e: BaseException) -> None:
+        """End `seq` alone with an `error` naming `stage`, where `e` was raised (unless
+        its request was answered already)."""
+        if not isinstance(e, faults.StageFailed):
+            traceback.print_exception(e, file=sys.stderr)
+        if seq.job is not None:  # still running: its request has had no end event
+            self.seqs.fail(seq, faults.describe(stage, e))
 
     def _wants(self) -> list:
         """Each active sequence's Want (stage `prepare`)."""
@@ -121,7 +137,18 @@ class Scheduler:
         return kinds == {False}
 
     def _plan(self, defer_prompts: bool) -> list[Feed]:
-        """Plan the tick (plan.py) and fill the batch from it."""
+        """Plan the tick (plan.py) and fill the batch from it. A sequence that ends while
+        the batch is filled (its entry, its capture's rows or its row's order failed)
+        would leave its tokens in the batch, to land in cells it no longer owns: the
+        batch is then planned and filled again without it."""
+        while True:
+            plan = self._fill(defer_prompts)
+            if all(f.key.job is not None for f in plan):
+                return plan
+
+    def _fill(self, defer_prompts: bool) -> list[Feed]:
+        """One try of `_plan`: the plan, the batch filled, the capture armed and the rows
+        pre-selected, each sequence's part guarded; stops early once one has ended."""
         batch = self.rt.batch
         wants = self._wants()
         if self.rt.deterministic:
@@ -132,16 +159,26 @@ class Scheduler:
         batch.clear()
         now = time.perf_counter()
         for f in plan:
-            seq = f.key
-            batch.add(seq.tokens[f.pos:f.pos + f.count], f.pos, seq.slot, output_last=False)
-            if f.rows:
-                first = f.at + f.row_pos - f.pos
-                batch.logits[first:first + len(f.rows)] = 1
-            if not f.generating and seq.job.t_prompt is None:
-                seq.job.t_prompt = now
-        self.rt.readout.arm(plan, batch)  # the rows the jobs capture in this decode (readout.py)
+            self._guard(f.key, "prepare", self._add, f, now)
+        if any(f.key.job is None for f in plan):
+            return plan
+        # the rows the jobs capture in this decode (readout.py); a job whose part failed ends
+        for seq, e in self.rt.readout.arm(plan, batch).items():
+            self._fail(seq, "arm", e)
+        if any(f.key.job is None for f in plan):
+            return plan
         self._preselect(plan)
         return plan
+
+    def _add(self, f: Feed, now: float) -> None:
+        """One plan entry's tokens (and logits rows) into the batch."""
+        batch, seq = self.rt.batch, f.key
+        batch.add(seq.tokens[f.pos:f.pos + f.count], f.pos, seq.slot, output_last=False)
+        if f.rows:
+            first = f.at + f.row_pos - f.pos
+            batch.logits[first:first + len(f.rows)] = 1
+        if not f.generating and seq.job.t_prompt is None:
+            seq.job.t_prompt = now
 
     def _preselect(self, plan: list[Feed]) -> None:
         """With a presampler (init preselect): tell it the rows whose chain runs on
@@ -156,7 +193,11 @@ class Scheduler:
             if not f.samples:
                 continue
             seq = f.key
-            got = self._guard(seq, "prepare", self._route, seq, f)
+            try:  # (the tests' hook reaches `order` once a tick: in _orders)
+                got = self._route(seq, f)
+            except Exception as e:  # noqa: BLE001 - this sequence's order; the others go on
+                self._fail(seq, "order", e)
+                continue
             if isinstance(got, str):
                 self._host_why[seq] = got
             elif got is _GRAMMAR:
@@ -165,12 +206,14 @@ class Scheduler:
                 ready.append(seq)
         ps.order(self._orders(ready, [None] * len(ready)))
 
-    def _grammar_orders(self, job: MaskJob) -> None:
+    def _grammar_orders(self, job: MaskJob, plan: list[Feed]) -> bool:
         """The pre-selected rows with a grammar need their mask before the decode (the
         graph applies it before selecting): wait for the tick's masks, then order them.
-        A mask that failed leaves its row whole (its error comes at the sampling)."""
+        A mask that failed leaves its row whole (its error comes at the sampling).
+        True when a sequence of `plan` ended here (its order failed): the batch must be
+        filled again."""
         if not self._grammar_wait or self.rt.ctx.presampler is None:
-            return
+            return False
         ps = self.rt.ctx.presampler
         job.wait()
         orders = dict(ps.orders)
@@ -187,19 +230,27 @@ class Scheduler:
         self._grammar_wait = []
         orders.update(self._orders(ready, masks))
         ps.order(orders)
+        return any(f.key.job is None for f in plan)
 
     def _orders(self, seqs: list[Sequence], masks: list) -> dict[int, Any]:
         """{slot: RowOrder} of sequences routed to the graph, made together
-        (fastpath.order_many); if that raises, one at a time, so that only a sequence
-        whose order fails ends (stage `prepare`)."""
+        (fastpath.order_many); if that raises, one at a time (faults.each), so that
+        only a sequence whose order fails ends (stage `order`)."""
         if not seqs:
             return {}
-        try:
-            made = fastpath.order_many([seq.job.drawer() for seq in seqs], masks, [self._k(seq) for seq in seqs])
-        except Exception:  # noqa: BLE001 - retried one at a time below
-            made = [self._guard(seq, "prepare", fastpath.order, seq.job.drawer(), mask, self._k(seq))
-                    for seq, mask in zip(seqs, masks)]
-        return {seq.slot: got for seq, got in zip(seqs, made) if got is not _FAILED}
+        made = faults.each(
+            "order", list(zip(seqs, masks)),
+            lambda it: fastpath.order(it[0].job.drawer(), it[1], self._k(it[0])),
+            lambda its: fastpath.order_many([s.job.drawer() for s, _ in its], [m for _, m in its],
+                                            [self._k(s) for s, _ in its]),
+            seq_ids=[seq.seq_id for seq in seqs])
+        out = {}
+        for seq, got in zip(seqs, made):
+            if isinstance(got, Exception):
+                self._fail(seq, "order", got)
+            else:
+                out[seq.slot] = got
+        return out
 
     @staticmethod
     def _k(seq: Sequence) -> int:
@@ -239,6 +290,7 @@ class Scheduler:
 
     def _consume(self, plan: list[Feed], masks: MaskJob) -> None:
         """The decode succeeded: each sequence's fed tokens are in its KV cells now."""
+        # each sequence's captured rows, or the error of its part of the take (readout.py)
         tick = Tick(self.rt, self.seqs, self.rt.ctx.logits(), time.perf_counter(),
                     captured=self.rt.readout.take())
         for f in plan:
@@ -264,10 +316,13 @@ class Scheduler:
         for d in tick.draws:
             if d[0].job is None:
                 continue
-            row = self._guard(d[0], "mask", masks.row, d[0])  # None: no grammar
-            if row is not _FAILED:
-                draws.append(d)
-                mask_rows.append(row)
+            try:  # None: no grammar (the tests' hook reached `mask` in the fill: mask_ahead.py)
+                row = masks.row(d[0])
+            except Exception as e:  # noqa: BLE001 - its own mask failed; the others go on
+                self._fail(d[0], "mask", e)
+                continue
+            draws.append(d)
+            mask_rows.append(row)
         if not draws:
             return
         ps = self.rt.ctx.presampler
@@ -275,17 +330,13 @@ class Scheduler:
             draws, mask_rows = self._sample_preselected(tick, ps, draws, mask_rows)
             if not draws:
                 return
-        try:
-            for seq, _, _ in draws:  # the tests' way to fail the batched call (faults.py)
-                faults.hit("sampling", seq.seq_id)
-            results = sample_tick([sampler for _, _, sampler in draws], tick.logits,
-                                  [row for _, row, _ in draws], mask_rows, isolate=(Exception,),
-                                  threads=self.rt.ctx.n_threads)
-        except Exception as e:  # noqa: BLE001 - one row at a time, to find whose it is
-            if not isinstance(e, faults.StageFailed):
-                traceback.print_exc(file=sys.stderr)
-            results = [self._sample_one(seq, sampler, tick.logits[row], mask)
-                       for (seq, row, sampler), mask in zip(draws, mask_rows)]
+        # all rows in one call; if it raises, one row at a time, to find whose it is
+        results = faults.each(
+            "sampling", list(zip(draws, mask_rows)),
+            lambda it: it[0][2].sample(tick.logits[it[0][1]], it[1]),
+            lambda its: sample_tick([d[2] for d, _ in its], tick.logits, [d[1] for d, _ in its],
+                                    [m for _, m in its], isolate=(Exception,), threads=self.rt.ctx.n_threads),
+            seq_ids=[d[0].seq_id for d in draws])
         why = self._host_why if ps is not None else None
         for (seq, row, _), mask, res in zip(draws, mask_rows, results):
             if why is not None and not isinstance(res, Exception):
@@ -305,10 +356,20 @@ class Scheduler:
         rest, rest_masks, fast = [], [], []
         n_out = self.rt.ctx.n_outputs
         ordered = [d for d in draws if d[0].slot in ps.orders]
-        read = dict(zip((id(d) for d in ordered),
-                        ps.read_many([d[0].slot for d in ordered], [d[1] for d in ordered], n_out)))
+        # every ordered row read in one call; if it raises, one at a time (stage `read`)
+        got = faults.each("read", ordered, lambda d: ps.read(d[0].slot, d[1], n_out),
+                          lambda ds: ps.read_many([d[0].slot for d in ds], [d[1] for d in ds], n_out),
+                          seq_ids=[d[0].seq_id for d in ordered])
+        read = {}
+        for d, pre in zip(ordered, got):
+            if isinstance(pre, Exception):
+                self._fail(d[0], "read", pre)
+            else:
+                read[id(d)] = pre
         for d, mask in zip(draws, mask_rows):
             seq, row, _ = d
+            if seq.job is None:  # its read failed
+                continue
             pre = read.get(id(d))
             if pre is None:  # not ordered, or its row came back whole
                 rest.append(d)
@@ -320,18 +381,15 @@ class Scheduler:
                 tick.preselected.add(row)
         if not fast:
             return rest, rest_masks
-        try:
-            for (seq, _, _), _, _ in fast:  # the tests' way to fail the batched call (faults.py)
-                faults.hit("sampling", seq.seq_id)
-            results = fastpath.sample_tick([d[2] for d, _, _ in fast], [p for _, _, p in fast],
-                                           [m for _, m, _ in fast])
-        except Exception as e:  # noqa: BLE001 - one row at a time, to find whose it is
-            if not isinstance(e, faults.StageFailed):
-                traceback.print_exc(file=sys.stderr)
-            results = [self._guard(d[0], "sampling", fastpath.sample, d[2], p, m) for d, m, p in fast]
+        results = faults.each(  # together; if that raises, one row at a time, to find whose it is
+            "sampling", fast, lambda it: fastpath.sample(it[0][2], it[2], it[1]),
+            lambda its: fastpath.sample_tick([d[2] for d, _, _ in its], [p for _, _, p in its],
+                                             [m for _, m, _ in its]),
+            seq_ids=[d[0].seq_id for d, _, _ in fast])
         for (d, mask, pre), res in zip(fast, results):
             seq, row, sampler = d
-            if res is _FAILED:
+            if isinstance(res, Exception):
+                self._fail(seq, "sampling", res)
                 continue
             if isinstance(res, str):
                 res = self._guard(seq, "sampling", self._whole_row, ps, seq, row, sampler, mask, res, n_out, pre)
@@ -352,12 +410,3 @@ class Scheduler:
         if paths is not None and why == fastpath.PAST_K:
             paths.k = min(paths.k * 2, fastpath.K_MAX)  # ask for more next time
         return dataclasses.replace(sampler.sample(full, mask), path=f"host: {why}")
-
-    @staticmethod
-    def _sample_one(seq: Sequence, sampler: Any, logits: Any, mask: Any) -> Any:
-        """One row's token, or the exception its sampling raised."""
-        try:
-            faults.hit("sampling", seq.seq_id)
-            return sampler.sample(logits, mask)
-        except Exception as e:  # noqa: BLE001
-            return e
