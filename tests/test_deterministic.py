@@ -10,7 +10,7 @@ events' numbers. Sequences stay inside the default model's 512-position sliding 
 
 Every test of the mode runs on both sampling paths (the `preselect` fixture: init
 preselect false, and true: the chains run on the values the decode pre-selects,
-llama/presample.py), so the claim holds on the fast path too.
+llama/presample/), so the claim holds on the fast path too.
 
 The cache is f16 whatever CLICKPACA_TEST_CACHE_* say: the mode turns flash attention
 off, and llama.cpp needs it for a quantized V cache (refused, tested below).

@@ -1,4 +1,4 @@
-"""The decode graph's pre-selection (llama/presample.py) against its numpy reference.
+"""The decode graph's pre-selection (llama/presample/) against its numpy reference.
 
 Real prompts are decoded on the default model with a `Presampler` on a small context,
 several sequences in one decode: some rows ordered (each kind of order: plain top-K, a
@@ -35,8 +35,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from clickpaca.llama import core
-from clickpaca.llama.presample import (BLOCK, K_ROOM, TOUCHED_ROOM, Presampler, RowOrder, _own_best_rows, fits,
-                                       plan_of, reference, roomy)
+from clickpaca.llama.presample import BLOCK, K_ROOM, TOUCHED_ROOM, Presampler, RowOrder, fits, plan_of, reference, roomy
+from clickpaca.llama.presample.unpack import _own_best_rows
 
 pytestmark = pytest.mark.model
 

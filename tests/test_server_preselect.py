@@ -1,5 +1,5 @@
 """`init` preselect on the real server and default model: the sampler chains run on the
-values the decode pre-selects (llama/presample.py, sampling/fastpath.py) and give what
+values the decode pre-selects (llama/presample/, sampling/fastpath.py) and give what
 the host path gives.
 
 Two deterministic-mode servers, one with preselect and one without, get the same seeded

@@ -1,7 +1,7 @@
 """The canonical order of a candidate set as one sortable key per entry.
 
 The sampler chain orders candidates by value descending, then id ascending
-(sampling/steps.py ``canonical_order``); the pre-selection's read (llama/presample.py)
+(sampling/steps.py ``canonical_order``); the pre-selection's read (llama/presample/)
 hands each row's K best back in that order and the host path's batched rows
 (sampling/batch.py) sort their candidates so. Both sort [m, n] matrices along their rows:
 one uint64 key per entry makes that one argsort.

@@ -56,7 +56,7 @@ class Tick:
     now: float
     captured: dict = field(default_factory=dict)  # sequence -> its captured rows or CaptureError (readout.py)
     draws: list = field(default_factory=list)  # (sequence, row, sampler) to sample, in plan order
-    preselected: set = field(default_factory=set)  # rows that hold pre-selected values (presample.py)
+    preselected: set = field(default_factory=set)  # rows that hold pre-selected values (llama/presample/)
 
     def row(self, i: int) -> np.ndarray:
         """The whole raw logits row i: `logits[i]`, or for a pre-selected row the copy

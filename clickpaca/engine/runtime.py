@@ -134,7 +134,7 @@ class Runtime:
             close_workers(workers, loss)
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         readout = Readout(nat, req.capture)  # the eval callback: at creation or live (readout.py)
-        # the decode pre-selects each sampled row's values (llama/presample.py, sampling/fastpath.py)
+        # the decode pre-selects each sampled row's values (llama/presample/, sampling/fastpath.py)
         presampler = Presampler(nat, model.n_vocab, req.nSeqMax) if req.preselect else None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,

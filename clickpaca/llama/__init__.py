@@ -6,6 +6,6 @@ files and tok.py is `clickpaca tok`; cachetypes.py is the table of KV cache type
 deterministic.py deterministic mode's settings, gpu.py what a GPU build lists and refuses,
 turboquant.py the turbo types' codebooks
 and numpy reference; opdump.py and opdiff.py find which graph node depends on batch
-shape; presample.py the backend sampler whose ggml ops pre-select each sampled row's
+shape; presample/ the backend sampler whose ggml ops pre-select each sampled row's
 values inside the decode (and their numpy reference); kvcenter.py the key center's file and
 its setting on a context (the kvcenter patch's llama_set_kv_center). Nothing here imports a layer above it (sampling, grammar, wire, engine, ...)."""

@@ -419,7 +419,7 @@ class Context(_Owned):
         """llama_decode: 0 ok, 1 no KV slot for the batch, 2 aborted, <0 error."""
         self._n_outputs = int(batch.logits[:batch.n].sum())
         self._rows_touched = max(self._rows_touched, self._n_outputs)
-        if self.presampler is not None:  # a graph of the orders' shape (presample.py: graph reuse)
+        if self.presampler is not None:  # a graph of the orders' shape (presample/reuse.py)
             n = batch.n
             # one output token per sequence, within a micro-batch, on one KV stream: llama.cpp
             # runs it as one micro-batch (its simple split), so whole rows can be read from
@@ -497,7 +497,7 @@ class Context(_Owned):
     def logits(self) -> np.ndarray:
         """[n_outputs, n_vocab] float32 view of the last decode's logits (see module doc)."""
         ffi = self.nat.ffi
-        if self.presampler is not None:  # pre-selected rows hold their packed values (presample.py)
+        if self.presampler is not None:  # pre-selected rows hold their packed values (presample/unpack.py)
             if not self._n_outputs:
                 return np.empty((0, self.n_vocab), np.float32)
             ptr = self.nat.lib.llama_get_sampled_logits_ith(self.ptr, -self._n_outputs)

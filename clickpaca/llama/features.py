@@ -80,7 +80,7 @@ FEATURES: tuple[Feature, ...] = (
             ("llama_context_params.kv_unified",),
             field="kvUnified", asked=lambda r: not r.kvUnified, refused="kvUnified false",
             without="otherwise: one cache for all sequences, as kvUnified true asks"),
-    Feature("backend-sampling", "sampled rows pre-selected inside the decode (llama/presample.py)",
+    Feature("backend-sampling", "sampled rows pre-selected inside the decode (llama/presample/)",
             ("llama_context_params.samplers", "llama_context_params.n_samplers",
              "llama_context_params.n_outputs_max_per_seq", "llama_sampler_init",
              "llama_sampler_i.backend_init", "llama_sampler_i.backend_apply",

@@ -1,4 +1,4 @@
-"""The sampler chain on the values the decode pre-selected (llama/presample.py).
+"""The sampler chain on the values the decode pre-selected (llama/presample/).
 
 Two halves, before and after the decode:
 
