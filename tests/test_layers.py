@@ -1,5 +1,6 @@
 """The package's layers: a module imports only from its own layer or a layer below it,
-no modules import each other in a circle, and the package root stays small.
+no modules import each other in a circle, no private name crosses from one module to
+another, and the package root stays small.
 
 Read from the source (ast), every import statement: at module level, inside functions,
 under `if TYPE_CHECKING:` and `if __name__ == "__main__":`. Those last two name their
@@ -206,6 +207,97 @@ def test_root_is_small():
     assert len(entries) <= MAX_ROOT_ENTRIES, f"clickpaca/ holds {len(entries)} entries: {entries}"
     stray = sorted(module_name(p) for p in PKG.glob("*.py") if module_name(p) not in ROOT_MODULES)
     assert not stray, f"modules at the root outside every layer: {stray}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_defined(tree: ast.AST) -> set[str]:
+    """The private names a module's own code makes: functions, classes, assignments
+    (module names, and attributes: ``self._x = ...``), arguments, and the strings of
+    ``__slots__``, ``setattr`` and ``__dict__["_x"] = ...``."""
+    own: set[str] = set()
+    for n in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [n.name]
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names = [n.id]
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names = [n.attr]
+        elif isinstance(n, ast.arg):
+            names = [n.arg]
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.slice, ast.Constant) \
+                and isinstance(n.slice.value, str):
+            names = [n.slice.value]  # self.__dict__["_key"] = ...
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in n.targets):
+            names = [c.value for c in ast.walk(n.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        elif isinstance(n, ast.Call) and ast.unparse(n.func) in ("setattr", "object.__setattr__") \
+                and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str):
+            names = [n.args[1].value]
+        own.update(x for x in names if _private(x))
+    return own
+
+
+def private_crossings(name: str, path: Path, theirs: set[str]) -> list[str]:
+    """Where module ``name`` uses a private name of another clickpaca module:
+    ``from x import _y`` (absolute or relative), ``x._y`` (and ``getattr(x, "_y")``) for
+    any x, a module or an object, when ``_y`` is a private name that another module's code
+    makes (``theirs``) and this one's does not. So ``s._history`` read outside the module
+    whose class sets ``self._history`` counts, while an object's private attributes used in
+    its own class's module (``other._key`` in ``__eq__``) do not, nor private names that
+    no clickpaca module makes (``os._exit``, a namedtuple's ``_replace``). A name that both
+    modules make reads as the reader's own: the check cannot know an object's class."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    own = private_defined(tree)
+    found: list[tuple[int, str]] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").split(".")[0] == "clickpaca"):
+            found += [(n.lineno, f"imports {a.name} from {'.' * n.level}{n.module or ''}")
+                      for a in n.names if _private(a.name)]
+        elif isinstance(n, ast.Import):
+            found += [(n.lineno, f"imports {a.name}") for a in n.names
+                      if a.name.split(".")[0] == "clickpaca" and any(_private(p) for p in a.name.split("."))]
+        elif isinstance(n, ast.Attribute) and _private(n.attr) and n.attr in theirs and n.attr not in own:
+            found.append((n.lineno, f"reads {ast.unparse(n)}"))
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr") \
+                and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str) \
+                and _private(n.args[1].value) and n.args[1].value in theirs and n.args[1].value not in own:
+            found.append((n.lineno, f"reads {ast.unparse(n)}"))
+    return [f"{name}:{line} {what}" for line, what in sorted(found, key=lambda f: f[0])]
+
+
+def test_private_check_sees_each_form(tmp_path):
+    # the test below can fail only if these are seen
+    f = tmp_path / "x.py"
+    f.write_text("from .chain import _steps_to_run, steps\n"
+                 "from clickpaca.results.report import _save\n"
+                 "from . import chain\n"
+                 "def f(s, other):\n"
+                 "    chain._reason('x')\n"
+                 "    s._history.append(1)\n"
+                 "    getattr(s, '_params')\n"
+                 "    other._mine = 1\n"
+                 "    return other._mine, s.__class__, s._unknown_anywhere\n")
+    found = private_crossings("clickpaca.sampling.x", f, {"_reason", "_history", "_params", "_mine"})
+    assert found == ["clickpaca.sampling.x:1 imports _steps_to_run from .chain",
+                     "clickpaca.sampling.x:2 imports _save from clickpaca.results.report",
+                     "clickpaca.sampling.x:5 reads chain._reason",
+                     "clickpaca.sampling.x:6 reads s._history",
+                     "clickpaca.sampling.x:7 reads getattr(s, '_params')"]
+
+
+def test_no_private_name_crosses_modules():
+    """A leading-underscore name is its module's: another module neither imports it nor
+    reads it off a module or an object (`private_crossings`). What another module needs
+    gets a public name, or the use moves to the module that owns the name."""
+    made = {m: private_defined(ast.parse(p.read_text(encoding="utf-8"))) for m, p in modules().items()}
+    crossings = []
+    for m, p in modules().items():
+        theirs = set().union(*(own for other, own in made.items() if other != m))
+        crossings += private_crossings(m, p, theirs)
+    assert not crossings, "private names used across modules:\n" + "\n".join(crossings)
 
 
 def test_every_layer_exists():

@@ -48,7 +48,8 @@ from clickpaca.sampling import fastpath_touched as T
 from clickpaca.sampling import registry as R
 from clickpaca.sampling.bench import random_mask, synthetic_row
 from clickpaca.sampling.bitmask import as_words, count_allowed
-from clickpaca.sampling.chain import _NO_HIST, _reason, _steps_to_run
+from clickpaca.sampling.chain import empty_reason, steps_to_run
+from clickpaca.sampling.registry import NO_HIST
 
 #: the steps whose rows say ``preselected`` (test_preselected_rows_are_the_ones_tested)
 PRESELECTED = ("logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature")
@@ -264,7 +265,7 @@ class Host:
         self.steered_logprob = self.steered_top = None
         tok = -1 if cand.empty_step is not None else cand.sample(min(max(u, 0.0), 1.0 - 2**-53))
         if tok < 0:
-            self.empty, self.reason = True, _reason(cand.empty_step or "sample")
+            self.empty, self.reason = True, empty_reason(cand.empty_step or "sample")
             self.n_candidates = 0
             return
         self.token = tok
@@ -321,7 +322,7 @@ def head(s: SequenceSampler, words) -> str:
     """The chain's first truncation for this tick (for the events)."""
     p = s.params
     n_allowed = count_allowed(as_words(words, s.n_vocab), s.n_vocab) if words is not None else s.n_vocab
-    active, first = _steps_to_run(p, p.penalties_active and s.penalty_window()[0].size > 0, n_allowed)
+    active, first = steps_to_run(p, p.penalties_active and s.penalty_window()[0].size > 0, n_allowed)
     return "no truncation" if first is None else active[first].name
 
 
@@ -414,7 +415,7 @@ def fast_vs_host(p: SamplerParams, history: list[int], rows: list[np.ndarray], m
                 TALLY["answers"] += 1
                 note("answer: " + ("dense draw" if o.u is not None else f"explicit set ({head(fast, words)})"))
                 how = check_answer(got, want, row, p, words,
-                                   host.penalty_window() if p.penalties_active else _NO_HIST, u)
+                                   host.penalty_window() if p.penalties_active else NO_HIST, u)
                 if how != "same":
                     TALLY["near"] += 1
                     note(f"near boundary: {how}")
@@ -515,7 +516,7 @@ def test_a_tick_of_several_sequences_is_each_ones_host_path(V, source, specs):
             assert repr(f.sample(row)) == repr(want)
         else:
             TALLY["answers"] += 1
-            if check_answer(g, want, row, p, None, _NO_HIST, u) != "same":
+            if check_answer(g, want, row, p, None, NO_HIST, u) != "same":
                 TALLY["near"] += 1
         assert f.peek() == h.peek()
 
@@ -559,7 +560,7 @@ def test_a_tick_of_dense_draws_is_each_rows_own_draw():
                 assert g.path == "graph"
                 if i % 6 != 5:
                     u = SequenceSampler(p, V).peek()
-                    check_answer(g, SequenceSampler(p, V).sample(row), row, p, None, _NO_HIST, u)
+                    check_answer(g, SequenceSampler(p, V).sample(row), row, p, None, NO_HIST, u)
         assert 0 < reasons < len(got) // 2
 
 
@@ -986,7 +987,7 @@ def test_fewer_allowed_than_k_is_answered():
     got = F.sample(s, pre, words)
     want = SequenceSampler(p, V).sample(row, words)
     assert not isinstance(got, str), got
-    assert check_answer(got, want, row, p, words, _NO_HIST, SequenceSampler(p, V).peek()) == "same"
+    assert check_answer(got, want, row, p, words, NO_HIST, SequenceSampler(p, V).peek()) == "same"
 
 
 def test_a_top_k_keeping_every_allowed_token_leaves_the_bias_after_it():
@@ -1006,7 +1007,7 @@ def test_a_top_k_keeping_every_allowed_token_leaves_the_bias_after_it():
     want = SequenceSampler(p, V).sample(row, words)
     assert want.token == 11
     assert not isinstance(got, str) and got.token == 11, got  # not the banned 10
-    assert check_answer(got, want, row, p, words, _NO_HIST, SequenceSampler(p, V).peek()) == "same"
+    assert check_answer(got, want, row, p, words, NO_HIST, SequenceSampler(p, V).peek()) == "same"
     assert o.touched.tolist() == [10]
 
 
@@ -1077,14 +1078,14 @@ def test_the_near_boundary_rule_excuses_rounding_only():
     cum = np.concatenate(([0.0], np.cumsum(e) / e.sum()))  # token 10 + j: u in [cum[j], cum[j + 1])
     edge = float(cum[2])  # between ids 11 and 12
     u = edge + 1e-7
-    host = Host(row, p, None, _NO_HIST, u)
+    host = Host(row, p, None, NO_HIST, u)
     assert host.token == 12 and same_decision(host, host)
     for tok, at, near in ((11, edge - 1e-7, "draw -1e-06"), (13, (cum[3] + cum[4]) / 2, None),
                           (10, cum[1] / 2, None)):
-        other = Host(row, p, None, _NO_HIST, float(at))
+        other = Host(row, p, None, NO_HIST, float(at))
         assert other.token == tok
         assert not same_decision(other, host)
-        assert near_boundary(other, row, p, None, _NO_HIST, u) == near
+        assert near_boundary(other, row, p, None, NO_HIST, u) == near
 
 
 _SETS = st.lists(st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(0, 300_000), max_size=80),

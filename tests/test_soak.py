@@ -31,7 +31,7 @@ WARM_UP = SOAK_CYCLES // 5
 # logits row per cycle (>= 90 KiB) would exceed it within a few hundred cycles.
 # What the remaining growth is (measured 2026-11-30: the cycle run in-process with
 # tracemalloc and gc counts, /tmp scripts described in the #19 note): Python objects kept
-# after warm-up are the sampler chain's plan cache (sampling/chain.py `_steps_to_run`, an
+# after warm-up are the sampler chain's plan cache (sampling/chain.py `steps_to_run`, an
 # LRU of 1,024 entries keyed by the request's SamplerParams and the allowed-token count:
 # every soak infer has a fresh seed, so every request adds entries until the bound; 201
 # SamplerParams alive after 300 cycles, ~0.35 MiB at 1,000) and the ints of its keys;

@@ -21,7 +21,7 @@ from ..sampling import chain, dry
 MAX_GRAMMARS_PER_SESSION = 1024
 MAX_GRAMMAR_TEXT_PER_SESSION = 16 << 20
 GRAMMAR_NATIVE_BYTES = 30 << 10  # llguidance's compiled grammar, per small grammar (measured)
-# The sampler plan cache (sampling/chain.py `_steps_to_run`): keys are SamplerParams;
+# The sampler plan cache (sampling/chain.py `steps_to_run`): keys are SamplerParams;
 # params with more logit_bias entries than chain.PLAN_CACHE_MAX_BIAS are not cached.
 # Measured with tracemalloc: 0.7 KiB per cached plan, 4.7 KiB with 64 logit_bias entries.
 PLAN_ENTRY_BYTES = 1024 + 64 * chain.PLAN_CACHE_MAX_BIAS
@@ -51,9 +51,9 @@ def rss_bytes() -> int | None:
 def caches(rt: Any, sessions: list, session: Any) -> dict[str, dict]:
     """Every per-request cache of a running server (rt: engine/runtime.py Runtime)."""
     g = rt.grammars.cache_stats()
-    info = chain._steps_to_run.cache_info()
+    info = chain.steps_to_run.cache_info()
     plans, max_plans = info.currsize, info.maxsize
-    pieces = rt.model._pieces
+    pieces = rt.model.piece_cache
     piece_bytes = sum(len(p) for p in list(pieces.values())) + PIECE_OVERHEAD * len(pieces)
     max_piece = rt.vocab.longest_text + PIECE_OVERHEAD  # a piece is never longer than its token's text
     mine = list(session.grammars.values())

@@ -146,6 +146,12 @@ class Model(_Owned):
         self._eog: np.ndarray | None = None
         self._pieces: dict[int, bytes] = {}
 
+    @property
+    def piece_cache(self) -> dict[int, bytes]:
+        """The pieces `token_to_piece` has cached (with special=True), by token: what the
+        server's cache accounting sizes (engine/accounting.py)."""
+        return self._pieces
+
     def is_eog(self, token: int) -> bool:
         return bool(self.nat.lib.llama_vocab_is_eog(self.vocab, token))
 

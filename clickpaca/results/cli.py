@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .report import _pyplot, _save, draw_retrieval
+from .report import load_pyplot, save_figure, draw_retrieval
 from .table import fmt, markdown
 from . import paired
 from .compare import CompareError, compare, is_quality, parse_target
@@ -267,7 +267,7 @@ def cmd_plot(store: Store, args: argparse.Namespace) -> int:
     data = plot_series(store, args.ids, measure)
     if not data:
         raise CompareError(f"runs {args.ids} hold no samples of {measure!r}")
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=110)
     labels = list(dict.fromkeys(x for xs, _, _ in data.values() for x in xs))
     n = len(data)
@@ -279,7 +279,7 @@ def cmd_plot(store: Store, args: argparse.Namespace) -> int:
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.legend(fontsize=8)
     bars = "bootstrap 95% CI" if measure in ("ppl", "kl", "top1") else "min-max of rounds"
-    _save(plt, fig, ax, args.out, "cache type / series", f"{measure} (bars: {bars})",
+    save_figure(plt, fig, ax, args.out, "cache type / series", f"{measure} (bars: {bars})",
           f"{measure} across runs {', '.join(map(str, args.ids))}")
     return 0
 

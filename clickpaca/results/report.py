@@ -66,7 +66,8 @@ def problem_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _pyplot():
+def load_pyplot():
+    """matplotlib's pyplot on the Agg backend (imported on first use: plotting is optional)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +81,7 @@ def plot_lines(path: str | os.PathLike, series: dict[str, tuple[Sequence[float],
                bands: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> Path:
     """One line per series: name -> (x values, y values); bands: name -> (lows, highs) at
     the same x values, drawn shaded around the line (an interval, so the noise is in the figure)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for name, (xs, ys) in series.items():
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
@@ -91,13 +92,13 @@ def plot_lines(path: str | os.PathLike, series: dict[str, tuple[Sequence[float],
     if logx:
         ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
-    return _save(plt, fig, ax, path, xlabel, ylabel, title)
+    return save_figure(plt, fig, ax, path, xlabel, ylabel, title)
 
 
 def plot_points(path: str | os.PathLike, points: list[tuple[str, float, float]], xlabel: str,
                 ylabel: str, title: str, logy: bool = False) -> Path:
     """Labelled scatter: (label, x, y)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for label, x, y in points:
         if x is None or y is None:
@@ -106,10 +107,10 @@ def plot_points(path: str | os.PathLike, points: list[tuple[str, float, float]],
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if logy:
         ax.set_yscale("symlog", linthresh=1e-4)
-    return _save(plt, fig, ax, path, xlabel, ylabel, title)
+    return save_figure(plt, fig, ax, path, xlabel, ylabel, title)
 
 
-def _save(plt, fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, title: str) -> Path:
+def save_figure(plt, fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, title: str) -> Path:
     """Label, grid and write one figure to a PNG (parent folders created), then close it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -21,8 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from . import registry as R
-from .chain import SampleResult, SequenceSampler, _steps_to_run, greedy_tail
-from .cut import _default_cols
+from .chain import SampleResult, SequenceSampler, steps_to_run, greedy_tail
+from .cut import default_cols
 from ..base.order import canonical_keys, is_canonical
 from .params import SamplerParams
 from .workers import run_all
@@ -43,9 +43,9 @@ def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
         return None
     if greedy_tail(p, has_hist, n_vocab) is not None:
         return ("greedy",)
-    active, first = _steps_to_run(p, has_hist, n_vocab)
+    active, first = steps_to_run(p, has_hist, n_vocab)
     names = [s.name for s in active]
-    if first != 0 or not names or names[0] != "top_k" or not 1 < p.top_k <= min(KMAX, _default_cols(n_vocab)):
+    if first != 0 or not names or names[0] != "top_k" or not 1 < p.top_k <= min(KMAX, default_cols(n_vocab)):
         return None
     rest = names[1:]
     if rest not in ([], ["top_p"], ["temperature"], ["top_p", "temperature"]):
@@ -61,7 +61,7 @@ def thread_safe(p: SamplerParams, has_hist: bool, n_vocab: int) -> bool:
     """True when no active step of the chain reads shared state (its row's
     ``shared_state``), so the row may be sampled on a worker thread. User-defined steps
     say they do (they were written for the engine thread: usersteps)."""
-    active, _ = _steps_to_run(p, has_hist, n_vocab)  # the same steps whatever the grammar allows
+    active, _ = steps_to_run(p, has_hist, n_vocab)  # the same steps whatever the grammar allows
     return not any(s.shared_state for s in active)
 
 
@@ -160,7 +160,7 @@ def _topk_tasks(logits, rows, js, k, tasks) -> list:
     """One task per row that finds a threshold t with >= k tokens >= t and the tokens
     >= t (ids ascending, their values), into the returned list: (t, ids, values)."""
     V = logits.shape[1]
-    cols = _default_cols(V)
+    cols = default_cols(V)
     nr = V // cols
     head_n = nr * cols
     res: list = [None] * len(js)

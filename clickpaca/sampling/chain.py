@@ -17,7 +17,7 @@ from .cut import RowView
 from .params import SamplerParams
 from .steps import FORCE
 from . import registry as R
-from .registry import ELEMENTWISE, SCALE, TRUNCATION, Step, StepContext
+from .registry import ELEMENTWISE, NO_HIST, SCALE, TRUNCATION, Step, StepContext
 from .table import LOGIT_BIAS as _LOGIT_BIAS, TEMPERATURE as _TEMPERATURE
 from .trace import trace
 
@@ -60,7 +60,7 @@ PLAN_CACHE_MAX_BIAS = 64  # params with more logit_bias entries are planned unca
 
 
 @functools.lru_cache(maxsize=1024)
-def _steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tuple[Step, ...], int | None]:
+def steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tuple[Step, ...], int | None]:
     """(active steps, index of the first truncating one or None), cached: params are
     frozen and the answer depends only on them, on whether there is a penalty history
     and on how many tokens the grammar allows (the same every tick without a grammar).
@@ -93,7 +93,7 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
     would give the same candidates (its cut is the same argmax); this skips its set-up."""
     if p.trace:
         return None
-    active, first = _steps_to_run(p, has_hist, n_vocab)
+    active, first = steps_to_run(p, has_hist, n_vocab)
     if first is None:
         return None
     prefix, tail = active[:first], active[first:]
@@ -108,16 +108,15 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
 
 
 # The plans are made from the registry's rows: a registration or removal drops them.
-R.on_change(_steps_to_run.cache_clear)
+R.on_change(steps_to_run.cache_clear)
 R.on_change(greedy_tail.cache_clear)
 
-_NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
 _NO_IDS = np.empty(0, np.int32)
 _NO_LOGITS = np.empty(0, np.float64)
 
 
 def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None = None,
-                hist: tuple[np.ndarray, np.ndarray] = _NO_HIST, *, view: RowView | None = None,
+                hist: tuple[np.ndarray, np.ndarray] = NO_HIST, *, view: RowView | None = None,
                 timings: dict | None = None, explicit_max: int = EXPLICIT_MAX,
                 ctx: StepContext | None = None) -> Candidates:
     """Run the sampler chain on one raw logits row; return the candidates to sample from.
@@ -164,9 +163,9 @@ def apply_chain(row: np.ndarray, params: SamplerParams, words: np.ndarray | None
             return Candidates(_NO_IDS, np.empty(0), "grammar")
         frac = n_allowed / n
     if words is None and len(params.logit_bias) <= PLAN_CACHE_MAX_BIAS:
-        active, first = _steps_to_run(params, hist[0].size > 0, n_allowed)
+        active, first = steps_to_run(params, hist[0].size > 0, n_allowed)
     else:  # n_allowed changes every tick (or a key this big): do not fill the cache with it
-        active, first = _steps_to_run.__wrapped__(params, hist[0].size > 0, n_allowed)
+        active, first = steps_to_run.__wrapped__(params, hist[0].size > 0, n_allowed)
 
     def run(steps, ids, logits, t0):
         for step in steps:
@@ -321,6 +320,11 @@ class SequenceSampler:
         """The stateful steps' states by step name (made on first use)."""
         return self._states
 
+    def step_context(self, hist: tuple[np.ndarray, np.ndarray], n_vocab: int) -> StepContext:
+        """What the steps see of this sequence for one row: ``hist`` (its penalty window,
+        or NO_HIST), its history, vocab, step states and streams, and its seed."""
+        return StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed, n_vocab)
+
     def set_params(self, params: SamplerParams) -> None:
         """Switch params mid-sequence. The RNG stream continues unless the new params
         name a different seed, which restarts it from that seed."""
@@ -427,7 +431,7 @@ class SequenceSampler:
                 o = np.argsort(ids)
                 self._hist_arrays = (ids[o], cnt[o])
             else:
-                self._hist_arrays = _NO_HIST
+                self._hist_arrays = NO_HIST
         return self._hist_arrays
 
     @property
@@ -514,9 +518,8 @@ class SequenceSampler:
         u = self.draw()
         words = as_words(allowed_bitmask, self._n_vocab) if allowed_bitmask is not None else None
         view = RowView(row)
-        hist = self.penalty_window() if p.penalties_active else _NO_HIST
-        ctx = StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed,
-                          self._n_vocab)
+        hist = self.penalty_window() if p.penalties_active else NO_HIST
+        ctx = self.step_context(hist, self._n_vocab)
         if p.trace:  # the trace reruns the steps on copies taken before they run
             before = StepContext(hist, self._history, self._vocab, copy.deepcopy(self._states),
                                  copy.deepcopy(self._streams), self._seed, self._n_vocab)
@@ -525,7 +528,7 @@ class SequenceSampler:
         if cand is None:
             cand = apply_chain(row, p, words, view=view, timings=timings, ctx=ctx)
         if cand.empty_step is not None:
-            return SampleResult(-1, True, _reason(cand.empty_step))
+            return SampleResult(-1, True, empty_reason(cand.empty_step))
         t0 = time.thread_time_ns() if timings is not None else 0
         tok = cand.sample(u)
         if timings is not None:
@@ -533,7 +536,7 @@ class SequenceSampler:
             timings["sample"] = timings.get("sample", 0) + t1 - t0
             t0 = t1
         if tok < 0:
-            return SampleResult(-1, True, _reason("sample"))
+            return SampleResult(-1, True, empty_reason("sample"))
         for step in ctx.used:  # stateful steps that ran learn the drawn token (mirostat)
             if step.sampled is not None:
                 step.sampled(self._states[step.name], tok, p)
@@ -578,5 +581,7 @@ def _greedy(row: np.ndarray, view: RowView, p: SamplerParams, short, ctx: StepCo
     return Candidates(ids, logits)
 
 
-def _reason(step: str) -> str:
+def empty_reason(step: str) -> str:
+    """The result's reason when ``step`` left no candidate (the registry's own, else a
+    generic one)."""
     return R.empty_reasons().get(step, f"no candidate left after {step}")

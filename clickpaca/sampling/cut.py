@@ -36,7 +36,7 @@ def scratch(n: int) -> np.ndarray:
     return buf[:n]
 
 
-def _default_cols(n: int) -> int:
+def default_cols(n: int) -> int:
     """About 32 rows: each column gathered costs ~R scattered cache lines, while the
     k-th largest of C column maxima costs O(C); R = 32 balances the two at 262k."""
     if n >= 4096:
@@ -65,7 +65,7 @@ class RowView:
         self.row = row
         self.dense_frac = dense_frac
         self.n = n = row.shape[0]
-        self.cols = c = cols or _default_cols(n)
+        self.cols = c = cols or default_cols(n)
         self.rows = r = n // c
         self.tail0 = r * c
         self.head = row[: r * c].reshape(r, c)

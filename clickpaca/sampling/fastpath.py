@@ -31,9 +31,9 @@ from .batch import batch_plan, topk_draw
 from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
-from .chain import SampleResult, SequenceSampler, _NO_HIST, _reason, _steps_to_run, greedy_tail
+from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, steps_to_run
 from .fastpath_dense import dense_plan, dense_tick
-from .registry import ELEMENTWISE, StepContext
+from .registry import ELEMENTWISE, NO_HIST, StepContext
 from .steps import FORCE
 from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
@@ -74,7 +74,7 @@ class FastStats:
 
 def _plan(s: SequenceSampler, n_allowed: int):
     p, has_hist = s.params, s.penalizes
-    active, first = _steps_to_run(p, has_hist, n_allowed)
+    active, first = steps_to_run(p, has_hist, n_allowed)
     return p, has_hist, active, first
 
 
@@ -95,7 +95,7 @@ def route(s: SequenceSampler, grammar: bool) -> str | None:
 
 def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     """The sorted unique ids the prefix steps touch for this sequence now."""
-    ctx = StepContext(s.penalty_window() if s.params.penalties_active else _NO_HIST)
+    ctx = StepContext(s.penalty_window() if s.params.penalties_active else NO_HIST)
     sets = [st.touches(s.params, ctx) for st in prefix if st.touches is not None]
     return np.unique(np.concatenate(sets)) if sets else _NO_TOUCHED
 
@@ -131,7 +131,7 @@ def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tupl
     greedy, the touched-id sets of the prefix's steps other than the penalties (they
     depend on the params alone), whether the penalties are in the prefix). Kept per chain
     (an order does not depend on the seed)."""
-    active, first = _steps_to_run(p, has_hist, n_allowed)
+    active, first = steps_to_run(p, has_hist, n_allowed)
     prefix = active if first is None else active[:first]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
     touches = any(st.touches is not None for st in prefix)
@@ -267,8 +267,8 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     prefix = active if first is None else active[:first]
     tail = () if first is None else active[first:]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
-    hist = s.penalty_window() if p.penalties_active else _NO_HIST
-    ctx = StepContext(hist, s._history, s._vocab, s._states, s._streams, s.seed, n)
+    hist = s.penalty_window() if p.penalties_active else NO_HIST
+    ctx = s.step_context(hist, n)
 
     touched = pre.order.touched
     if 1.0 / tau != pre.order.inv_tau or (prefix and not isin_sorted(_touched(s, prefix), touched).all()):
@@ -373,11 +373,11 @@ def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleRes
     p = s.params
     if cand.empty_step is not None:
         s.draw()
-        return SampleResult(-1, True, _reason(cand.empty_step), path="graph")
+        return SampleResult(-1, True, empty_reason(cand.empty_step), path="graph")
     tok = cand.sample(s.peek())
     if tok < 0:
         s.draw()
-        return SampleResult(-1, True, _reason("sample"), path="graph")
+        return SampleResult(-1, True, empty_reason("sample"), path="graph")
     if p.n_probs <= 0:
         s.draw()
         return SampleResult(tok, n_candidates=cand.size, path="graph")
@@ -494,7 +494,7 @@ def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
     """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
     temperature before it), then at most a positive temperature (the caller has ruled
     out nProbs and trace); None otherwise."""
-    active, first = _steps_to_run(p, has_hist, n_vocab)
+    active, first = steps_to_run(p, has_hist, n_vocab)
     names = [st.name for st in active]
     if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
         return None
@@ -603,8 +603,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
         if not (math.isfinite(pre.top) and (pre.blocks is None or math.isfinite(np.add.reduce(pre.blocks)))):
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
-        p, o = s._params, pre.order  # (the attributes, not the properties: a call per row is a cost here)
-        route = _route_of(p, s.penalizes, s._n_vocab,
+        p, o = s.params, pre.order
+        route = _route_of(p, s.penalizes, s.n_vocab,
                           mask is not None, o.touched.size > 0, pre.blocks is not None,
                           pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K

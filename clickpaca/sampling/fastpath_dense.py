@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from . import registry as R
-from .chain import SampleResult, SequenceSampler, _steps_to_run
+from .chain import SampleResult, SequenceSampler, steps_to_run
 from .table import TEMPERATURE
 from ..llama.presample import BLOCK
 
@@ -38,7 +38,7 @@ def dense_plan(p, has_hist: bool, n_vocab: int) -> float | None:
     touching nothing (no bias, no penalties), no trace; None otherwise."""
     if p.trace:
         return None
-    active, first = _steps_to_run(p, has_hist, n_vocab)
+    active, first = steps_to_run(p, has_hist, n_vocab)
     if first is not None or any(not st.preselected or st.touches is not None for st in active):
         return None
     return p.temperature if TEMPERATURE in active else 1.0

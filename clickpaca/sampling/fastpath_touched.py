@@ -23,7 +23,7 @@ import numpy as np
 
 from . import registry as R
 from .batch import KMAX, topk_draw
-from .chain import SequenceSampler, _steps_to_run
+from .chain import SequenceSampler, steps_to_run
 from .steps import BAN, FORCE
 
 __all__ = ["plan", "plan_of", "tick"]
@@ -37,7 +37,7 @@ def plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
     """`plan` of params p (with a history or not): cached per params."""
     if p.trace or p.n_probs:
         return None
-    active, first = _steps_to_run(p, has_hist, n_vocab)
+    active, first = steps_to_run(p, has_hist, n_vocab)
     if not first:  # None (no truncation) or 0 (nothing before it: fastpath's own plans)
         return None
     prefix = tuple(st.name for st in active[:first])

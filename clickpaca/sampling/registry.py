@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "on_change", "steps", "step", "by_name", "version", "docs_table",
            "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "boolean", "choice_strings",
            "show", "is_int", "is_real", "to_float",
-           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS"]
+           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS", "NO_HIST"]
 
 CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL = (
     "constraint", "elementwise", "truncation", "scale", "general")
@@ -88,7 +88,7 @@ class StepContext:
     def __init__(self, hist=None, history=(), vocab=None, states=None, streams=None, seed: int = 0,
                  n_vocab: int = 0):
         self.n_vocab = n_vocab
-        self.hist = hist if hist is not None else _NO_HIST
+        self.hist = hist if hist is not None else NO_HIST
         self.history = history
         self.rest_mass = 0.0
         self.vocab = vocab
@@ -115,7 +115,8 @@ class StepContext:
         return float(g.random())
 
 
-_NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
+#: the penalty window of a sequence without one: no ids, no counts
+NO_HIST = (np.empty(0, np.int32), np.empty(0, np.float64))
 
 
 def _never(p: "SamplerParams", n_allowed: int) -> bool:

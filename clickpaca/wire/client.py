@@ -186,7 +186,9 @@ class Client:
     def next_misc(self, timeout: float | None = 120) -> dict:
         return self.misc.get(timeout=timeout)
 
-    def _wait_misc(self, types: set[str], timeout: float) -> dict:
+    def wait_misc(self, types: set[str], timeout: float) -> dict:
+        """The next non-sequence event of one of ``types`` (an `error` raises ServerError,
+        the server's end ServerGone)."""
         if self._end is not None and self.misc.empty():
             raise ServerGone(self._end)
         while True:
@@ -203,13 +205,13 @@ class Client:
 
     def init(self, timeout: float = 300, **params: Any) -> dict:
         self.send({"type": "init", **params})
-        self.ready = self._wait_misc({"ready"}, timeout)
+        self.ready = self.wait_misc({"ready"}, timeout)
         return self.ready
 
     def grammar(self, gid: str, text: str, timeout: float = 120, **options: Any) -> dict:
         """Register a grammar; options are the request's (lenient, numberDigits, strict, validate)."""
         self.send({"type": "grammar", "id": gid, "grammar": text, **options})
-        return self._wait_misc({"grammar_ready"}, timeout)
+        return self.wait_misc({"grammar_ready"}, timeout)
 
     def infer(self, seq_id: int, prompt: str, **params: Any) -> None:
         self.send({"type": "infer", "seq_id": seq_id, "prompt": prompt, **params})

@@ -23,7 +23,7 @@ from .peer_check import summarize
 from .peer_loads import BANS, GREEDY_SAMPLING, SCHEMA_SAMPLING, SCHEMAS, Load, loads
 from .peer_sides import (check_clickpaca_counts, check_llama_counts, plan, run_clickpaca,
                          run_llama, schema_grammar)
-from ...results.report import _pyplot, _save, emit, machine
+from ...results.report import load_pyplot, save_figure, emit, machine
 from .serve import Server
 from ...results.stats import alternate, progress, ratio, summary
 from ...results.table import fmt, markdown
@@ -245,7 +245,7 @@ def registration_lines(out: dict[str, Any]) -> list[str]:
 
 def plot(out: dict[str, Any], path) -> None:
     """Grouped bars: one group per load, one bar per side (median, min-max as error bar)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(7.4, 4.2), dpi=110)
     names = [LS_SPLIT, LS_UNIFIED, CP, CP_PER_REQ]
     width = 0.8 / len(names)
@@ -262,7 +262,7 @@ def plot(out: dict[str, Any], path) -> None:
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name)
     ax.set_xticks(range(len(out["rows"])), [r["load"] for r in out["rows"]])
     ax.legend(fontsize=8)
-    _save(plt, fig, ax, path, "load", "generated tokens/s (all requests)",
+    save_figure(plt, fig, ax, path, "load", "generated tokens/s (all requests)",
           f"clickpaca vs llama-server, {out['params']['threads']} threads, "
           f"{out['params']['repeats']} rounds")
 

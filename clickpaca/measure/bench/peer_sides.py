@@ -94,7 +94,7 @@ def run_clickpaca(server: Server, load: Load, reqs: list[Req],
         outs.append(o)
     if register_per_request is not None:
         for _ in range(sum(r.schema is not None for r in reqs)):
-            c._wait_misc({"grammar_ready"}, 60)
+            c.wait_misc({"grammar_ready"}, 60)
     return t_end - t0, outs
 
 
