@@ -455,7 +455,26 @@ SCHEMAS = {
                       "minItems": 2, "maxItems": 4},
     "integer_range": {"type": "integer", "minimum": -20, "maximum": 300},
     "string_pattern": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2,4}$"},
+    # enforced through exact rewrites (clickpaca/grammar/schema_rewrite.py)
+    "dependent_required": {"type": "object", "additionalProperties": False,
+                           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "b": {"type": "boolean"}},
+                           "dependentRequired": {"a": ["b"]}},
+    "if_then_else": {"type": "object", "additionalProperties": False, "required": ["kind"],
+                     "properties": {"kind": {"enum": ["x", "y"]},
+                                    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                    "s": {"type": "string", "maxLength": 4}},
+                     "if": {"properties": {"kind": {"const": "x"}}}, "then": {"required": ["n"]},
+                     "else": {"required": ["s"], "not": {"required": ["n"]}}},
 }
+REWRITTEN = ("dependent_required", "if_then_else")
+
+
+@pytest.mark.parametrize("name", REWRITTEN)
+def test_rewritten_schemas_compile_and_are_enforced(engine, name):
+    g = engine.compile("%json_schema " + json.dumps(SCHEMAS[name]), strict=True)
+    assert g.enforced and g.coverage_fields() == {"enforced": True, "ignored": []}
+    assert not g.checks_outputs
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))

@@ -35,7 +35,8 @@ would re-enable it even with ``whitespace_flexible`` false; null removes it) and
 schema may choose other fixed separators through ``"x-guidance": {"item_separator": ",",
 "key_separator": ":"}``). The output is then exactly ``json.dumps(value)`` layout: one
 space after ``,`` and ``:``, no other whitespace, no indentation, which is what small
-models most often produce. What llguidance does not enforce is found by
+models most often produce. The keywords llguidance lacks are rewritten into ones it has
+where that is exact (schema_rewrite.py); what it does not enforce is found by
 `schema_for_llguidance` (schema_coverage.py) and listed in `CompiledGrammar.ignored`:
 unknown formats (annotations) and oneOfs compiled as anyOf by default; with the request's
 ``lenient`` also the keywords llguidance does not implement (``uniqueItems``,
@@ -94,8 +95,9 @@ from .gbnf import gbnf_to_lark
 from ..sampling import bitmask
 from .json_schema import NUMBER_DIGITS, bound_numbers
 from .schema_check import SchemaCheck
-from .schema_coverage import (Ignored, approximated_one_ofs, coverage, strip,
+from .schema_coverage import (Ignored, approximated_one_ofs, coverage, pointer, strip,
                               unsupported_property_counts)
+from .schema_rewrite import rewrite
 
 __all__ = [
     "GrammarError", "GrammarEngine", "CompiledGrammar", "Matcher", "fill_masks",
@@ -444,14 +446,31 @@ def schema_for_llguidance(schema: dict, lenient: bool = False, strict: bool = Fa
                           number_digits: int | None = NUMBER_DIGITS) -> tuple[dict, list[Ignored]]:
     """The schema llguidance is to compile, and what it will not enforce (sorted by path):
 
+    - the keywords with an exact rewrite into what llguidance implements are rewritten
+      (schema_rewrite.py), unless llguidance then refuses the schema for another reason
+      (an allOf it cannot intersect): it is then prepared as written;
     - unknown formats (annotations, JSON Schema says) are removed, unless `strict`;
     - with `lenient`, the keywords llguidance does not implement are removed, and so are
       the minProperties/maxProperties it cannot compile where they stand;
     - typed numbers are bounded (json_schema.py);
     - unless `strict`, the oneOfs llguidance will compile as anyOf are listed.
-    A `strict` schema is handed over whole: llguidance refuses what it cannot enforce."""
+    A `strict` schema is handed over whole (rewritten): llguidance refuses what it cannot
+    enforce. Listed paths are the client's, also inside rewritten subschemas."""
+    rewritten = rewrite(schema)
     if strict:
-        return (bound_numbers(schema, number_digits) if number_digits is not None else schema), []
+        given = rewritten.schema
+        return (bound_numbers(given, number_digits) if number_digits is not None else given), []
+    if rewritten.keywords:
+        given, drop = _prepared(rewritten.schema, lenient, number_digits)
+        err = _refusal(given, True)
+        if err is None or err.startswith("Unimplemented keys"):
+            return given, sorted((Ignored(pointer(rewritten.original_path(i.at)), i.keyword, i.reason, i.at)
+                                  for i in drop), key=lambda i: (i.path, i.keyword))
+    return _prepared(schema, lenient, number_digits)
+
+
+def _prepared(schema: dict, lenient: bool, number_digits: int | None) -> tuple[dict, list[Ignored]]:
+    """`schema_for_llguidance` after the rewrites, not strict."""
     cov = coverage(schema)
     drop = cov.formats + (cov.unimplemented if lenient else [])
     given = strip(schema, drop) if drop else schema
