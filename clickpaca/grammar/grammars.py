@@ -92,6 +92,7 @@ import llguidance.numpy as llg_np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from .gbnf import gbnf_to_lark
+from .json_keys import KeyIndex, KeyTracker
 from ..sampling import bitmask
 from .json_schema import NUMBER_DIGITS, bound_numbers
 from .schema_check import SchemaCheck
@@ -193,6 +194,7 @@ class GrammarEngine:
         self._tok: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
         self.eog_tokens: np.ndarray = np.zeros(0, dtype=np.int32)
+        self.key_index: KeyIndex | None = None  # quote-holding tokens (json_keys.py)
         self.eos: int = int(model.eos)
         self.build_seconds: float | None = None
         self._thread: threading.Thread | None = None
@@ -255,6 +257,7 @@ class GrammarEngine:
              for w in self._eog_words], dtype=np.uint32)
         self._eos_word, self._eos_bit = divmod(int(tok.eos_token), 32)
         self._executor = LLExecutor(num_threads=self.n_threads)
+        self.key_index = KeyIndex(tokens)
         self._tok = tok
 
     @property
@@ -409,6 +412,7 @@ class GrammarEngine:
             raise ValueError("bitmask must be C-contiguous")
         idx = range(len(matchers)) if rows is None else rows
         pairs = [(m._m, int(r)) for m, r in zip(matchers, idx) if m is not None]
+        keyed = [(m.keys, int(r)) for m, r in zip(matchers, idx) if m is not None and m.keys is not None]
         if not pairs:
             return
         n = bitmask.shape[0]
@@ -426,6 +430,8 @@ class GrammarEngine:
             for m, r in pairs:
                 m.unsafe_compute_mask_ptr(base + r * nbytes, nbytes)
         self._add_eog(bitmask, np.fromiter((r for _, r in pairs), dtype=np.intp, count=len(pairs)))
+        for keys, r in keyed:  # no repeated key (json_keys.py), beside llguidance's mask
+            keys.ban(bitmask[r])
 
     def _add_eog(self, bitmask: np.ndarray, rows: np.ndarray) -> None:
         u = bitmask.view(np.uint32)
@@ -673,13 +679,17 @@ class CompiledGrammar:
 class Matcher:
     """One sequence's grammar state. Not thread-safe; one per sequence."""
 
-    __slots__ = ("_m", "grammar", "engine", "n_consumed")
+    __slots__ = ("_m", "grammar", "engine", "n_consumed", "keys")
 
     def __init__(self, m: LLMatcher, grammar: CompiledGrammar) -> None:
         self._m = m
         self.grammar = grammar
         self.engine = grammar.engine
         self.n_consumed = 0
+        # a JSON schema's keys, so that no object repeats one (json_keys.py); its ban is
+        # applied wherever this matcher's mask is made
+        index = grammar.engine.key_index
+        self.keys = KeyTracker(index) if grammar.format == "json_schema" and index is not None else None
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Compute the next-token mask into one int32 row of ceil(n_vocab/32) words."""
@@ -688,6 +698,8 @@ class Matcher:
             raise ValueError(f"mask row must be a contiguous int32 [{eng.n_words}] array")
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         eng._add_eog(row.reshape(1, -1), np.zeros(1, dtype=np.intp))
+        if self.keys is not None:
+            self.keys.ban(row)
 
     def mask(self) -> np.ndarray:
         """A fresh mask row (convenience for tests and one-off use)."""
@@ -703,6 +715,8 @@ class Matcher:
         ok = self._m.consume_token(int(token))
         if ok:
             self.n_consumed += 1
+            if self.keys is not None:
+                self.keys.push(token)
         return ok
 
     def consume_many(self, tokens: Iterable[int]) -> bool:
@@ -711,6 +725,9 @@ class Matcher:
         ok = self._m.consume_tokens(toks)
         if ok:
             self.n_consumed += len(toks)
+            if self.keys is not None:
+                for t in toks:
+                    self.keys.push(t)
         return ok
 
     def is_accepting(self) -> bool:
@@ -760,6 +777,8 @@ class Matcher:
         bits = wider.view(np.uint32)
         for t in extra:
             bits[t >> 5] |= np.uint32(1 << (t & 31))
+        if self.keys is not None:  # a shorter spelling may close a repeated key
+            self.keys.ban(wider)
         return wider
 
     def rollback(self, n: int) -> bool:
@@ -767,12 +786,15 @@ class Matcher:
         ok = self._m.rollback(int(n))
         if ok:
             self.n_consumed = max(0, self.n_consumed - int(n))
+            if self.keys is not None:
+                self.keys.rollback(n)
         return ok
 
     def fork(self) -> "Matcher":
         """An independent copy of this matcher in its current state."""
         m = Matcher(self._m.deep_copy(), self.grammar)
         m.n_consumed = self.n_consumed
+        m.keys = self.keys.fork() if self.keys is not None else None
         return m
 
 

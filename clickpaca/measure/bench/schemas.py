@@ -10,7 +10,10 @@ spread subset, `--max-bytes` leaves out larger files. Reported:
   per schema (median, p99); and how many llama-server's converter accepts (one
   1-token request per schema);
 - mask time per token, in-process: each compiled schema's matcher walked by random
-  allowed tokens (up to --tokens), every mask timed (median, p99 over all tokens);
+  allowed tokens (up to --tokens), every mask timed (median, p99 over all tokens):
+  llguidance's (with the end-of-generation bits) and, apart, the repeated-key ban applied
+  after it (grammar/json_keys.py: catching up with the last token, finding and clearing
+  the banned tokens);
 - generation at each of --seqs sequences in flight (request i uses schema i mod n, the
   same prompt and seed on both sides), clickpaca and llama-server (--kv-unified, same
   model, build, threads, KV cells) alternating: tokens/s (all generated tokens / wall
@@ -18,7 +21,9 @@ spread subset, `--max-bytes` leaves out larger files. Reported:
   (clickpaca: stop_reason grammar; llama-server: stop_type eos), cut (token limit) and
   valid: every finished output of both sides checked by the same validator
   (grammar/schema_check.py, jsonschema). clickpaca's own `done.schemaValid` is compared
-  with it (disagreements reported).
+  with it (disagreements reported). Every output of both sides, finished or cut, has its
+  repeated keys counted (a key its object already holds), and clickpaca's outputs ended
+  by the ban (stop_reason repeated_key) are counted.
 
 Schemas that compile here only with `lenient` are registered so (their outputs are
 checked anyway); llama-server gets each schema as given and its converter decides.
@@ -37,6 +42,7 @@ from ..common import model_path, out_dir, threads, with_defaults
 from ..schemas import load, pick, versions
 from .llama_server import LlamaServer, PeerError, free_port, server_command
 from .serve import Server
+from ...grammar.json_keys import repeated_keys
 from ...grammar.schema_check import SchemaCheck
 from ...wire.protocol import MAX_GRAMMAR_BYTES
 from ...results.report import emit, machine
@@ -100,19 +106,25 @@ def compile_and_masks(corpus: list, model: str, build: str, tokens: int) -> list
                                  "error": str(e)[:200]}
             row["registered"] = ("default" if row["default"]["ok"] else
                                  "lenient" if row["lenient"]["ok"] else None)
-            masks = []
+            masks, bans = [], []
             if compiled is not None:
                 matcher = compiled.new_matcher()
                 mask = engine.allocate_bitmask(1)
                 for _ in range(tokens):
+                    keys, matcher.keys = matcher.keys, None  # llguidance's mask alone, then the ban
                     t0 = time.perf_counter()
                     engine.fill_masks([matcher], mask)
-                    masks.append((time.perf_counter() - t0) * 1e6)
+                    t1 = time.perf_counter()
+                    masks.append((t1 - t0) * 1e6)
+                    if keys is not None:
+                        keys.ban(mask[0])
+                        bans.append((time.perf_counter() - t1) * 1e6)
+                    matcher.keys = keys
                     ids = allowed_ids(mask[0], m.n_vocab)
                     ids = ids[~is_eog[ids]]
                     if not ids.size or not matcher.consume(int(rng.choice(ids))) or matcher.is_stopped():
                         break
-            row["mask_us"] = masks
+            row["mask_us"], row["ban_us"] = masks, bans
             rows.append(row)
             progress(f"schemas compile {s.name}: {row['registered'] or 'refused'} "
                      f"{row['default']['ms']:.0f} ms, {len(masks)} masks")
@@ -149,6 +161,7 @@ def run_clickpaca(server: Server, reqs: list[tuple], tokens: int) -> dict[str, A
         valid = _check(check, text) if finished else None
         outs.append({"stop": "finished" if finished else "cut" if final["stop_reason"] == "max_tokens"
                      else final["stop_reason"], "tokens": final["tokens_predicted"], "valid": valid,
+                     "repeats": repeated_keys(text), "bans": final.get("repeatKeyBans", 0),
                      "server_says": final.get("schemaValid", "absent"), "schema_ms": final.get("schema_ms"),
                      "text": text[:200]})
     return {"wall_s": t_end - t0, "outputs": outs}
@@ -174,6 +187,7 @@ def run_llama(ls: LlamaServer, reqs: list[tuple], tokens: int) -> dict[str, Any]
         valid = _check(check, a["content"]) if finished else None
         outs.append({"stop": "finished" if finished else "cut" if a.get("stop_type") == "limit"
                      else str(a.get("stop_type")), "tokens": n, "valid": valid,
+                     "repeats": repeated_keys(a["content"]),
                      "text": a["content"][:200]})
     return {"wall_s": t_end - t0, "outputs": outs}
 
@@ -196,6 +210,9 @@ def side_stats(rounds: list[dict]) -> dict[str, Any]:
             "invalid": sum(o.get("valid") is False for o in outs),
             "cut": sum(o["stop"] == "cut" for o in outs),
             "errors": sum(o["stop"] == "error" for o in outs),
+            "repeating": sum(o.get("repeats", 0) > 0 for o in outs),  # outputs that repeat a key
+            "repeated_key_stops": sum(o["stop"] == "repeated_key" for o in outs),
+            "banned_in": sum(o.get("bans", 0) > 0 for o in outs),  # outputs the ban narrowed
             "disagreements": sum(1 for o in outs if "server_says" in o and o["stop"] == "finished"
                                  and o["server_says"] != "absent" and o["server_says"] != o["valid"]),
             "schema_ms": _dist([o["schema_ms"] for o in outs if o.get("schema_ms") is not None]),
@@ -263,7 +280,8 @@ def measure(args: Any) -> dict[str, Any]:
             "llama_server": sum(bool(r.get("llama_server_accepts")) for r in rows),
             "compile_ms": _dist([r["default"]["ms"] for r in rows if r["default"]["ok"]]),
             "compile_ms_lenient": _dist([r["lenient"]["ms"] for r in rows if r["lenient"]["ok"]]),
-            "mask_us": _dist([x for r in rows for x in r["mask_us"]])}
+            "mask_us": _dist([x for r in rows for x in r["mask_us"]]),
+            "ban_us": _dist([x for r in rows for x in r["ban_us"]])}
     notes = [f"corpus {args.corpus} {versions(args.corpus)}: {len(rows)} schemas "
              f"(--limit {args.limit}, --max-bytes {args.max_bytes})",
              f"generation: maxTokens {tokens}, T={TEMPERATURE}, seeds {SEED_BASE}+i, request i uses "
@@ -275,7 +293,11 @@ def measure(args: Any) -> dict[str, Any]:
              "mask us/token: one matcher per compiled schema walked by random allowed tokens, every "
              "mask of the 262,144-token vocabulary timed in-process (llguidance publishes about 50 us "
              "per mask for a 128k-token vocabulary on JSONSchemaBench); llama-server's grammar cost "
-             "per token is inside its tok/s only"]
+             "per token is inside its tok/s only",
+             "key ban us/token: the repeated-key ban after llguidance's mask on the same walk, timed "
+             "apart (grammar/json_keys.py)",
+             "repeating = outputs (finished or cut) with a key their object already holds; "
+             "repeated_key = clickpaca outputs the ban ended (nothing else allowed)"]
     dis = sum(r["sides"]["clickpaca"]["disagreements"] for r in gen)
     notes.append(f"clickpaca's own done.schemaValid disagreed with the bench's validator on {dis} outputs")
     for r in gen:
@@ -296,7 +318,7 @@ def measure(args: Any) -> dict[str, Any]:
                        "versions": versions(args.corpus)},
             "llama_server_commands": commands, "machine_start": m0, "compile": comp,
             "refusals": refused,
-            "schemas": [{k: v for k, v in r.items() if k != "mask_us"} | {"masks": len(r["mask_us"])}
+            "schemas": [{k: v for k, v in r.items() if k not in ("mask_us", "ban_us")} | {"masks": len(r["mask_us"])}
                         for r in rows],
             "rows": gen, "notes": notes, "server_problems": problems}
 
@@ -305,19 +327,22 @@ def table(out: dict[str, Any]) -> str:
     c = out["compile"]
     t1 = markdown(
         ["schemas", "compile (default)", "enforced whole", "compile (lenient)", "llama-server accepts",
-         "compile ms median / p99", "mask us/token median / p99 (tokens)"],
+         "compile ms median / p99", "mask us/token median / p99 (tokens)",
+         "key ban us/token median / p99"],
         [(c["schemas"], c["default"], c["enforced"], c["lenient"], c["llama_server"],
           f"{fmt(c['compile_ms']['median'])} / {fmt(c['compile_ms']['p99'])}",
-          f"{fmt(c['mask_us']['median'])} / {fmt(c['mask_us']['p99'])} ({c['mask_us']['n']})")],
-        align="rrrrrrr")
+          f"{fmt(c['mask_us']['median'])} / {fmt(c['mask_us']['p99'])} ({c['mask_us']['n']})",
+          f"{fmt(c['ban_us']['median'])} / {fmt(c['ban_us']['p99'])}")],
+        align="rrrrrrrr")
     rows = []
     for r in out["rows"]:
         for name, s in r["sides"].items():
             t = s["tps"]
             rows.append((r["seqs"], name, f"{fmt(t['median'])} ({fmt(t['min'])}-{fmt(t['max'])})",
-                         s["outputs"], s["finished"], s["valid"], s["invalid"], s["cut"], s["errors"]))
-    t2 = markdown(["seqs", "side", "tok/s", "outputs", "finished", "valid", "invalid", "cut", "errors"],
-                  rows, align="rlrrrrrrr")
+                         s["outputs"], s["finished"], s["valid"], s["invalid"], s["cut"], s["errors"],
+                         s["repeating"], s["repeated_key_stops"] if name == "clickpaca" else ""))
+    t2 = markdown(["seqs", "side", "tok/s", "outputs", "finished", "valid", "invalid", "cut", "errors",
+                   "repeating", "repeated_key"], rows, align="rlrrrrrrrrr")
     return t1 + "\n\n" + t2
 
 
