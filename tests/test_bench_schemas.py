@@ -25,6 +25,7 @@ def test_cli_parses_a_corpus_and_its_subset(tmp_path):
     a = _args(tmp_path, "--max-bytes", "20000")
     assert (a.what, a.corpus, a.limit, a.max_bytes, a.seqs) == ("schemas", "check-jsonschema", 3, 20000, "3")
     assert build_parser().parse_args(["bench", "batch"]).corpus is None
+    assert not a.no_peer and _args(tmp_path, "--no-peer").no_peer
 
 
 def test_llama_body_fields_are_the_checked_ones():

@@ -4,7 +4,7 @@ check-jsonschema's vendored schemas and of the SchemaStore catalog cached in sch
 Each schema compiles or is refused by name; what is not enforced is exact (the listed
 places hold the keyword, and llguidance's own lenient mode warns about the same keywords
 as often); and through the real server every finished output's `schemaValid` agrees with
-an independent jsonschema call (a cut one says null).
+an independent jsonschema call (a cut one says null), and no output repeats a key.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from llguidance import LLMatcher
 
 from clickpaca.grammar.grammars import JSON_DEFAULTS, JSON_OVERRIDES, _schema_overrides, schema_for_llguidance
+from clickpaca.grammar.json_keys import repeated_keys
 from clickpaca.grammar.schema_rewrite import rewrite
 from clickpaca.measure.schemas import load, pick
 
@@ -154,13 +155,17 @@ def test_every_output_is_checked_and_agrees_with_jsonschema(schemas):
             toks, final = server.collect(i)
             assert final["type"] == "done", (key, final)
             text = "".join(t["piece"] for t in toks)
+            assert repeated_keys(text) == 0, (key, text)  # finished or cut, no object repeats a key
             if final["stop_reason"] != "grammar":
                 assert final["schemaValid"] is None, (key, final)
                 continue
             finished += 1
             schema = schemas[key]
             cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-            valid = cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(json.loads(text))
+            objects: list = []
+            value = json.loads(text, object_pairs_hook=lambda kv: objects.append([k for k, _ in kv]) or dict(kv))
+            assert all(len(set(k)) == len(k) for k in objects), (key, text)
+            valid = cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(value)
             assert final["schemaValid"] is valid, (key, text, final)
         assert finished >= 1  # at least one output is complete within 48 tokens
     finally:

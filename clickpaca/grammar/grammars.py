@@ -114,6 +114,8 @@ JSON_OVERRIDES: dict[str, Any] = {"whitespace_flexible": False, "whitespace_patt
 #: 0 (the default) = never. Measured on the 2-core machine, the pool lost at every batch
 #: size (1, 8, 64): see the module doc. $CLICKPACA_GRAMMAR_PAR_MIN changes it.
 PARALLEL_MIN_BATCH = int(os.environ.get("CLICKPACA_GRAMMAR_PAR_MIN", "0"))
+#: Set CLICKPACA_KEY_BAN=0 to let JSON objects repeat keys again (json_keys.py), for comparison.
+KEY_BAN = os.environ.get("CLICKPACA_KEY_BAN", "1") != "0"
 
 # Limits checked before llguidance sees a grammar. llguidance compiles recursively along
 # chains of rule references: on an 8 MiB stack a GBNF chain of 4,000 rules
@@ -689,7 +691,8 @@ class Matcher:
         # a JSON schema's keys, so that no object repeats one (json_keys.py); its ban is
         # applied wherever this matcher's mask is made
         index = grammar.engine.key_index
-        self.keys = KeyTracker(index) if grammar.format == "json_schema" and index is not None else None
+        self.keys = (KeyTracker(index) if KEY_BAN and grammar.format == "json_schema" and index is not None
+                     else None)
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Compute the next-token mask into one int32 row of ceil(n_vocab/32) words."""

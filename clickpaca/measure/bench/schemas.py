@@ -27,6 +27,7 @@ spread subset, `--max-bytes` leaves out larger files. Reported:
 
 Schemas that compile here only with `lenient` are registered so (their outputs are
 checked anyway); llama-server gets each schema as given and its converter decides.
+`--no-peer` runs clickpaca alone (no llama-server column, nothing asked of its converter).
 """
 
 from __future__ import annotations
@@ -232,18 +233,21 @@ def measure(args: Any) -> dict[str, Any]:
     gen: list[dict] = []
     commands: dict[str, str] = {}
     problems: list[str] = []
+    peer = not getattr(args, "no_peer", False)
+    sides = ("clickpaca", "llama-server") if peer else ("clickpaca",)
     port = free_port()
-    cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port)
-    commands["llama-server"] = " ".join(cmd)
-    progress("schemas: starting clickpaca and llama-server")
+    cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port) if peer else []
+    commands["llama-server"] = " ".join(cmd) if peer else "not run (--no-peer)"
+    progress("schemas: starting clickpaca" + (" and llama-server" if peer else ""))
     server = Server({"modelPath": model, "build": args.build, "nThreads": t, "nSeqMax": max(seqs),
                      "nCtx": max(seqs) * ctx_per_seq, "nBatch": BATCH})
     ls = None
     try:
-        ls = LlamaServer(cmd, port)
-        accepted = {}
-        for s in corpus:
-            accepted[s.name] = llama_accepts(ls, s.schema)
+        accepted = {s.name: (None, "not asked (--no-peer)") for s in corpus}
+        if peer:
+            ls = LlamaServer(cmd, port)
+            for s in corpus:
+                accepted[s.name] = llama_accepts(ls, s.schema)
         for s, r in usable:
             server.client.grammar(f"s:{s.name}", "%json_schema " + json.dumps(s.schema),
                                   lenient=r["registered"] == "lenient")
@@ -254,9 +258,9 @@ def measure(args: Any) -> dict[str, Any]:
                     for i, (s, _) in enumerate(pick_i)]
             theirs = [(s.schema, prompt_for(s.name), SEED_BASE + i, checks[s.name])
                       for i, (s, _) in enumerate(pick_i)]
-            res: dict[str, list] = {"clickpaca": [], "llama-server": []}
+            res: dict[str, list] = {side: [] for side in sides}
             for k in range(args.repeats):
-                order = ("clickpaca", "llama-server") if k % 2 == 0 else ("llama-server", "clickpaca")
+                order = sides if k % 2 == 0 else sides[::-1]
                 for side in order:
                     if side == "clickpaca":
                         res[side].append(run_clickpaca(server, ours, tokens))
@@ -277,7 +281,7 @@ def measure(args: Any) -> dict[str, Any]:
             "default": sum(r["default"]["ok"] for r in rows),
             "lenient": sum(r["lenient"]["ok"] for r in rows),
             "enforced": sum(r["default"]["ok"] and r["default"]["enforced"] for r in rows),
-            "llama_server": sum(bool(r.get("llama_server_accepts")) for r in rows),
+            "llama_server": sum(bool(r.get("llama_server_accepts")) for r in rows) if peer else "not run",
             "compile_ms": _dist([r["default"]["ms"] for r in rows if r["default"]["ok"]]),
             "compile_ms_lenient": _dist([r["lenient"]["ms"] for r in rows if r["lenient"]["ok"]]),
             "mask_us": _dist([x for r in rows for x in r["mask_us"]]),
@@ -348,7 +352,7 @@ def table(out: dict[str, Any]) -> str:
 
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args, seqs="8,64", tokens=64, repeats=2, limit=None, max_bytes=None,
-                         ctx_per_seq=256)
+                         ctx_per_seq=256, no_peer=False)
     if not getattr(args, "corpus", None):
         raise ValueError("bench schemas needs a corpus: a directory of schema files or a package "
                          "(check-jsonschema, schemastore)")
