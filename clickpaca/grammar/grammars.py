@@ -69,6 +69,9 @@ $CLICKPACA_GRAMMAR_PAR_MIN=<batch>) for machines with idle cores;
 tests/test_grammars.py::test_report_mask_timings re-measures.
 The scheduler calls `fill_masks` on a worker thread while llama_decode runs
 (engine/mask_ahead.py), which hides most of a tick's mask time behind the forward pass.
+A JSON schema's matcher also follows the output's keys (json_keys.py): `fill_masks` and
+`Matcher.fill_mask` clear, after llguidance's bits, every token that would close a key
+its object already holds ($CLICKPACA_KEY_BAN=0 turns that off, for comparison only).
 
 Samplers: do not write -inf across the vocabulary; take the top candidates from the
 logits, keep those `is_allowed(row, ids)` says the grammar allows, and fall back to
