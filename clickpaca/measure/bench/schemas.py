@@ -117,10 +117,12 @@ def compile_and_masks(corpus: list, model: str, build: str, tokens: int) -> list
                     engine.fill_masks([matcher], mask)
                     t1, c1 = time.perf_counter(), time.thread_time()
                     masks.append((t1 - t0) * 1e6)
+                    ban_cpu = None
                     if keys is not None:
                         keys.ban(mask[0])
                         bans.append((time.perf_counter() - t1) * 1e6)
-                        cpu.append(((c1 - c0) * 1e6, (time.thread_time() - c1) * 1e6))
+                        ban_cpu = (time.thread_time() - c1) * 1e6
+                    cpu.append(((c1 - c0) * 1e6, ban_cpu))
                     matcher.keys = keys
                     ids = allowed_ids(mask[0], m.n_vocab)
                     ids = ids[~is_eog[ids]]
@@ -289,7 +291,7 @@ def measure(args: Any) -> dict[str, Any]:
             "ban_us": _dist([x for r in rows for x in r["ban_us"]]),
             # the same two, in this thread's CPU time: what a busy machine's preemption leaves out
             "mask_cpu_us": _dist([m for r in rows for m, _ in r["cpu_us"]]),
-            "ban_cpu_us": _dist([b for r in rows for _, b in r["cpu_us"]])}
+            "ban_cpu_us": _dist([b for r in rows for _, b in r["cpu_us"] if b is not None])}
     notes = [f"corpus {args.corpus} {versions(args.corpus)}: {len(rows)} schemas "
              f"(--limit {args.limit}, --max-bytes {args.max_bytes})",
              f"generation: maxTokens {tokens}, T={TEMPERATURE}, seeds {SEED_BASE}+i, request i uses "
