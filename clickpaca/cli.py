@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(check-jsonschema, schemastore)")
     p.add_argument("--limit", type=int, default=None, help="schemas: at most this many, evenly spread (default all)")
     p.add_argument("--max-bytes", type=int, default=None, help="schemas: leave out larger schema files")
+    p.add_argument("--no-peer", action="store_true",
+                   help="schemas: clickpaca alone (no llama-server: where `make peer` has not built it)")
     p.add_argument("--seqs", default=None,
                    help="comma list of sequence counts (default: batch 1,2,4,8,16,32,64; grammar 1,8,64)")
     p.add_argument("--tokens", type=int, default=None,

@@ -1,8 +1,8 @@
 """`clickpaca bench schemas`: the command line, the request llama-server is sent, and a
 short real run on three schemas of check-jsonschema against a real llama-server (built by
 `make peer`) and the real clickpaca server. No timing assertions: both sides answered
-every request, every finished output was checked by the same validator, and clickpaca's
-own `schemaValid` agreed with it."""
+every request, every finished output was checked by the same validator, clickpaca's own
+`schemaValid` agreed with it, and none of clickpaca's outputs repeats a key."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def test_cli_parses_a_corpus_and_its_subset(tmp_path):
     a = _args(tmp_path, "--max-bytes", "20000")
     assert (a.what, a.corpus, a.limit, a.max_bytes, a.seqs) == ("schemas", "check-jsonschema", 3, 20000, "3")
     assert build_parser().parse_args(["bench", "batch"]).corpus is None
+    assert not a.no_peer and _args(tmp_path, "--no-peer").no_peer
 
 
 def test_llama_body_fields_are_the_checked_ones():
@@ -51,12 +52,14 @@ def test_bench_schemas_short_real_run(tmp_path):
         assert s["default"]["ok"] or s["default"]["error"]
         assert isinstance(s["llama_server_accepts"], bool)
     assert c["mask_us"]["n"] >= 1 and c["mask_us"]["median"] > 0
+    assert c["ban_us"]["n"] == c["mask_us"]["n"] and c["ban_us"]["median"] > 0
     (row,) = data["rows"]
     assert row["seqs"] == 3 and set(row["sides"]) == {"clickpaca", "llama-server"}
     for name, s in row["sides"].items():
         assert s["outputs"] == 3 and s["errors"] == 0, (name, s)
-        assert s["finished"] + s["cut"] == 3, (name, s)
+        assert s["finished"] + s["cut"] + s["repeated_key_stops"] == 3, (name, s)
         assert s["valid"] + s["invalid"] == s["finished"], (name, s)
         assert s["tps"]["median"] > 0
     assert row["sides"]["clickpaca"]["disagreements"] == 0
+    assert row["sides"]["clickpaca"]["repeating"] == 0  # no output repeats a key
     assert data["results_run"]

@@ -455,7 +455,26 @@ SCHEMAS = {
                       "minItems": 2, "maxItems": 4},
     "integer_range": {"type": "integer", "minimum": -20, "maximum": 300},
     "string_pattern": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2,4}$"},
+    # enforced through exact rewrites (clickpaca/grammar/schema_rewrite.py)
+    "dependent_required": {"type": "object", "additionalProperties": False,
+                           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "b": {"type": "boolean"}},
+                           "dependentRequired": {"a": ["b"]}},
+    "if_then_else": {"type": "object", "additionalProperties": False, "required": ["kind"],
+                     "properties": {"kind": {"enum": ["x", "y"]},
+                                    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                    "s": {"type": "string", "maxLength": 4}},
+                     "if": {"properties": {"kind": {"const": "x"}}}, "then": {"required": ["n"]},
+                     "else": {"required": ["s"], "not": {"required": ["n"]}}},
 }
+REWRITTEN = ("dependent_required", "if_then_else")
+
+
+@pytest.mark.parametrize("name", REWRITTEN)
+def test_rewritten_schemas_compile_and_are_enforced(engine, name):
+    g = engine.compile("%json_schema " + json.dumps(SCHEMAS[name]), strict=True)
+    assert g.enforced and g.coverage_fields() == {"enforced": True, "ignored": []}
+    assert not g.checks_outputs
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
@@ -717,3 +736,44 @@ def test_one_of_compiles_as_any_of_and_says_so_unless_strict(engine, model):
         engine.compile("%json_schema " + json.dumps(overlapping), strict=True)
     for strict in (False, True):  # proven disjoint: enforced exactly, even when strict
         assert engine.compile("%json_schema " + json.dumps(disjoint), strict=strict).enforced
+
+
+# ----------------------------------------------------------------------------- repeated keys
+
+
+def test_random_walks_never_repeat_a_key_and_batch_masks_carry_the_ban(engine, model, pieces, eog):
+    """Keys a, b, c only (patternProperties): random walks either finish with distinct keys
+    or stop where only repeated keys are left (the tracker says so); fill_masks over a
+    batch bans exactly what each matcher's own mask bans."""
+    schema = {"type": "object", "patternProperties": {"^[abc]$": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "additionalProperties": False}
+    g = engine.compile("%json_schema " + json.dumps(schema))
+    ended = stuck = acted = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        m, other, out = g.new_matcher(), None, b""
+        for step in range(80):
+            row = m.mask()
+            if step == 6:  # a fork, and the batch path, mask alike
+                other = m.fork()
+                batch = engine.allocate_bitmask(2)
+                engine.fill_masks([other, m], batch)
+                assert np.array_equal(batch[0], row) and np.array_equal(batch[1], row)
+            ids = allowed_ids(row, model.n_vocab)
+            if not ids.size:
+                assert m.keys.exhausted
+                stuck += 1
+                break
+            ends = ids[np.isin(ids, list(eog))]
+            if ends.size and (step > 30 or ends.size == ids.size):
+                value = []
+                json.loads(out, object_pairs_hook=lambda kv: value.append([k for k, _ in kv]) or dict(kv))
+                assert all(len(set(k)) == len(k) for k in value), out
+                ended += 1
+                break
+            t = int(rng.choice(ids[~np.isin(ids, list(eog))]))
+            assert m.consume(t)
+            out += pieces[t]
+        acted += m.keys.acted
+        assert m.keys.repeats == 0, out
+    assert ended + stuck == 12 and acted >= 1

@@ -26,8 +26,10 @@ CANDIDATES = sorted({*IMPLEMENTED, *ANNOTATIONS, "dependencies", "not", "uniqueI
                      "dependentRequired", "dependentSchemas", "maxContains", "minContains",
                      "unevaluatedItems", "unevaluatedProperties", "$dynamicAnchor", "$dynamicRef",
                      "x-custom", "deprecated", "discriminator", "nullable"})
-UNENFORCED = ("uniqueItems", "not", "if", "dependentRequired", "contains", "propertyNames",
-              "unevaluatedProperties", "dependentSchemas")
+#: not implemented, and in these uses not rewritten either (schema_rewrite.py): `not` and `if`
+#: of a type have no exact complement in what llguidance implements
+UNENFORCED = ("uniqueItems", "not", "if", "contains", "propertyNames", "unevaluatedProperties",
+              "unevaluatedItems")
 
 
 def llg(schema: dict, lenient: bool = False, coerce: bool = False) -> tuple[bool, list[str]]:
@@ -157,8 +159,7 @@ def test_one_unenforced_keyword_anywhere_is_reported_exactly_there(sp, data):
     path = data.draw(st.sampled_from(paths))
     key = data.draw(st.sampled_from(UNENFORCED))
     changed = copy.deepcopy(schema)
-    _at(changed, path)[key] = {"type": "integer"} if key != "uniqueItems" and key != "dependentRequired" \
-        else (True if key == "uniqueItems" else {"a": ["b"]})
+    _at(changed, path)[key] = True if key == "uniqueItems" else {"type": "integer"}
     assert unenforced(changed) == {(pointer(path), key)}
     # llguidance agrees: it refuses that keyword, and its lenient mode names only it
     assert llg(changed) == (True, [f'Unimplemented keys: ["{key}"]'])

@@ -121,3 +121,62 @@ def test_bad_uses_are_named(server):
     assert e["message"] == 'grammar: invalid JSON schema: Unimplemented keys: ["uniqueItems"]', e
     out, final = run(server, 4, prompt="x", maxTokens=1, temperature=0)  # the server goes on
     assert final["type"] == "done"
+
+
+# ------------------------------------------------ no object repeats a key (grammar/json_keys.py)
+
+FREE_KEYS = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}
+TWO_KEYS = {"type": "object", "patternProperties": {"^[ab]$": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "additionalProperties": False}
+NESTED = {"type": "object", "properties": {"inner": FREE_KEYS}, "required": ["inner"],
+          "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}
+REPEAT = chat('Copy exactly: {"a": 1, "a": 2, "a": 3, "a": 4}')
+
+
+def keys_of(text: str) -> list[list[str]]:
+    """Each object's keys, in order, of a JSON text that may be cut short: the objects'
+    `"key": ` at their own level (values here are digits and objects)."""
+    out, stack, i = [], [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "{":
+            stack.append([])
+            out.append(stack[-1])
+        elif c == "}":
+            stack.pop()
+        elif c == '"':
+            j = text.index('"', i + 1) if '"' in text[i + 1:] else len(text)
+            if text[j + 1:j + 2] == ":" and stack:
+                stack[-1].append(json.loads(text[i:j + 1]))
+            i = j
+        i += 1
+    return out
+
+
+def test_no_object_repeats_a_key_where_any_key_is_allowed(server):
+    """The model is asked to repeat `a`; every key it writes is new, and `done` says the
+    ban acted."""
+    for gid, schema in (("free-keys", FREE_KEYS), ("nested-keys", NESTED)):
+        assert server.grammar(gid, text_of(schema))["enforced"] is True
+        out, final = run(server, 5, prompt=REPEAT, grammar_id=gid, maxTokens=40, temperature=0)
+        assert final["type"] == "done" and final["repeatKeyBans"] >= 1, (out, final)
+        objects = keys_of(out)
+        assert objects and all(len(set(k)) == len(k) for k in objects), (out, objects)
+        assert sum(len(k) for k in objects) >= 3, out
+        if final["stop_reason"] == "grammar":
+            pairs = []
+            json.loads(out, object_pairs_hook=lambda kv: pairs.append([k for k, _ in kv]) or dict(kv))
+            assert all(len(set(k)) == len(k) for k in pairs), out
+
+
+def test_when_only_repeated_keys_are_left_the_request_ends_saying_so(server):
+    """Keys a and b only: asked for four a's, the model writes `{"a": 1, "a` and nothing
+    the grammar allows is left but closing that key (stop_reason repeated_key, never an
+    invalid output). Where the grammar itself allows no repeat, the ban never acts."""
+    server.grammar("two-keys", text_of(TWO_KEYS))
+    out, final = run(server, 6, prompt=REPEAT, grammar_id="two-keys", maxTokens=40, temperature=0, validate=True)
+    assert final["stop_reason"] == "repeated_key" and final["repeatKeyBans"] >= 1, (out, final)
+    assert final["schemaValid"] is None and all(len(set(k)) == len(k) for k in keys_of(out)), (out, final)
+    server.grammar("person-keys", text_of(PERSON))  # its one key is the grammar's: nothing to ban
+    out, final = run(server, 6, prompt=REPEAT, grammar_id="person-keys", maxTokens=16, temperature=0)
+    assert final["stop_reason"] == "grammar" and "repeatKeyBans" not in final, (out, final)

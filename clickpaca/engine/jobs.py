@@ -206,11 +206,16 @@ class InferJob(Job):
     def sampled(self, tick: Tick, seq: "Sequence", row: int, mask: np.ndarray | None,
                 res: "SampleResult | StepFailed") -> None:
         """Accept the drawn token, or end with the reason there is none: a user-defined
-        step raised, or nothing can be sampled (a ban of a token the grammar forces is
-        first retried with the forced token spelled shorter)."""
+        step raised, every token the grammar allows would repeat a key of its object
+        (stop_reason repeated_key: grammar/json_keys.py), or nothing can be sampled (a ban
+        of a token the grammar forces is first retried with the forced token spelled
+        shorter)."""
         try:
             if isinstance(res, StepFailed):
                 raise res
+            if res.empty and mask is not None and self.matcher.keys is not None and self.matcher.keys.exhausted:
+                tick.seqs.finish(seq, "repeated_key")
+                return
             if res.empty and mask is not None:
                 wider = self.matcher.widen_forced(mask)
                 if wider is not None:
@@ -297,7 +302,7 @@ class InferJob(Job):
             prompt_tps=round(self.n_prompt / prompt_s, 2) if prompt_s > 0 else None,
             # the first token comes from the prompt's logits: n tokens take n - 1 decodes
             eval_tps=round((self.n_predicted - 1) / eval_s, 2) if eval_s > 0 and self.n_predicted > 1 else None,
-            **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason),
+            **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason), **self._keys(),
             **({"samplingPath": self.paths.as_event()} if self.paths is not None else {}))
 
     def _schema(self, reason: str) -> dict:
@@ -310,6 +315,12 @@ class InferJob(Job):
         t0 = time.perf_counter()
         out = self.check.check("".join(self.text))
         return {**out, "schema_ms": round((time.perf_counter() - t0) * 1000, 3)}
+
+    def _keys(self) -> dict:
+        """`repeatKeyBans`: how many of its tokens were drawn from a mask the repeated-key
+        ban narrowed (grammar/json_keys.py), when any were."""
+        keys = self.matcher.keys if self.matcher is not None else None
+        return {"repeatKeyBans": keys.acted} if keys is not None and keys.acted else {}
 
     def _tail(self) -> dict:
         """`tail`: the bytes of a character the last tokens began but never completed (the

@@ -7,7 +7,9 @@ Lark, ``%json_schema`` JSON schema, otherwise GBNF through gbnf.py), validates c
 (llguidance does not raise on a bad grammar, so its matcher and first mask are checked here)
 and raises `GrammarError` with llguidance's message, or returns a cached `CompiledGrammar`.
 JSON schemas get fixed separators and no free whitespace (`JSON_OVERRIDES`, `JSON_DEFAULTS`),
-and what llguidance would not enforce is listed in `CompiledGrammar.ignored`.
+keywords llguidance lacks are rewritten where that is exact (schema_rewrite.py), what it
+would not enforce is listed in `CompiledGrammar.ignored`, and no object repeats a key
+(json_keys.py: a ban applied beside llguidance's mask).
 `fill_masks` computes a tick's mask rows (int32 words, bit j of word i = token 32*i+j),
 serially by default; the scheduler runs it during the decode (engine/mask_ahead.py).
 docs/GRAMMARS.md, "How a grammar is compiled and masked", has the details and the costs.
@@ -30,11 +32,13 @@ import llguidance.numpy as llg_np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from .gbnf import gbnf_to_lark
+from .json_keys import KeyIndex, KeyTracker
 from ..sampling import bitmask
 from .json_schema import NUMBER_DIGITS, bound_numbers
 from .schema_check import SchemaCheck
-from .schema_coverage import (Ignored, approximated_one_ofs, coverage, strip,
+from .schema_coverage import (Ignored, approximated_one_ofs, coverage, pointer, strip,
                               unsupported_property_counts)
+from .schema_rewrite import rewrite
 
 __all__ = [
     "GrammarError", "GrammarEngine", "CompiledGrammar", "Matcher", "fill_masks",
@@ -50,6 +54,8 @@ JSON_OVERRIDES: dict[str, Any] = {"whitespace_flexible": False, "whitespace_patt
 #: 0 (the default) = never. Measured on the 2-core machine, the pool lost at every batch
 #: size (1, 8, 64): see the module doc. $CLICKPACA_GRAMMAR_PAR_MIN changes it.
 PARALLEL_MIN_BATCH = int(os.environ.get("CLICKPACA_GRAMMAR_PAR_MIN", "0"))
+#: Set CLICKPACA_KEY_BAN=0 to let JSON objects repeat keys again (json_keys.py), for comparison.
+KEY_BAN = os.environ.get("CLICKPACA_KEY_BAN", "1") != "0"
 
 # Limits checked before llguidance sees a grammar. llguidance compiles recursively along
 # chains of rule references: on an 8 MiB stack a GBNF chain of 4,000 rules
@@ -130,6 +136,7 @@ class GrammarEngine:
         self._tok: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
         self.eog_tokens: np.ndarray = np.zeros(0, dtype=np.int32)
+        self.key_index: KeyIndex | None = None  # quote-holding tokens (json_keys.py)
         self.eos: int = int(model.eos)
         self.build_seconds: float | None = None
         self._thread: threading.Thread | None = None
@@ -192,6 +199,7 @@ class GrammarEngine:
              for w in self._eog_words], dtype=np.uint32)
         self._eos_word, self._eos_bit = divmod(int(tok.eos_token), 32)
         self._executor = LLExecutor(num_threads=self.n_threads)
+        self.key_index = KeyIndex(tokens)
         self._tok = tok
 
     @property
@@ -346,6 +354,7 @@ class GrammarEngine:
             raise ValueError("bitmask must be C-contiguous")
         idx = range(len(matchers)) if rows is None else rows
         pairs = [(m._m, int(r)) for m, r in zip(matchers, idx) if m is not None]
+        keyed = [(m.keys, int(r)) for m, r in zip(matchers, idx) if m is not None and m.keys is not None]
         if not pairs:
             return
         n = bitmask.shape[0]
@@ -363,6 +372,8 @@ class GrammarEngine:
             for m, r in pairs:
                 m.unsafe_compute_mask_ptr(base + r * nbytes, nbytes)
         self._add_eog(bitmask, np.fromiter((r for _, r in pairs), dtype=np.intp, count=len(pairs)))
+        for keys, r in keyed:  # no repeated key (json_keys.py), beside llguidance's mask
+            keys.ban(bitmask[r])
 
     def _add_eog(self, bitmask: np.ndarray, rows: np.ndarray) -> None:
         u = bitmask.view(np.uint32)
@@ -383,14 +394,31 @@ def schema_for_llguidance(schema: dict, lenient: bool = False, strict: bool = Fa
                           number_digits: int | None = NUMBER_DIGITS) -> tuple[dict, list[Ignored]]:
     """The schema llguidance is to compile, and what it will not enforce (sorted by path):
 
+    - the keywords with an exact rewrite into what llguidance implements are rewritten
+      (schema_rewrite.py), unless llguidance then refuses the schema for another reason
+      (an allOf it cannot intersect): it is then prepared as written;
     - unknown formats (annotations, JSON Schema says) are removed, unless `strict`;
     - with `lenient`, the keywords llguidance does not implement are removed, and so are
       the minProperties/maxProperties it cannot compile where they stand;
     - typed numbers are bounded (json_schema.py);
     - unless `strict`, the oneOfs llguidance will compile as anyOf are listed.
-    A `strict` schema is handed over whole: llguidance refuses what it cannot enforce."""
+    A `strict` schema is handed over whole (rewritten): llguidance refuses what it cannot
+    enforce. Listed paths are the client's, also inside rewritten subschemas."""
+    rewritten = rewrite(schema)
     if strict:
-        return (bound_numbers(schema, number_digits) if number_digits is not None else schema), []
+        given = rewritten.schema
+        return (bound_numbers(given, number_digits) if number_digits is not None else given), []
+    if rewritten.keywords:
+        given, drop = _prepared(rewritten.schema, lenient, number_digits)
+        err = _refusal(given, True)
+        if err is None or err.startswith("Unimplemented keys"):
+            return given, sorted((Ignored(pointer(rewritten.original_path(i.at)), i.keyword, i.reason, i.at)
+                                  for i in drop), key=lambda i: (i.path, i.keyword))
+    return _prepared(schema, lenient, number_digits)
+
+
+def _prepared(schema: dict, lenient: bool, number_digits: int | None) -> tuple[dict, list[Ignored]]:
+    """`schema_for_llguidance` after the rewrites, not strict."""
     cov = coverage(schema)
     drop = cov.formats + (cov.unimplemented if lenient else [])
     given = strip(schema, drop) if drop else schema
@@ -593,13 +621,18 @@ class CompiledGrammar:
 class Matcher:
     """One sequence's grammar state. Not thread-safe; one per sequence."""
 
-    __slots__ = ("_m", "grammar", "engine", "n_consumed")
+    __slots__ = ("_m", "grammar", "engine", "n_consumed", "keys")
 
     def __init__(self, m: LLMatcher, grammar: CompiledGrammar) -> None:
         self._m = m
         self.grammar = grammar
         self.engine = grammar.engine
         self.n_consumed = 0
+        # a JSON schema's keys, so that no object repeats one (json_keys.py); its ban is
+        # applied wherever this matcher's mask is made
+        index = grammar.engine.key_index
+        self.keys = (KeyTracker(index) if KEY_BAN and grammar.format == "json_schema" and index is not None
+                     else None)
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Compute the next-token mask into one int32 row of ceil(n_vocab/32) words."""
@@ -608,6 +641,8 @@ class Matcher:
             raise ValueError(f"mask row must be a contiguous int32 [{eng.n_words}] array")
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         eng._add_eog(row.reshape(1, -1), np.zeros(1, dtype=np.intp))
+        if self.keys is not None:
+            self.keys.ban(row)
 
     def mask(self) -> np.ndarray:
         """A fresh mask row (convenience for tests and one-off use)."""
@@ -623,6 +658,8 @@ class Matcher:
         ok = self._m.consume_token(int(token))
         if ok:
             self.n_consumed += 1
+            if self.keys is not None:
+                self.keys.push(token)
         return ok
 
     def consume_many(self, tokens: Iterable[int]) -> bool:
@@ -631,6 +668,9 @@ class Matcher:
         ok = self._m.consume_tokens(toks)
         if ok:
             self.n_consumed += len(toks)
+            if self.keys is not None:
+                for t in toks:
+                    self.keys.push(t)
         return ok
 
     def is_accepting(self) -> bool:
@@ -680,6 +720,8 @@ class Matcher:
         bits = wider.view(np.uint32)
         for t in extra:
             bits[t >> 5] |= np.uint32(1 << (t & 31))
+        if self.keys is not None:  # a shorter spelling may close a repeated key
+            self.keys.ban(wider)
         return wider
 
     def rollback(self, n: int) -> bool:
@@ -687,12 +729,15 @@ class Matcher:
         ok = self._m.rollback(int(n))
         if ok:
             self.n_consumed = max(0, self.n_consumed - int(n))
+            if self.keys is not None:
+                self.keys.rollback(n)
         return ok
 
     def fork(self) -> "Matcher":
         """An independent copy of this matcher in its current state."""
         m = Matcher(self._m.deep_copy(), self.grammar)
         m.n_consumed = self.n_consumed
+        m.keys = self.keys.fork() if self.keys is not None else None
         return m
 
 

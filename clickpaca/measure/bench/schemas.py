@@ -8,7 +8,9 @@ and in how long, and how many llama-server's converter accepts; the mask time pe
 walking each matcher with random allowed tokens; and generation at each of --seqs sequences,
 clickpaca and llama-server alternating on the same model, build and KV cells: tokens/s and,
 per output, finished, cut or valid, every output of both sides checked by the same validator
-(grammar/schema_check.py), with clickpaca's own `done.schemaValid` compared to it.
+(grammar/schema_check.py), with clickpaca's own `done.schemaValid` compared to it; every
+output's repeated keys are counted, and the repeated-key ban (grammar/json_keys.py) is
+timed apart from llguidance's mask. `--no-peer` runs clickpaca alone.
 Schemas that compile here only with `lenient` are registered so; llama-server gets each
 schema as given. Results: docs/GRAMMARS.md, "Real-world schemas".
 """
@@ -26,6 +28,7 @@ from ..common import model_path, out_dir, threads, with_defaults
 from ..schemas import load, pick, versions
 from .llama_server import LlamaServer, PeerError, free_port, server_command
 from .serve import Server
+from ...grammar.json_keys import repeated_keys
 from ...grammar.schema_check import SchemaCheck
 from ...wire.protocol import MAX_GRAMMAR_BYTES
 from ...results.report import emit, machine
@@ -89,19 +92,28 @@ def compile_and_masks(corpus: list, model: str, build: str, tokens: int) -> list
                                  "error": str(e)[:200]}
             row["registered"] = ("default" if row["default"]["ok"] else
                                  "lenient" if row["lenient"]["ok"] else None)
-            masks = []
+            masks, bans, cpu = [], [], []
             if compiled is not None:
                 matcher = compiled.new_matcher()
                 mask = engine.allocate_bitmask(1)
                 for _ in range(tokens):
-                    t0 = time.perf_counter()
+                    keys, matcher.keys = matcher.keys, None  # llguidance's mask alone, then the ban
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     engine.fill_masks([matcher], mask)
-                    masks.append((time.perf_counter() - t0) * 1e6)
+                    t1, c1 = time.perf_counter(), time.thread_time()
+                    masks.append((t1 - t0) * 1e6)
+                    ban_cpu = None
+                    if keys is not None:
+                        keys.ban(mask[0])
+                        bans.append((time.perf_counter() - t1) * 1e6)
+                        ban_cpu = (time.thread_time() - c1) * 1e6
+                    cpu.append(((c1 - c0) * 1e6, ban_cpu))
+                    matcher.keys = keys
                     ids = allowed_ids(mask[0], m.n_vocab)
                     ids = ids[~is_eog[ids]]
                     if not ids.size or not matcher.consume(int(rng.choice(ids))) or matcher.is_stopped():
                         break
-            row["mask_us"] = masks
+            row["mask_us"], row["ban_us"], row["cpu_us"] = masks, bans, cpu
             rows.append(row)
             progress(f"schemas compile {s.name}: {row['registered'] or 'refused'} "
                      f"{row['default']['ms']:.0f} ms, {len(masks)} masks")
@@ -138,6 +150,7 @@ def run_clickpaca(server: Server, reqs: list[tuple], tokens: int) -> dict[str, A
         valid = _check(check, text) if finished else None
         outs.append({"stop": "finished" if finished else "cut" if final["stop_reason"] == "max_tokens"
                      else final["stop_reason"], "tokens": final["tokens_predicted"], "valid": valid,
+                     "repeats": repeated_keys(text), "bans": final.get("repeatKeyBans", 0),
                      "server_says": final.get("schemaValid", "absent"), "schema_ms": final.get("schema_ms"),
                      "text": text[:200]})
     return {"wall_s": t_end - t0, "outputs": outs}
@@ -163,6 +176,7 @@ def run_llama(ls: LlamaServer, reqs: list[tuple], tokens: int) -> dict[str, Any]
         valid = _check(check, a["content"]) if finished else None
         outs.append({"stop": "finished" if finished else "cut" if a.get("stop_type") == "limit"
                      else str(a.get("stop_type")), "tokens": n, "valid": valid,
+                     "repeats": repeated_keys(a["content"]),
                      "text": a["content"][:200]})
     return {"wall_s": t_end - t0, "outputs": outs}
 
@@ -185,6 +199,9 @@ def side_stats(rounds: list[dict]) -> dict[str, Any]:
             "invalid": sum(o.get("valid") is False for o in outs),
             "cut": sum(o["stop"] == "cut" for o in outs),
             "errors": sum(o["stop"] == "error" for o in outs),
+            "repeating": sum(o.get("repeats", 0) > 0 for o in outs),  # outputs that repeat a key
+            "repeated_key_stops": sum(o["stop"] == "repeated_key" for o in outs),
+            "banned_in": sum(o.get("bans", 0) > 0 for o in outs),  # outputs the ban narrowed
             "disagreements": sum(1 for o in outs if "server_says" in o and o["stop"] == "finished"
                                  and o["server_says"] != "absent" and o["server_says"] != o["valid"]),
             "schema_ms": _dist([o["schema_ms"] for o in outs if o.get("schema_ms") is not None]),
@@ -204,18 +221,21 @@ def measure(args: Any) -> dict[str, Any]:
     gen: list[dict] = []
     commands: dict[str, str] = {}
     problems: list[str] = []
+    peer = not getattr(args, "no_peer", False)
+    sides = ("clickpaca", "llama-server") if peer else ("clickpaca",)
     port = free_port()
-    cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port)
-    commands["llama-server"] = " ".join(cmd)
-    progress("schemas: starting clickpaca and llama-server")
+    cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port) if peer else []
+    commands["llama-server"] = " ".join(cmd) if peer else "not run (--no-peer)"
+    progress("schemas: starting clickpaca" + (" and llama-server" if peer else ""))
     server = Server({"modelPath": model, "build": args.build, "nThreads": t, "nSeqMax": max(seqs),
                      "nCtx": max(seqs) * ctx_per_seq, "nBatch": BATCH})
     ls = None
     try:
-        ls = LlamaServer(cmd, port)
-        accepted = {}
-        for s in corpus:
-            accepted[s.name] = llama_accepts(ls, s.schema)
+        accepted = {s.name: (None, "not asked (--no-peer)") for s in corpus}
+        if peer:
+            ls = LlamaServer(cmd, port)
+            for s in corpus:
+                accepted[s.name] = llama_accepts(ls, s.schema)
         for s, r in usable:
             server.client.grammar(f"s:{s.name}", "%json_schema " + json.dumps(s.schema),
                                   lenient=r["registered"] == "lenient")
@@ -226,9 +246,9 @@ def measure(args: Any) -> dict[str, Any]:
                     for i, (s, _) in enumerate(pick_i)]
             theirs = [(s.schema, prompt_for(s.name), SEED_BASE + i, checks[s.name])
                       for i, (s, _) in enumerate(pick_i)]
-            res: dict[str, list] = {"clickpaca": [], "llama-server": []}
+            res: dict[str, list] = {side: [] for side in sides}
             for k in range(args.repeats):
-                order = ("clickpaca", "llama-server") if k % 2 == 0 else ("llama-server", "clickpaca")
+                order = sides if k % 2 == 0 else sides[::-1]
                 for side in order:
                     if side == "clickpaca":
                         res[side].append(run_clickpaca(server, ours, tokens))
@@ -249,10 +269,14 @@ def measure(args: Any) -> dict[str, Any]:
             "default": sum(r["default"]["ok"] for r in rows),
             "lenient": sum(r["lenient"]["ok"] for r in rows),
             "enforced": sum(r["default"]["ok"] and r["default"]["enforced"] for r in rows),
-            "llama_server": sum(bool(r.get("llama_server_accepts")) for r in rows),
+            "llama_server": sum(bool(r.get("llama_server_accepts")) for r in rows) if peer else "not run",
             "compile_ms": _dist([r["default"]["ms"] for r in rows if r["default"]["ok"]]),
             "compile_ms_lenient": _dist([r["lenient"]["ms"] for r in rows if r["lenient"]["ok"]]),
-            "mask_us": _dist([x for r in rows for x in r["mask_us"]])}
+            "mask_us": _dist([x for r in rows for x in r["mask_us"]]),
+            "ban_us": _dist([x for r in rows for x in r["ban_us"]]),
+            # the same two, in this thread's CPU time: what a busy machine's preemption leaves out
+            "mask_cpu_us": _dist([m for r in rows for m, _ in r["cpu_us"]]),
+            "ban_cpu_us": _dist([b for r in rows for _, b in r["cpu_us"] if b is not None])}
     notes = [f"corpus {args.corpus} {versions(args.corpus)}: {len(rows)} schemas "
              f"(--limit {args.limit}, --max-bytes {args.max_bytes})",
              f"generation: maxTokens {tokens}, T={TEMPERATURE}, seeds {SEED_BASE}+i, request i uses "
@@ -264,7 +288,11 @@ def measure(args: Any) -> dict[str, Any]:
              "mask us/token: one matcher per compiled schema walked by random allowed tokens, every "
              "mask of the 262,144-token vocabulary timed in-process (llguidance publishes about 50 us "
              "per mask for a 128k-token vocabulary on JSONSchemaBench); llama-server's grammar cost "
-             "per token is inside its tok/s only"]
+             "per token is inside its tok/s only",
+             "key ban us/token: the repeated-key ban after llguidance's mask on the same walk, timed "
+             "apart (grammar/json_keys.py); CPU: both in the thread's CPU time (no preemption)",
+             "repeating = outputs (finished or cut) with a key their object already holds; "
+             "repeated_key = clickpaca outputs the ban ended (nothing else allowed)"]
     dis = sum(r["sides"]["clickpaca"]["disagreements"] for r in gen)
     notes.append(f"clickpaca's own done.schemaValid disagreed with the bench's validator on {dis} outputs")
     for r in gen:
@@ -285,7 +313,7 @@ def measure(args: Any) -> dict[str, Any]:
                        "versions": versions(args.corpus)},
             "llama_server_commands": commands, "machine_start": m0, "compile": comp,
             "refusals": refused,
-            "schemas": [{k: v for k, v in r.items() if k != "mask_us"} | {"masks": len(r["mask_us"])}
+            "schemas": [{k: v for k, v in r.items() if k not in ("mask_us", "ban_us", "cpu_us")} | {"masks": len(r["mask_us"])}
                         for r in rows],
             "rows": gen, "notes": notes, "server_problems": problems}
 
@@ -294,25 +322,30 @@ def table(out: dict[str, Any]) -> str:
     c = out["compile"]
     t1 = markdown(
         ["schemas", "compile (default)", "enforced whole", "compile (lenient)", "llama-server accepts",
-         "compile ms median / p99", "mask us/token median / p99 (tokens)"],
+         "compile ms median / p99", "mask us/token median / p99 (tokens)",
+         "key ban us/token median / p99", "CPU us/token mask, ban: median / p99"],
         [(c["schemas"], c["default"], c["enforced"], c["lenient"], c["llama_server"],
           f"{fmt(c['compile_ms']['median'])} / {fmt(c['compile_ms']['p99'])}",
-          f"{fmt(c['mask_us']['median'])} / {fmt(c['mask_us']['p99'])} ({c['mask_us']['n']})")],
-        align="rrrrrrr")
+          f"{fmt(c['mask_us']['median'])} / {fmt(c['mask_us']['p99'])} ({c['mask_us']['n']})",
+          f"{fmt(c['ban_us']['median'])} / {fmt(c['ban_us']['p99'])}",
+          f"{fmt(c['mask_cpu_us']['median'])} / {fmt(c['mask_cpu_us']['p99'])}, "
+          f"{fmt(c['ban_cpu_us']['median'])} / {fmt(c['ban_cpu_us']['p99'])}")],
+        align="rrrrrrrrr")
     rows = []
     for r in out["rows"]:
         for name, s in r["sides"].items():
             t = s["tps"]
             rows.append((r["seqs"], name, f"{fmt(t['median'])} ({fmt(t['min'])}-{fmt(t['max'])})",
-                         s["outputs"], s["finished"], s["valid"], s["invalid"], s["cut"], s["errors"]))
-    t2 = markdown(["seqs", "side", "tok/s", "outputs", "finished", "valid", "invalid", "cut", "errors"],
-                  rows, align="rlrrrrrrr")
+                         s["outputs"], s["finished"], s["valid"], s["invalid"], s["cut"], s["errors"],
+                         s["repeating"], s["repeated_key_stops"] if name == "clickpaca" else ""))
+    t2 = markdown(["seqs", "side", "tok/s", "outputs", "finished", "valid", "invalid", "cut", "errors",
+                   "repeating", "repeated_key"], rows, align="rlrrrrrrrrr")
     return t1 + "\n\n" + t2
 
 
 def run(args: Any) -> dict[str, Any]:
     args = with_defaults(args, seqs="8,64", tokens=64, repeats=2, limit=None, max_bytes=None,
-                         ctx_per_seq=256)
+                         ctx_per_seq=256, no_peer=False)
     if not getattr(args, "corpus", None):
         raise ValueError("bench schemas needs a corpus: a directory of schema files or a package "
                          "(check-jsonschema, schemastore)")
