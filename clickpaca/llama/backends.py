@@ -37,10 +37,12 @@ PRESELECT_DEFAULTS = {
 
 
 def backend(info: dict) -> str:
-    """The backend a build computes on, from its build-info.json ("cpu" when it names none)."""
+    """The backend a build computes on, from its build-info.json ("cpu" when it names no
+    preset; an unknown preset is its own backend, with no measured row)."""
     if info.get("cuda"):
         return "cuda"
-    return PRESET_BACKEND.get(info.get("preset") or "linux-cpu", "cpu")
+    preset = info.get("preset") or "linux-cpu"
+    return PRESET_BACKEND.get(preset, preset)
 
 
 def preselect_default(info: dict) -> PreselectDefault:
