@@ -77,6 +77,11 @@ def pack_build(build: Path, peer: Path | None, out: Path) -> dict:
                     filter=lambda ti: None if "__pycache__" in ti.name else ti)
         if peer is not None:
             tar.add(peer / "bin" / "llama-server", arcname="build/bin/llama-server")
+        if info.get("cuda"):
+            # cudart (0.7 MB) goes with the build, found through its run path $ORIGIN/../lib;
+            # cuBLAS (54 + 540 MB) cannot: the borrowed machine's is used (gpurun.py preflight)
+            for so in sorted((Path(info["cuda"]["root"]) / "lib").glob("libcudart.so.*")):
+                tar.add(so.resolve(), arcname=f"build/lib/{so.name}")
     return {"flavor": info["flavor"], "preset": info["preset"], "key": info["key"],
             "cuda": info.get("cuda"), "tools": sorted(p.name for p in (build / "bin").iterdir()
                                                       if p.is_file() and not p.name.endswith(".so"))
