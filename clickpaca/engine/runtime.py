@@ -137,7 +137,9 @@ class Runtime:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         readout = Readout(nat, req.capture)  # the eval callback: at creation or live (readout.py)
         # the decode pre-selects each sampled row's values (llama/presample.py, sampling/fastpath.py)
-        preselect = req.preselect if req.preselect is not None else backends.preselect_default(nat.info).on
+        # left out: the backend's row, where the build can (a default never refuses an init)
+        preselect = req.preselect if req.preselect is not None else (
+            backends.preselect_default(nat.info).on and features.available(nat, "backend-sampling"))
         presampler = Presampler(nat, model.n_vocab, req.nSeqMax) if preselect else None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
