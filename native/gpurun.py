@@ -205,7 +205,7 @@ class Run:
              "total_seconds": total, "budget_seconds": sum(x["budget_s"] for x in self.steps), "goal_seconds": GOAL_S,
              "within_goal": total <= GOAL_S, "failed": [x["step"] for x in self.steps if x["status"] == "failed"],
              "skipped": [x["step"] for x in self.steps if x["status"] == "skipped"],
-             "results": collect(self.results),
+             "results": collect(self.results), "preselect_row": preselect_row(self.results / "preselect"),
              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (self.out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
         (self.out / "summary.md").write_text(render(s))
@@ -231,6 +231,22 @@ def find_cublas() -> str | None:
     return None
 
 
+def preselect_row(folder: Path) -> dict | None:
+    """What the CUDA row of clickpaca/llama/backends.py should say, from the pre-selection
+    step's rows: on only where the pre-selection path was the faster (its median per-round
+    ratio to the host path above 1) for every chain at every sequence count; None when the
+    step left nothing."""
+    files = sorted(folder.glob("*.json")) if folder.exists() else []
+    rows = json.loads(files[0].read_text()).get("rows", []) if files else []
+    ratios = [(r.get("seqs"), r.get("chain"), r.get("pre_ratio_to_default")) for r in rows]
+    if not ratios or any(x is None for *_, x in ratios):
+        return None
+    on = all(x > 1 for *_, x in ratios)
+    return {"on": on, "ratios": ratios,
+            "evidence": f"measured: preselect / host {min(x for *_, x in ratios):.2f}-{max(x for *_, x in ratios):.2f} "
+                        f"over {len(ratios)} chain x sequence rows (make gpu-check PACK=...)"}
+
+
 def collect(results: Path) -> dict:
     """Each bench's JSON (results/report.py write_json): its table and notes."""
     out = {}
@@ -254,6 +270,9 @@ def render(s: dict) -> str:
     lines += ["", f"Total {s['total_seconds']:.0f} s (budget {s['budget_seconds']} s, goal {s['goal_seconds']} s: "
               f"{'held' if s['within_goal'] else 'EXCEEDED'}); failed: {', '.join(s['failed']) or 'none'}; "
               f"skipped: {len(s['skipped'])}."]
+    row = s.get("preselect_row")
+    lines += ["", "Pre-selection default for CUDA (clickpaca/llama/backends.py): "
+              + (f"{'on' if row['on'] else 'off'}, {row['evidence']}" if row else "not measured (the step left no rows)")]
     for name, r in s["results"].items():
         lines += ["", f"## {name}", "", r["table_markdown"] or "(no table)"]
     return "\n".join(lines) + "\n"
