@@ -24,7 +24,7 @@ export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
 endif
 endif
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study kv-center-study bundle gpu-check clean help
+.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study kv-center-study bundle gpu-check gpu-pack clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -54,10 +54,42 @@ bundle:
 ## sampler against the native tools; summary.json + summary.md in GPU_CHECK_OUT (docs/GPU.md).
 ## Without a GPU it stops in one line.
 GPU_CHECK_OUT ?= bench-results/gpu-check
+PACK ?=
 gpu-check:
+ifneq ($(PACK),)
+	$(PYTHON) native/gpurun.py --pack $(PACK) --out $(GPU_CHECK_OUT)
+else
 	@$(PYTHON) native/cudakit.py preflight >/dev/null
 	@$(MAKE) --no-print-directory venv model PRESET=linux-cuda
 	$(PY) -m clickpaca.measure.gpucheck --out $(GPU_CHECK_OUT)
+endif
+
+## gpu-pack: what a borrowed GPU machine (no network, 64 MiB a call) needs for `make gpu-check
+## PACK=dir` (native/gpurun.py): the patched flavour compiled once for sm_90 with the registry
+## CUDA toolkit (it serves clickpaca and llama-bench, llama-batched-bench, llama-server), the
+## wheels for CPython 3.12, the bindings, the twin model's recipe and a CPU reference, in PACK
+## (default gpu-pack/, ignored). PACK_PRESET=linux-cpu: the CPU stand-in (the mainline build,
+## tests/test_gpupack.py). docs/GPU.md.
+PACK_PRESET ?= linux-cuda
+PACK_JOBS ?= $(shell nproc)
+PACK_PYTHON ?= 3.12
+PACK_PLATFORM ?= manylinux_2_31_x86_64
+PACK_TOOLS := llama-bench,llama-batched-bench
+ifeq ($(PACK_PRESET),linux-cuda)
+PACK_BUILDS := $(CURDIR)/builds/gpu-pack-sm90
+PACK_ENV = CUDA_HOME=$$($(PYTHON) native/cudakit.py toolkit) CUDA_ARCH=90 CPU_ISA=haswell CLICKPACA_BUILDS=$(PACK_BUILDS)
+gpu-pack: venv model patched
+	$(PACK_ENV) $(PYTHON) native/build.py patched --preset linux-cuda --only-tools $(PACK_TOOLS) -j $(PACK_JOBS)
+	$(PACK_ENV) $(PYTHON) native/peer.py --flavor patched --preset linux-cuda --only-tools $(PACK_TOOLS) -j $(PACK_JOBS)
+	mkdir -p $(PACK_BUILDS)/driver-stub && ln -sf $$($(PYTHON) native/cudakit.py toolkit)/lib/stubs/libcuda.so $(PACK_BUILDS)/driver-stub/libcuda.so.1
+	LD_LIBRARY_PATH=$(PACK_BUILDS)/driver-stub $(PY) -m bindgen $(PACK_BUILDS)/patched-haswell
+	$(PY) native/gpupack.py --out $(or $(PACK),gpu-pack) --build $(PACK_BUILDS)/patched-haswell \
+		--peer $(PACK_BUILDS)/peer-patched --reference-build patched --python-version $(PACK_PYTHON) --platform $(PACK_PLATFORM)
+else
+gpu-pack: setup
+	$(PY) native/gpupack.py --out $(or $(PACK),gpu-pack) --build builds/mainline $(if $(wildcard builds/peer/bin/llama-server),--peer builds/peer) \
+		--reference-build mainline --python-version $(PACK_PYTHON) --platform $(PACK_PLATFORM)
+endif
 
 ## venv: the Python environment (.venv) with clickpaca installed in development mode
 venv: $(VENV)/.installed

@@ -162,15 +162,56 @@ def preset_cmake(preset: str, env: dict | None = None) -> tuple[list[str], dict]
                                     "version": nvcc_version(root / "bin" / "nvcc"), "root": str(root)}
 
 
-def gpu_preflight(env: dict | None = None) -> tuple[str | None, str | None]:
+# The oldest driver branch each CUDA major release runs on (NVIDIA's CUDA release notes,
+# "minor version compatibility": any 13.x toolkit's code runs on a 580 driver or newer).
+MIN_DRIVER = {11: 450, 12: 525, 13: 580}
+
+
+def driver_version(smi: str | None = None) -> str | None:
+    """The NVIDIA driver's version ("580.82.07") from nvidia-smi; None without one."""
+    smi = smi or shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        proc = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+    return lines[0].strip() if lines else None
+
+
+def driver_problem(driver: str | None, toolkit: str) -> str | None:
+    """One line naming both when the driver is too old for the toolkit the build was
+    compiled with (a CUDA 13 build on a 570 driver fails at its first call with error 35,
+    "driver version is insufficient"); None when they fit or the pair is not in the table."""
+    major = int(toolkit.split(".")[0])
+    need = MIN_DRIVER.get(major)
+    if driver is None:
+        return f"no NVIDIA driver answered nvidia-smi, and a CUDA {toolkit} build needs one ({need} or newer)"
+    if need is not None and int(driver.split(".")[0]) < need:
+        return (f"NVIDIA driver {driver} is older than CUDA {toolkit} needs ({need} or newer): "
+                f"use a build compiled with the node's own older toolkit (CUDA_HOME=...), docs/GPU.md")
+    return None
+
+
+def gpu_preflight(env: dict | None = None, toolkit: str | None = None) -> tuple[str | None, str | None]:
     """`make gpu-check`'s first step: (the architecture to build for, None), or (None, one
-    line saying what this machine lacks: a GPU, or nvcc)."""
+    line saying what this machine lacks: a GPU, nvcc, or a driver new enough for the
+    toolkit). `toolkit`: the CUDA version a prebuilt build was compiled with (a GPU pack);
+    None: the version of the nvcc found here."""
     env = os.environ if env is None else env
     archs = local_archs()
     if not archs:
         return None, "make gpu-check needs an NVIDIA GPU, and nvidia-smi lists none here (docs/GPU.md)"
-    if find_nvcc(env) is None:
-        return None, "make gpu-check: " + NO_NVCC
+    if toolkit is None:
+        nvcc = find_nvcc(env)
+        if nvcc is None:
+            return None, "make gpu-check: " + NO_NVCC
+        toolkit = nvcc_version(nvcc)
+    problem = driver_problem(driver_version(), toolkit)
+    if problem:
+        return None, "make gpu-check: " + problem
     return env.get("CUDA_ARCH") or ";".join(archs), None
 
 

@@ -64,12 +64,14 @@ def check_source_dir(cmake_dir: Path) -> None:
             "with the same CMakeLists.txt")
 
 
-def build_peer(preset: str, jobs: int, tools: list[str] | None = None) -> Path:
+def build_peer(preset: str, jobs: int, tools: list[str] | None = None, flavor: str = "mainline") -> Path:
     """`tools`: the mainline build's tools when not all of them (build.py --only-tools): the
-    peer is built in that mainline tree, keyed by it."""
-    # The mainline lock: llama-server is built inside the mainline tree.
-    with build.cache_lock("mainline", preset):
-        main = build.build_locked("mainline", preset, None, jobs, only_tools=tools)
+    peer is built in that mainline tree, keyed by it. `flavor` patched: in the patched tree
+    instead (a GPU pack compiles one CUDA tree: its patches are inert unless asked for),
+    linked as builds/peer-patched so the CPU default's builds/peer stays."""
+    # The flavour's lock: llama-server is built inside its tree.
+    with build.cache_lock(flavor, preset):
+        main = build.build_locked(flavor, preset, None, jobs, only_tools=tools)
         main_key = (main / ".complete").read_text().strip()
         key = hashlib.sha256(json.dumps({"mainline": main_key, "target": TARGET,
                                          "options": SERVER_OPTIONS}, sort_keys=True)
@@ -79,7 +81,7 @@ def build_peer(preset: str, jobs: int, tools: list[str] | None = None) -> Path:
             build.log(f"peer: cached build {out} (key {key})")
         else:
             make_peer(main, out, key, main_key, jobs)
-    build.link_build("peer", out)
+    build.link_build("peer" if flavor == "mainline" else f"peer-{flavor}", out)
     return out
 
 
@@ -93,7 +95,7 @@ def make_peer(main: Path, out: Path, key: str, main_key: str, jobs: int) -> None
     env = dict(os.environ)
     before = cache_values(cmake_dir, list(SERVER_OPTIONS))
     on = [f"-D{k}={v}" for k, v in SERVER_OPTIONS.items()]
-    build.log(f"peer: building {TARGET} in the mainline tree {cmake_dir}")
+    build.log(f"peer: building {TARGET} in the tree {cmake_dir}")
     try:
         build.run_streamed(["cmake", str(cmake_dir), *on], env, logfile)
         build.run_streamed(["cmake", "--build", str(cmake_dir), "-j", str(jobs),
@@ -135,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--only-tools", default=os.environ.get("ONLY_TOOLS"),
                     help="the mainline build to build in: the one with these tools (build.py --only-tools)")
+    ap.add_argument("--flavor", default="mainline", choices=["mainline", "patched"],
+                    help="the tree to build it in (patched: linked as builds/peer-patched)")
     args = ap.parse_args(argv)
     try:
-        build_peer(args.preset, args.jobs, build.selected_tools(args.only_tools))
+        build_peer(args.preset, args.jobs, build.selected_tools(args.only_tools), args.flavor)
     except build.BuildError as e:
         build.log(f"error: {e}")
         return 1

@@ -57,3 +57,32 @@ def test_this_cpu_build_lists_no_gpu_and_one_cpu_row():
     assert gpu.local_gpus(nat) == []
     rows = device_rows(nat, None, [])
     assert [r["name"] for r in rows] == ["CPU"] and rows[0]["memoryTotal"] > 0
+
+
+SMI_LIST = """GPU 0: NVIDIA H200 (UUID: GPU-aaaa1111-0000-0000-0000-000000000000)
+GPU 1: NVIDIA H200 (UUID: GPU-bbbb2222-0000-0000-0000-000000000000)
+  MIG 3g.71gb     Device  0: (UUID: MIG-cccc3333-0000-0000-0000-000000000000)
+  MIG 3g.71gb     Device  1: (UUID: MIG-dddd4444-0000-0000-0000-000000000000)
+GPU 2: NVIDIA H200 (UUID: GPU-eeee5555-0000-0000-0000-000000000000)
+"""
+
+
+def test_visible_devices_unset_lists_every_gpu_or_its_mig_devices():
+    devs, exact = gpu.visible_devices(SMI_LIST, None)
+    assert [d["uuid"][:8] for d in devs] == ["GPU-aaaa", "MIG-cccc", "MIG-dddd", "GPU-eeee"] and not exact
+    plain = "GPU 0: NVIDIA H200 (UUID: GPU-aaaa1111-0000-0000-0000-000000000000)\n"
+    assert gpu.visible_devices(plain, None) == ([{"name": "NVIDIA H200", "uuid": plain[26:66], "mig": False}], True)
+
+
+@pytest.mark.parametrize("cvd, want, exact", [
+    ("2", ["GPU-eeee"], True),                      # SLURM gives one GPU by index
+    ("2,0", ["GPU-eeee", "GPU-aaaa"], True),        # in the order given
+    ("GPU-aaaa", ["GPU-aaaa"], True),               # a UUID prefix
+    ("MIG-dddd", ["MIG-dddd"], False),              # one MIG device
+    ("0,7,2", ["GPU-aaaa"], True),                  # read up to the first entry naming no device
+    ("", [], True),                                 # set and empty: no device
+    ("GPU-", [], True),                             # a prefix of several devices names none
+])
+def test_visible_devices_follow_cuda_visible_devices(cvd, want, exact):
+    devs, is_exact = gpu.visible_devices(SMI_LIST, cvd)
+    assert [d["uuid"][:8] for d in devs] == want and is_exact == exact

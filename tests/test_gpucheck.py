@@ -34,8 +34,27 @@ def test_preflight_names_nvcc_when_the_gpu_is_there_but_no_compiler(monkeypatch)
     arch, problem = cudakit.gpu_preflight({"PATH": "/nonexistent"})
     assert arch is None and "needs nvcc" in problem
     monkeypatch.setattr(cudakit, "find_nvcc", lambda env=None: Path("/x/bin/nvcc"))
+    monkeypatch.setattr(cudakit, "nvcc_version", lambda nvcc: "13.0.88")
+    monkeypatch.setattr(cudakit, "driver_version", lambda smi=None: "580.82.07")
     assert cudakit.gpu_preflight({"PATH": ""}) == ("90", None)
     assert cudakit.gpu_preflight({"PATH": "", "CUDA_ARCH": "80"}) == ("80", None)
+
+
+def test_preflight_names_the_driver_and_the_toolkit_in_one_line_when_the_driver_is_too_old(monkeypatch):
+    monkeypatch.setattr(cudakit, "local_archs", lambda: ["90"])
+    monkeypatch.setattr(cudakit, "driver_version", lambda smi=None: "570.124.06")
+    arch, problem = cudakit.gpu_preflight({"PATH": ""}, toolkit="13.0.88")
+    assert arch is None and "\n" not in problem
+    assert "driver 570.124.06" in problem and "CUDA 13.0.88" in problem and "580 or newer" in problem
+    monkeypatch.setattr(cudakit, "driver_version", lambda smi=None: "580.65.06")
+    assert cudakit.gpu_preflight({"PATH": ""}, toolkit="13.0.88") == ("90", None)
+
+
+def test_the_driver_table_by_toolkit_major():
+    assert cudakit.driver_problem("579.99", "13.0.88") and not cudakit.driver_problem("580.0", "13.0.88")
+    assert cudakit.driver_problem("520.61.05", "12.4.1") and not cudakit.driver_problem("535.1", "12.4.1")
+    assert not cudakit.driver_problem("570.1", "12.8.93")  # a CUDA 12 build runs on a 570 driver
+    assert "no NVIDIA driver" in cudakit.driver_problem(None, "13.0.88")
 
 
 def test_the_steps_build_only_what_they_need_and_reuse_the_benches(tmp_path):

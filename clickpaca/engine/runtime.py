@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import rpc
-from ..llama import cachetypes, core, cpu, deterministic, features, gpu, kvcenter
+from ..llama import backends, cachetypes, core, cpu, deterministic, features, gpu, kvcenter
 from ..wire import chat, pretokenize
 from . import statedir
 from ..activations import steer
@@ -77,6 +77,8 @@ class Runtime:
             flashAttn=req.flashAttn,
             deterministic=self.deterministic,
             preselect=ctx.presampler is not None,
+            preselectFrom=("init" if req.preselect is not None
+                           else "default: " + backends.preselect_default(model.nat.info).evidence),
             kernels=kernels(model, ctx),
             cpu=cpu_report(model),
             stateDir=str(self.states.root),
@@ -135,7 +137,10 @@ class Runtime:
             raise ProtocolError(f"modelPath: {e}", request="init") from None
         readout = Readout(nat, req.capture)  # the eval callback: at creation or live (readout.py)
         # the decode pre-selects each sampled row's values (llama/presample/, sampling/fastpath.py)
-        presampler = Presampler(nat, model.n_vocab, req.nSeqMax) if req.preselect else None
+        # left out: the backend's row, where the build can (a default never refuses an init)
+        preselect = req.preselect if req.preselect is not None else (
+            backends.preselect_default(nat.info).on and features.available(nat, "backend-sampling"))
+        presampler = Presampler(nat, model.n_vocab, req.nSeqMax) if preselect else None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
                                n_ubatch=deterministic.ubatch(types, req.nBatch) if det else None,

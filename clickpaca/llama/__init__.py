@@ -4,6 +4,7 @@ for), features.py is the table of optional llama.cpp APIs checked at init, core.
 wraps model, context, batch, logits and memory; models.py finds and fetches the model
 files and tok.py is `clickpaca tok`; cachetypes.py is the table of KV cache types,
 deterministic.py deterministic mode's settings, gpu.py what a GPU build lists and refuses,
+backends.py the defaults that depend on the backend (one row each),
 turboquant.py the turbo types' codebooks
 and numpy reference; opdump.py and opdiff.py find which graph node depends on batch
 shape; presample/ the backend sampler whose ggml ops pre-select each sampled row's

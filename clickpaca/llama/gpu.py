@@ -14,6 +14,7 @@ copies rows out of device memory, activations/capture.py).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from . import cachetypes
@@ -75,3 +76,41 @@ def local_gpus(nat: Any) -> list:
             continue
         out.append(dev)
     return out
+
+
+_SMI_GPU = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9a-fA-F-]+)\)")
+_SMI_MIG = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[0-9a-fA-F-]+)\)")
+
+
+def visible_devices(smi_list: str, cuda_visible: str | None) -> tuple[list[dict], bool]:
+    """The devices a CUDA process sees, from `nvidia-smi -L` and CUDA_VISIBLE_DEVICES (which
+    SLURM and container runtimes set): each {"name", "uuid", "mig"}, and whether the count
+    is exact. CUDA's rule: the list is read up to its first entry that names no device (an
+    index of a GPU, or a GPU-/MIG- UUID or its prefix); unset, every GPU, or the MIG devices
+    of a GPU in MIG mode. A MIG device counts, but how many of them one process enumerates
+    has changed between CUDA releases, so with MIG the count is an upper bound (not exact)."""
+    gpus: list[dict] = []
+    for line in smi_list.splitlines():
+        if m := _SMI_GPU.match(line):
+            gpus.append({"name": m.group(2), "uuid": m.group(3), "mig": False, "migs": []})
+        elif (m := _SMI_MIG.match(line)) and gpus:
+            gpus[-1]["migs"].append({"name": f"{gpus[-1]['name']} MIG {m.group(1)}", "uuid": m.group(3),
+                                     "mig": True})
+    every = [d for g in gpus for d in (g["migs"] or [g])]
+    if cuda_visible is None:
+        chosen = every
+    else:
+        chosen = []
+        for entry in (e.strip() for e in cuda_visible.split(",")):
+            if entry.isdigit():
+                hit = gpus[int(entry)] if int(entry) < len(gpus) else None
+                hit = None if hit is None else (hit["migs"] or [hit])[0] if hit["migs"] else hit
+            else:
+                hits = [d for d in every if entry and d["uuid"].startswith(entry)]
+                hit = hits[0] if len(hits) == 1 else None
+            if hit is None:
+                break  # CUDA stops reading at the first entry that names no device
+            if hit not in chosen:
+                chosen.append(hit)
+    out = [{"name": d["name"], "uuid": d["uuid"], "mig": d["mig"]} for d in chosen]
+    return out, not any(d["mig"] for d in out)

@@ -6,5 +6,6 @@ marks its run failed, and `measured`, which runs it between the two), kl.py (KL 
 texts.py and corpus.py (the default public-domain texts); steering.py is the worked
 control-vector experiment of docs/ACTIVATIONS.md, through the server; schemas.py reads a
 corpus of JSON schemas from a directory or an installed package (`bench schemas`);
-gpucheck.py is `make gpu-check` (docs/GPU.md); kvsim/ simulates KV cache types inside the
+gpucheck.py is `make gpu-check` (docs/GPU.md), gpuagree.py the CPU reference a GPU pack
+carries and the GPU run's check against it; kvsim/ simulates KV cache types inside the
 model (docs/KV-RESEARCH.md, "Beyond one model")."""

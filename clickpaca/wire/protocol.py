@@ -406,8 +406,9 @@ class InitRequest(Request):
     stateDir: str | None = wire(_opt(_str(True)), None)
     deterministic: bool = wire(_bool, False)  # docs/DETERMINISM.md
     # sample where the logits are: each sampled row's chain runs on the few values the
-    # decode's graph pre-selects, where its steps allow (docs/BENCHMARKS.md, "Pre-selection")
-    preselect: bool = wire(_bool, False)
+    # decode's graph pre-selects, where its steps allow (docs/BENCHMARKS.md, "Pre-selection");
+    # left out: the build's backend's row (llama/backends.py; the host path where not measured)
+    preselect: bool | None = wire(_opt(_bool), None)
     # RPC workers (docs/SCALE-OUT.md): "host:port" each, the offloaded layers' share per
     # worker device, seconds without progress before a worker counts as lost, and the
     # output layer's weights kept local (its logits then never cross the network)
