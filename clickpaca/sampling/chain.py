@@ -275,11 +275,13 @@ class SequenceSampler:
 
     Step state: the states of stateful steps (mirostat's mu) live here, one per step,
     made on first use; ``fork`` deep-copies them with the RNG streams. ``vocab`` is
-    handed to the steps that need token text (DRY's sequence breakers).
+    handed to the steps that need token text (DRY's sequence breakers); ``prepared``, by
+    step name, what the request's preparation made for them off the engine thread (DRY's
+    breaker table: engine/prepare.py), held for the sampler's life and shared by forks.
     """
 
     def __init__(self, params: SamplerParams, n_vocab: int, prompt_tokens: Iterable[int] = (),
-                 vocab=None, *, history: list[int] | None = None):
+                 vocab=None, *, history: list[int] | None = None, prepared: dict | None = None):
         self._n_vocab = int(n_vocab)
         self._params = params.validate(self._n_vocab)
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -295,6 +297,7 @@ class SequenceSampler:
         self._states: dict = {}
         self._streams: dict = {}
         self._vocab = vocab
+        self._prepared = prepared
         self.extend(prompt_tokens)
 
     # -- state -----------------------------------------------------------------------
@@ -348,6 +351,7 @@ class SequenceSampler:
         other._hist_np, other._hist_np_len = None, 0
         other._states = copy.deepcopy(self._states)
         other._vocab = self._vocab
+        other._prepared = self._prepared
         if seed is None:
             other._seed = self._seed
             other._rng = copy.deepcopy(self._rng)
@@ -516,10 +520,10 @@ class SequenceSampler:
         view = RowView(row)
         hist = self.penalty_window() if p.penalties_active else _NO_HIST
         ctx = StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed,
-                          self._n_vocab)
+                          self._n_vocab, self._prepared)
         if p.trace:  # the trace reruns the steps on copies taken before they run
             before = StepContext(hist, self._history, self._vocab, copy.deepcopy(self._states),
-                                 copy.deepcopy(self._streams), self._seed, self._n_vocab)
+                                 copy.deepcopy(self._streams), self._seed, self._n_vocab, self._prepared)
         short = greedy_tail(p, hist[0].size > 0, self._n_vocab) if words is None else None
         cand = _greedy(row, view, p, short, ctx, timings) if short is not None else None
         if cand is None:

@@ -278,7 +278,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     tail = () if first is None else active[first:]
     tau = p.temperature if TEMPERATURE in prefix else 1.0
     hist = s.penalty_window() if p.penalties_active else _NO_HIST
-    ctx = StepContext(hist, s._history, s._vocab, s._states, s._streams, s.seed, n)
+    ctx = StepContext(hist, s._history, s._vocab, s._states, s._streams, s.seed, n, s._prepared)
 
     touched = pre.order.touched
     if 1.0 / tau != pre.order.inv_tau or (prefix and not isin_sorted(_touched(s, prefix), touched).all()):
