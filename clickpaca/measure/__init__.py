@@ -6,4 +6,5 @@ texts.py and corpus.py (the default public-domain texts); steering.py is the wor
 control-vector experiment of docs/ACTIVATIONS.md, through the server; schemas.py reads a
 corpus of JSON schemas from a directory or an installed package (`bench schemas`);
 gpucheck.py is `make gpu-check` (docs/GPU.md); kvsim/ simulates KV cache types inside the
-model (docs/KV-RESEARCH.md, "Beyond one model")."""
+model (docs/KV-RESEARCH.md, "Beyond one model"); soak.py is `make soak`, many socket
+clients for a fixed time with what must hold throughout (docs/PROTOCOL.md, "Soak")."""

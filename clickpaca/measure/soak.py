@@ -143,8 +143,14 @@ class _Worker:
         self.grammars: set[str] = set()
         self.saves = 0
 
-    def run(self) -> None:
+    def run(self, primed: threading.Barrier | None = None) -> None:
+        """Each kind of work once (the warm-up's primer, before the clock), then pieces
+        of work until the deadline (set once every client is primed)."""
         try:
+            if primed is not None:
+                for kind in self.rng.sample(KINDS, len(KINDS)):
+                    getattr(self, kind)()
+                primed.wait()
             while time.monotonic() < self.deadline:
                 if self.abrupt and self.rng.random() < 0.08:
                     self.hang_up()
@@ -339,7 +345,8 @@ def prime(path: Path, cfg: Config, sets: list) -> None:
     the whole context: full batches, every row's logits, over every KV cell; llama.cpp's
     compute buffer and the logits rows kept reach their high-water marks) and each kind
     of work once (the DRY index, the grammar engine's vocabulary, a capture), so that
-    the warm-up's baseline holds what any run holds."""
+    the warm-up's baseline holds what any run holds. Then every client does each kind
+    once, all at once (`_Worker.run`), before the clock starts."""
     with Client.connect(path) as c:
         text = " ".join(f"Line {i} of the primer, and a few more words." for i in range(cfg.n_ctx // 8))
         c.send({"type": "score", "seq_id": 0, "text": text, "window": cfg.n_ctx})
@@ -364,12 +371,15 @@ def run(cfg: Config) -> Report:
         sets = [["".join(rng.choices("etaoinshr :", k=40)) for _ in range(64)] for _ in range(24)]
         tally = _Tally()
         prime(path, cfg, sets)
-        t0 = time.monotonic()
-        deadline = t0 + cfg.seconds
-        workers = [_Worker(path, n, cfg, tally, deadline, sets) for n in range(cfg.clients)]
-        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+        workers = [_Worker(path, n, cfg, tally, float("inf"), sets) for n in range(cfg.clients)]
+        primed = threading.Barrier(cfg.clients + 1)
+        threads = [threading.Thread(target=w.run, args=(primed,), daemon=True) for w in workers]
         for t in threads:
             t.start()
+        primed.wait(timeout=1800)  # every client has done each kind of work once
+        t0 = time.monotonic()
+        for w in workers:
+            w.deadline = t0 + cfg.seconds
         while any(t.is_alive() for t in threads):
             now = round(time.monotonic() - t0, 1)
             rep.rss_mib.append((now, round(rss_mib(proc.pid), 1)))
