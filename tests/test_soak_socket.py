@@ -11,11 +11,11 @@ import pytest
 from clickpaca.measure import soak
 from conftest import TEST_BUILD, TEST_CACHE_K, TEST_CACHE_V
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
-
 SECONDS = float(os.environ.get("CLICKPACA_SOAK_SECONDS", "60"))
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_a_short_soak_through_the_socket():
     rep = soak.run(soak.Config(seconds=SECONDS, build=TEST_BUILD, cache_type_k=TEST_CACHE_K,
                                cache_type_v=TEST_CACHE_V))
