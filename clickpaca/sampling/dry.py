@@ -10,11 +10,15 @@ occurrence of a breaker in the context, and a token that alone is a breaker is n
 penalised. Breakers are matched on token text, so they need the vocabulary: the
 tokens whose piece contains the string, and the tokens whose piece ends with a prefix
 of it followed by the tokens of the rest (at most 20). The protocol bounds the breakers
-as llama.cpp bounds them (at most 40 characters each; 64 of them), and their
-preparation is bounded per breaker (`breakers`).
+as llama.cpp bounds them (at most 40 characters each; 64 of them), and making their
+table is bounded per breaker (`make_table`).
 
-The context is the sequence's whole history (prompt included), which held, forked and
-loaded sequences carry: DRY keeps no state of its own.
+A request's table is made when the request is prepared, off the engine thread
+(engine/prepare.py), and its sampler holds it for the request's life (`StepContext
+.prepared`); requests with the same set share it, and the tables alive together are
+bounded (`Tables`, MAX_TABLE_BYTES). The context is the sequence's whole history
+(prompt included), which held, forked and loaded sequences carry: DRY keeps no state of
+its own.
 """
 
 from __future__ import annotations
