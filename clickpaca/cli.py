@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from .base.malloc import fix_mmap_threshold
 
-    fix_mmap_threshold()  # large temporaries given back, not kept by each thread's arena
+    fix_mmap_threshold()  # large temporaries given back; one arena per core, not per thread
     if args.socket:
         from .serve.socket_server import serve_socket
 

@@ -1,4 +1,5 @@
-"""The C allocator's setting for a long-running server: a fixed mmap threshold.
+"""The C allocator's settings for a long-running server: a fixed mmap threshold, and
+few arenas.
 
 glibc serves an allocation at or above its mmap threshold with a mapping of its own,
 given back to the kernel when freed; below it, from an arena (one per thread that
@@ -11,23 +12,31 @@ grows by each arena's high-water mark: the socket soak (clickpaca/measure/soak.p
 clients) grew 100+ MiB in 90 s after its warm-up, 5 MiB with the threshold fixed.
 Setting it (mallopt M_MMAP_THRESHOLD) keeps it fixed: blocks of 4 MiB and more are
 always mapped and always given back; a logits row (1 MiB) still comes from an arena.
-Elsewhere (not glibc) this does nothing.
+The arenas themselves (one per thread that allocates, 8 per core, each keeping its own
+freed pages) still let VmRSS creep, about 5 MiB a minute over a 10-minute soak with 16
+clients, each with a reader and a writer thread; with at most one arena per core
+(M_ARENA_MAX) the same soak stayed flat after its warm-up. Elsewhere (not glibc) this
+does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's malloc.h
 MMAP_THRESHOLD = 4 << 20
 
 
-def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold at `size` bytes for this process; False where the C
-    library has no mallopt or refuses it."""
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD, arenas: int | None = None) -> bool:
+    """Fix glibc's mmap threshold at `size` bytes and its arenas at `arenas` (default:
+    one per core, at least 2) for this process; False where the C library has no
+    mallopt or refuses either."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, size) == 1
+    if arenas is None:
+        arenas = max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2)
+    return mallopt(M_MMAP_THRESHOLD, size) == 1 and mallopt(M_ARENA_MAX, arenas) == 1
