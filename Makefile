@@ -24,7 +24,7 @@ export PIP_FIND_LINKS := $(abspath $(BUNDLE))/wheels
 endif
 endif
 
-.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench kv-study kv-long-study kv-smollm2-study kv-sim-study kv-center-study bundle gpu-check gpu-pack clean help
+.PHONY: demo setup prereqs venv mainline patched turboquant activations kvcenter peer bindgen api-report model test check test-portable test-tq test-compat compat-run bench soak kv-study kv-long-study kv-smollm2-study kv-sim-study kv-center-study bundle gpu-check gpu-pack clean help
 
 ## demo: set everything up, then run the main job on the default model (README, first command)
 demo: setup
@@ -187,6 +187,13 @@ compat-run:
 ## bench: the standard benchmark set against the native tools (a few minutes)
 bench: setup peer
 	$(PY) -m clickpaca bench all --plot
+
+## soak: 16 socket clients mixing every request kind for 10 minutes, some hanging up mid-request:
+## every request ends once, VmRSS bounded after warm-up, no file outside the state directory, no
+## token gap over 1 tick (clickpaca/measure/soak.py; `make test` runs it for a minute)
+SOAK_SECONDS ?= 600
+soak: setup
+	nice -n 10 $(PY) -m clickpaca.measure.soak --seconds $(SOAK_SECONDS)
 
 ## kv-study: the KV cache quality study of docs/KV-RESEARCH.md (perplexity, KL, top-1, memory, speed);
 ## both runs are recorded in the results store under one group (`clickpaca results list --group ...`)

@@ -5,13 +5,15 @@ text holds the breaker is a breaker alone; a token whose text ends with a proper
 of it is followed by the tokens of the rest (at most 20). `reference` is that
 definition, token by token; `dry.breakers` must give the same table through its index
 (one scan for the tokens holding it, binary searches for the prefixes), tokenizing at
-most once per prefix, and the table is kept for a bounded number of breaker sets.
+most once per prefix; a set's table is shared by the requests that hold it, and the
+tables alive together are bounded (dry.Tables).
 tests/test_sampling_oracle.py compares the penalties with llama.cpp's own sampler.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -60,8 +62,9 @@ SETS = [("\n", ":", '"', "*"), ("###", "ab", "\n"), ("a\x00b", "\x00"), ("é😀
 
 @pytest.mark.parametrize("strings", SETS, ids=[repr(s)[:30] for s in SETS])
 def test_the_table_is_llamacpp_s_definition(vocab, strings):
-    got = dry.breakers(vocab, strings)
-    assert {t: set(v) for t, v in got.items()} == reference(vocab, strings)
+    got = dry.make_table(vocab, strings)
+    assert {t: set(v) for t, v in got.mapping().items()} == reference(vocab, strings)
+    assert got.nbytes <= dry.table_max_bytes(vocab, dry.index_of(vocab))
 
 
 def test_the_issue_line_tokenizes_at_most_once_per_prefix(vocab):
@@ -69,19 +72,43 @@ def test_the_issue_line_tokenizes_at_most_once_per_prefix(vocab):
     most 39 tokenizations each, whatever they match; repeated breakers count once."""
     hostile = tuple("".join(random.choices("etaoinshr ", k=40)) for _ in range(64))
     before = vocab.tokenized
-    dry.breakers(vocab, hostile)
+    table = dry.make_table(vocab, hostile)
     assert vocab.tokenized - before <= 64 * 39
+    assert 0 < table.nbytes <= dry.table_max_bytes(vocab, dry.index_of(vocab))
     before = vocab.tokenized
-    dry.breakers(vocab, ("y" * 40,) * 64)
+    dry.make_table(vocab, ("y" * 40,) * 64)
     assert vocab.tokenized - before <= 39
 
 
-def test_only_the_recent_breaker_sets_are_kept(vocab):
+def test_a_set_s_table_is_shared_while_held_and_the_recent_ones_are_kept(vocab):
+    """Requests with the same set share one table; a table lives while a request holds
+    it; after that only the MAX_BREAKER_SETS most recent sets stay."""
+    store = dry.Tables()
     sets = [(f"brk{i}",) for i in range(dry.MAX_BREAKER_SETS + 3)]
-    tables = [dry.breakers(vocab, s) for s in sets]
-    kept = vocab.memo("dry-breaker-sets", dry._Recent)
-    assert len(kept._sets) == dry.MAX_BREAKER_SETS
-    held = dry.held(vocab, 200)
-    assert held["entries"] == dry.MAX_BREAKER_SETS and 0 < held["bytes"] <= held["maxBytes"]
-    assert dry.breakers(vocab, sets[-1]) is tables[-1]  # the recent ones are not made again
-    assert sets[0] not in kept._sets
+    held = [store.get(vocab, s, "reader") for s in sets]  # every one held by a "request"
+    assert store.get(vocab, sets[0], "reader") is held[0]  # shared, not made again
+    assert store.held()[0] == len(sets) and store.builds == {"reader": len(sets), "engine": 0}
+    assert store.bytes == sum(t.nbytes for t in held)
+    del held
+    n, b, kept = store.held()
+    assert n == kept == dry.MAX_BREAKER_SETS and b == store.bytes > 0
+    assert store.get(vocab, sets[-1], "engine") is not None and store.builds["engine"] == 0  # kept: not made
+
+
+def test_the_tables_alive_are_bounded_and_a_reader_waits_for_room(vocab, monkeypatch):
+    """Past MAX_TABLE_BYTES a reader waits until a request ends (its table freed); the
+    engine thread never waits (it is the one that ends requests) and is counted."""
+    store = dry.Tables()
+    first = store.get(vocab, ("alpha",), "reader")
+    monkeypatch.setattr(dry, "MAX_TABLE_BYTES", first.nbytes + 1)
+    monkeypatch.setattr(dry, "MAX_BREAKER_SETS", 0)  # nothing kept beyond the requests
+    got = []
+    t = threading.Thread(target=lambda: got.append(store.get(vocab, ("beta",), "reader")))
+    t.start()
+    t.join(1.5)
+    assert t.is_alive() and not got, "the reader went past the bound"
+    engine = store.get(vocab, ("gamma",), "engine")  # does not wait
+    assert store.builds["engine"] == 1
+    del engine, first  # the requests end
+    t.join(30)
+    assert got and store.waits == 1 and store.bytes == got[0].nbytes

@@ -35,6 +35,7 @@ from clickpaca.llama import native
 from clickpaca.sampling import steps as S
 from clickpaca.sampling import dry as D
 from clickpaca.sampling.oracle import CSampler
+from clickpaca.sampling.params import SamplerParams
 
 from conftest import TEST_BUILD
 
@@ -869,11 +870,84 @@ def test_dry_with_the_model_vocabulary(nat, model, vocab, data):
     with CSampler(nat, "dry", model.vocab, mult, base, allowed, last_n, arr, len(keep)) as cs:
         cs.accept(history)
         r = cs.apply(ids, lg)
-    brk = D.breakers(vocab, breakers) if breakers else {}
-    pen_ids, pen = D.dry_penalties(list(history), mult, base, allowed, last_n, brk)
-    got_ids, got = D.apply(ids, f64(lg), pen_ids, pen)
+    params = SamplerParams(dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed,
+                           dry_penalty_last_n=last_n, dry_sequence_breakers=breakers)
+    got_ids, got = served_dry(model, vocab, params, list(history), ids, lg)
     theirs = dict(zip(r.ids.tolist(), r.logits.tolist()))
     assert sorted(theirs) == sorted(got_ids.tolist())
     for tok, v in zip(got_ids.tolist(), got.tolist()):
         assert math.isclose(v, theirs[tok], rel_tol=1e-5, abs_tol=1e-4), (tok, v, theirs[tok], history)
-    event("penalised" if pen_ids.size else "no penalty")
+    event("penalised" if not np.array_equal(got, f64(lg)) else "no penalty")
+
+
+def served_dry(model, vocab, params, history: list[int], ids, lg):
+    """DRY as the server runs it: the breaker table the request's preparation makes on a
+    reader thread (engine/prepare.py: `dry`), held by the request's sampler and read by
+    the step (dry.penalties_for through the sampler's StepContext)."""
+    from clickpaca.engine.prepare import _dry_breakers
+    from clickpaca.sampling.registry import StepContext
+    from clickpaca.wire.protocol import InferRequest
+
+    class Rt:  # what _dry_breakers reads of the runtime
+        step_vocab = vocab
+
+    req = InferRequest(seq_id=0, prompt="x", params=params)
+    table = _dry_breakers(req, Rt(), "reader")
+    assert (table is None) == (not params.dry_sequence_breakers)
+    ctx = StepContext(history=history, vocab=None, n_vocab=model.n_vocab,
+                      prepared={"dry": table} if table is not None else None)
+    return D.apply(ids, f64(lg), *D.penalties_for(params, ctx))
+
+
+#: breaker sets as the issue's probe sends them: 40 characters each, many of them
+LONG_SETS = {"8 of 40": 8, "64 of 40": 64}
+
+
+@pytest.fixture(scope="module")
+def long_sets(nat, model):
+    """Each set's llama.cpp sampler, made once (llama.cpp's own table takes a while)."""
+    import random
+
+    rng = random.Random(54)
+    ffi, out = nat.ffi, {}
+    for name, count in LONG_SETS.items():
+        strings = tuple("".join(rng.choices("etaoinsh :", k=40)) for _ in range(count))
+        keep = [ffi.new("char[]", b.encode()) for b in strings]
+        out[name] = (strings, keep, CSampler(nat, "dry", model.vocab, 1.0, 1.75, 2, 64,
+                                              ffi.new("char *[]", keep), len(keep)))
+    yield out
+    for _, _, cs in out.values():
+        cs.close()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", list(LONG_SETS))
+def test_dry_with_long_breakers_through_the_prepared_table(nat, model, vocab, long_sets, name):
+    """The probe's kind of set (many breakers of 40 characters), each history made of
+    the breakers' own tokens and their pieces' neighbours so that tails match: the
+    prepared table gives llama.cpp's penalties."""
+    strings, _, cs = long_sets[name]
+    rng = np.random.default_rng(len(strings))
+    pool = sorted({int(t) for s in strings[:8] for t in model.tokenize(s, add_special=False, parse_special=False)}
+                  | {int(t) for w in (" the", " cat", "\n", ".", "ing") for t in model.tokenize(w, add_special=False)})
+    # (llama.cpp's C sampler takes a last_n of -1 as 0, off: the server's -1 is the whole
+    # context, which 64 covers here)
+    params = SamplerParams(dry_multiplier=1.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=64,
+                           dry_sequence_breakers=strings)
+    penalised = 0
+    for case in range(40):
+        motif = rng.choice(pool, rng.integers(2, 6)).tolist()
+        history = (rng.choice(pool, rng.integers(0, 20)).tolist() + motif * int(rng.integers(2, 4))
+                   + rng.choice(pool, rng.integers(0, 3)).tolist())
+        ids = np.unique(np.concatenate((pool, rng.choice(model.n_vocab, 50, replace=False)))).astype(np.int32)
+        lg = (rng.standard_normal(ids.size) * 2).astype(np.float32)
+        nat.lib.llama_sampler_reset(cs.ptr)
+        cs.accept(history)
+        r = cs.apply(ids, lg)
+        got_ids, got = served_dry(model, vocab, params, history, ids, lg)
+        theirs = dict(zip(r.ids.tolist(), r.logits.tolist()))
+        assert sorted(theirs) == sorted(got_ids.tolist())
+        for tok, v in zip(got_ids.tolist(), got.tolist()):
+            assert math.isclose(v, theirs[tok], rel_tol=1e-5, abs_tol=1e-4), (case, tok, v, theirs[tok], history)
+        penalised += not np.array_equal(got, f64(lg))
+    assert penalised >= 10, penalised  # the cases reach the penalties, not only the no-penalty path

@@ -198,6 +198,7 @@ class Engine:
     def tick(self) -> None:
         assert self.scheduler is not None
         self.ticks += 1
+        self.seqs.ticks = self.ticks
         self.scheduler.tick()
 
     def stats(self, session: Session) -> dict:

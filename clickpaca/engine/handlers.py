@@ -104,8 +104,10 @@ class Handlers(StateFileHandlers):
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
         # The sampler reads the sequence's one history (the whole context: prompt, held,
-        # forked or loaded tokens, then each accepted one), never a copy of it.
-        sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab, history=seq.tokens)
+        # forked or loaded tokens, then each accepted one), never a copy of it. It holds the
+        # breaker table the preparation made (prepare.py) for the request's life.
+        sampler = SequenceSampler(req.params, rt.model.n_vocab, vocab=rt.step_vocab, history=seq.tokens,
+                                  prepared={"dry": work.dry} if work.dry is not None else None)
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,

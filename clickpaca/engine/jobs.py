@@ -171,6 +171,9 @@ class InferJob(Job):
     text: list = field(default_factory=list)
     # with init preselect: which path decided each token (sampling/fastpath.py), for `done`
     paths: "FastStats | None" = None
+    # the tick of its last token event and the most ticks between two (`done` max_gap_ticks)
+    tick_last: int | None = None
+    gap_ticks: int = 0
 
     def begin(self, seq: "Sequence") -> None:
         if self.steer is not None:
@@ -257,6 +260,9 @@ class InferJob(Job):
             logprobs = {**(logprobs or {}), "trace": res.trace}
         tick.seqs.send(seq, token_event(seq.seq_id, token, piece, logprobs))
         faults.hit("accept", seq.seq_id, "sent")  # the tests' hook: its token is out
+        if self.tick_last is not None:
+            self.gap_ticks = max(self.gap_ticks, tick.seqs.ticks - self.tick_last)
+        self.tick_last = tick.seqs.ticks
         self.n_predicted += 1
         self._end_if_over(tick, seq, stop=self.stops.feed(piece) if self.stops else None)
 
@@ -303,7 +309,8 @@ class InferJob(Job):
             # the first token comes from the prompt's logits: n tokens take n - 1 decodes
             eval_tps=round((self.n_predicted - 1) / eval_s, 2) if eval_s > 0 and self.n_predicted > 1 else None,
             **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason), **self._keys(),
-            **({"samplingPath": self.paths.as_event()} if self.paths is not None else {}))
+            **({"samplingPath": self.paths.as_event()} if self.paths is not None else {}),
+            **({"max_gap_ticks": self.gap_ticks} if self.gap_ticks else {}))
 
     def _schema(self, reason: str) -> dict:
         """`schemaValid` of a checked output: the validator's verdict on a finished one

@@ -6,8 +6,9 @@ with that request delays all the others (a 4 MB prompt's tokenizing blocked ever
 for 9.5 s). So each request's own text is worked on here, on the thread that read it, and
 the result travels beside the typed request as a `Prepared`: `infer` / `prefill` their
 prompt (or formatted chat) tokenized with and without BOS, or the ProtocolError to answer
-with; `score` its tokens; `grammar` the compiled grammar or its GrammarError; DRY's
-breaker table. One function does the work (`work_for`): readers call it through
+with; `score` its tokens; `grammar` the compiled grammar or its GrammarError; an `infer` with DRY its breaker
+table (sampling/dry.py's Tables shares and bounds them), which the request's sampler holds
+for its life, so the engine thread never makes one. One function does the work (`work_for`): readers call it through
 `prepare`, and the engine calls it before every handler for what no reader did, so a
 request is answered the same either way. State files are not read here: a `load` must see
 every earlier `save`, so they go through the engine's own worker (engine/stateio.py).
@@ -73,20 +74,24 @@ class PromptTokens:
 @dataclass(frozen=True, eq=False)
 class Prepared:
     """A request's own work, kept beside it (the request holds what the client sent):
-    at most one field is set, by the request's type; none for the types with no work."""
+    the fields its type needs are set (an infer: `prompt`, and `dry` with DRY); none for
+    the types with no work."""
 
     prompt: PromptTokens | None = None  # infer, prefill
     text: np.ndarray | None = None  # score: the text's tokens
     grammar: CompiledGrammar | GrammarError | None = None  # grammar: compiled, or why not
+    dry: dry.Breakers | None = None  # an infer with DRY (beside `prompt`): its breaker table
 
 
 NOTHING = Prepared()  # the work of a request that needs none
 
 
-def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepared:
+def work_for(req: Request, rt: "Runtime", done: Prepared | None = None, where: str = "engine") -> Prepared:
     """The request's own work: `done` when a reader did it, else done here: the
     prompt's tokens both ways (or the ProtocolError to answer with), the score text's
-    tokens, the compiled grammar (or the GrammarError). Raises only on a bug."""
+    tokens, the compiled grammar (or the GrammarError), DRY's breaker table. `where`:
+    "reader" or "engine", the thread it runs on (DRY counts the tables the engine
+    thread makes). Raises only on a bug."""
     if done is not None:
         return done
     if isinstance(req, (InferRequest, PrefillRequest)):
@@ -96,9 +101,7 @@ def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepa
                                   rt.tokenize_prompt(text, True, req.seq_id, req.type))
         except ProtocolError as e:
             tokens = PromptTokens(None, None, e)
-        if isinstance(req, InferRequest):
-            _dry_breakers(req, rt)
-        return Prepared(prompt=tokens)
+        return Prepared(prompt=tokens, dry=_dry_breakers(req, rt, where) if isinstance(req, InferRequest) else None)
     if isinstance(req, ScoreRequest):
         return Prepared(text=rt.score_tokens(req.text))
     if isinstance(req, GrammarRequest):
@@ -111,13 +114,15 @@ def work_for(req: Request, rt: "Runtime", done: Prepared | None = None) -> Prepa
     return NOTHING
 
 
-def _dry_breakers(req: InferRequest, rt: "Runtime") -> None:
-    """DRY's breaker table, made here so the engine thread finds it made (sampling/dry.py
-    keeps the recent ones per vocabulary): up to ~1 s for 64 breakers that touch most
-    of the vocabulary, plus ~2 s to read and index the vocabulary the first time."""
+def _dry_breakers(req: InferRequest, rt: "Runtime", where: str) -> dry.Breakers | None:
+    """DRY's breaker table for the request's sampler (None: DRY is off or has no
+    breakers): shared with the requests alive that use the same set, else made here
+    (~0.1 s for 64 breakers of 40 characters, plus ~3 s to read and index the vocabulary
+    the first time); a reader may wait here for requests to end (dry.MAX_TABLE_BYTES)."""
     p = req.params
     if p.dry_multiplier != 0 and p.dry_penalty_last_n != 0 and p.dry_sequence_breakers:
-        dry.breakers(rt.step_vocab, p.dry_sequence_breakers)
+        return dry.breakers(rt.step_vocab, p.dry_sequence_breakers, where)
+    return None
 
 
 def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: SharedUse) -> Prepared | None:
@@ -130,10 +135,10 @@ def prepare(req: Request, runtime: Callable[[], "Runtime | None"], model_lock: S
         return None
     try:
         if isinstance(req, GrammarRequest):  # compiles with the grammar engine, not the model
-            return work_for(req, rt)
+            return work_for(req, rt, where="reader")
         with model_lock:
             if runtime() is rt:
-                return work_for(req, rt)
+                return work_for(req, rt, where="reader")
     except Exception:  # noqa: BLE001 - the engine thread does it again and reports it
         pass
     return None

@@ -77,6 +77,7 @@ class Sequences:
         self.free_slots = list(range(ctx.n_seq_max - 1, -1, -1))
         self.order: list[Sequence] = []  # active (not held) sequences in arrival order
         self.taken: list[Sequence] = []  # slots taken by the request being handled (give_back)
+        self.ticks = 0  # the engine's ticks so far (Engine.tick): a job counts its tokens' gaps in them
         self._frozen = frozen
 
     @property

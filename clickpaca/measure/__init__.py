@@ -8,4 +8,5 @@ control-vector experiment of docs/ACTIVATIONS.md, through the server; schemas.py
 corpus of JSON schemas from a directory or an installed package (`bench schemas`);
 gpucheck.py is `make gpu-check` (docs/GPU.md), gpuagree.py the CPU reference a GPU pack
 carries and the GPU run's check against it; kvsim/ simulates KV cache types inside the
-model (docs/KV-RESEARCH.md, "Beyond one model")."""
+model (docs/KV-RESEARCH.md, "Beyond one model"); soak.py is `make soak`, many socket
+clients for a fixed time with what must hold throughout (docs/PROTOCOL.md, "Soak")."""

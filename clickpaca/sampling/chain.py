@@ -274,11 +274,13 @@ class SequenceSampler:
 
     Step state: the states of stateful steps (mirostat's mu) live here, one per step,
     made on first use; ``fork`` deep-copies them with the RNG streams. ``vocab`` is
-    handed to the steps that need token text (DRY's sequence breakers).
+    handed to the steps that need token text (DRY's sequence breakers); ``prepared``, by
+    step name, what the request's preparation made for them off the engine thread (DRY's
+    breaker table: engine/prepare.py), held for the sampler's life and shared by forks.
     """
 
     def __init__(self, params: SamplerParams, n_vocab: int, prompt_tokens: Iterable[int] = (),
-                 vocab=None, *, history: list[int] | None = None):
+                 vocab=None, *, history: list[int] | None = None, prepared: dict | None = None):
         self._n_vocab = int(n_vocab)
         self._params = params.validate(self._n_vocab)
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -294,6 +296,7 @@ class SequenceSampler:
         self._states: dict = {}
         self._streams: dict = {}
         self._vocab = vocab
+        self._prepared = prepared
         self.extend(prompt_tokens)
 
     # -- state -----------------------------------------------------------------------
@@ -323,7 +326,8 @@ class SequenceSampler:
     def step_context(self, hist: tuple[np.ndarray, np.ndarray], n_vocab: int) -> StepContext:
         """What the steps see of this sequence for one row: ``hist`` (its penalty window,
         or NO_HIST), its history, vocab, step states and streams, and its seed."""
-        return StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed, n_vocab)
+        return StepContext(hist, self._history, self._vocab, self._states, self._streams, self._seed, n_vocab,
+                           self._prepared)
 
     def set_params(self, params: SamplerParams) -> None:
         """Switch params mid-sequence. The RNG stream continues unless the new params
@@ -352,6 +356,7 @@ class SequenceSampler:
         other._hist_np, other._hist_np_len = None, 0
         other._states = copy.deepcopy(self._states)
         other._vocab = self._vocab
+        other._prepared = self._prepared
         if seed is None:
             other._seed = self._seed
             other._rng = copy.deepcopy(self._rng)
@@ -522,7 +527,7 @@ class SequenceSampler:
         ctx = self.step_context(hist, self._n_vocab)
         if p.trace:  # the trace reruns the steps on copies taken before they run
             before = StepContext(hist, self._history, self._vocab, copy.deepcopy(self._states),
-                                 copy.deepcopy(self._streams), self._seed, self._n_vocab)
+                                 copy.deepcopy(self._streams), self._seed, self._n_vocab, self._prepared)
         short = greedy_tail(p, hist[0].size > 0, self._n_vocab) if words is None else None
         cand = _greedy(row, view, p, short, ctx, timings) if short is not None else None
         if cand is None:

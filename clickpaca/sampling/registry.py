@@ -81,12 +81,14 @@ class StepContext:
     truncation on a superset, the mass left out (see ``cut``); vocab: the model's
     vocabulary helper or None (steps that need token text); n_vocab: the vocabulary
     size (0 when unknown); the sequence's step states and random streams (``state``,
-    ``uniform``)."""
+    ``uniform``); prepared: what the request's preparation made for a step, by step
+    name, off the engine thread (DRY's breaker table: engine/prepare.py), or None."""
 
-    __slots__ = ("hist", "history", "rest_mass", "vocab", "n_vocab", "states", "streams", "seed", "used")
+    __slots__ = ("hist", "history", "rest_mass", "vocab", "n_vocab", "states", "streams", "seed", "used",
+                 "prepared")
 
     def __init__(self, hist=None, history=(), vocab=None, states=None, streams=None, seed: int = 0,
-                 n_vocab: int = 0):
+                 n_vocab: int = 0, prepared=None):
         self.n_vocab = n_vocab
         self.hist = hist if hist is not None else NO_HIST
         self.history = history
@@ -96,6 +98,7 @@ class StepContext:
         self.streams = {} if streams is None else streams
         self.seed = seed
         self.used: list[Step] = []
+        self.prepared = prepared
 
     def state(self, step: "Step", params: "SamplerParams") -> Any:
         """The sequence's state of a stateful step (made on first use by ``step.state``)."""
