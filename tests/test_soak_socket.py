@@ -29,9 +29,9 @@ def test_a_short_soak_through_the_socket():
 
 def test_the_judge_names_each_breach():
     """Each check reports its own breach (the figures of a run that broke every one)."""
-    cfg = soak.Config(seconds=10, rss_bound_mib=8, gap_ticks=1)
-    rep = soak.Report(config={}, rss_growth_mib=9.5, max_gap_ticks=3, files_outside=["/x/core"],
+    cfg = soak.Config(seconds=10, rss_bound_mib=8, rss_transient_mib=16, gap_ticks=1)
+    rep = soak.Report(config={}, rss_level_mib=9.5, rss_growth_mib=24.5, max_gap_ticks=3, files_outside=["/x/core"],
                       temp_files=["/s/.clickpaca-tmp-1-ab"], dry={"builds": {"reader": 1, "engine": 2}},
                       requests={"infer": 1})
     soak.judge(cfg, rep)
-    assert [p.split(" ")[0] for p in rep.problems] == ["VmRSS", "an", "files", "half-written", "the"], rep.problems
+    assert [p.split(" ")[0] for p in rep.problems] == ["VmRSS's", "VmRSS", "an", "files", "half-written", "the"], rep.problems

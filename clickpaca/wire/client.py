@@ -233,6 +233,11 @@ class Client:
 
     # ------------------------------------------------------------ events
 
+    def unread(self) -> dict[int, dict]:
+        """The first event not yet read of each sequence that has one (nothing is consumed):
+        after every awaited request has ended, anything here arrived after its end."""
+        return {sid: q.queue[0] for sid, q in list(self._queues.items()) if not q.empty()}
+
     def stream(self, seq_id: int, timeout: float = 600) -> Iterator[dict]:
         """Events of one sequence up to and including the one that ends its request;
         ServerError if the connection ends first (the server died or went away)."""
