@@ -26,7 +26,6 @@ Run by the venv's Python (gguf-py for the recipe, clickpaca for the reference).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 NATIVE = Path(__file__).resolve().parent
 ROOT = NATIVE.parent
 sys.path.insert(0, str(NATIVE))
+from build import sha256_file  # noqa: E402  (native/build.py: the file digest)
 import bundle  # noqa: E402  (native/bundle.py: manylinux platform tags)
 import twin  # noqa: E402  (native/twin.py: the model's recipe)
 
@@ -50,13 +50,6 @@ IMAGE_HAS = ("numpy",)
 # The files of a build the run needs (the CMake tree and logs stay here).
 BUILD_PARTS = ("lib", "bin", "include", "bindings", "build-info.json")
 
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def checkout_bytes() -> int:
@@ -131,7 +124,7 @@ def make(args: argparse.Namespace) -> dict:
     reference(model, args.reference_build, out / "reference.json")
     model.unlink()  # made again on the GPU machine from the recipe
     steps["reference.json"] = round(time.monotonic() - s, 1)
-    files = {str(p.relative_to(out)): {"sha256": sha256(p), "bytes": p.stat().st_size}
+    files = {str(p.relative_to(out)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
              for p in sorted(out.rglob("*")) if p.is_file()}
     pack_bytes = sum(f["bytes"] for f in files.values())
     co = checkout_bytes()

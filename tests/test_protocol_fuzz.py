@@ -39,6 +39,7 @@ from collections import Counter
 
 import pytest
 
+from clickpaca.measure.soak import rss_mib
 from clickpaca.sampling.registry import all_params
 from clickpaca.wire.client import Client
 from clickpaca.wire.protocol import MAX_LINE_BYTES, MISSING, REQUESTS, ProtocolError, Request, parse_line
@@ -779,10 +780,3 @@ def test_fuzz_socket_with_abrupt_clients(tmp_path):
           f"{time.monotonic() - t0:.1f}s; the well-behaved client's longest gap {worst:.1f} ticks; VmRSS MiB "
           + ", ".join(f"{k} {v:.0f}" for k, v in rss) + f" (load {os.getloadavg()[0]:.1f})")
 
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
