@@ -284,10 +284,12 @@ class SocketServer:
         return 0
 
 
-#: Fields whose value the runtime resolves (a default model, build, state directory or
-#: thread count): a client may name the resolved value as well as the one given at start.
+#: Fields whose value the runtime resolves (a default model, build, state directory,
+#: thread count, or the backend's pre-selection row): a client may name the resolved value
+#: as well as the one given at start.
 RESOLVED = {"modelPath": lambda ready: ready["model"]["path"], "build": lambda ready: ready["build"],
-            "stateDir": lambda ready: ready["stateDir"], "nThreads": lambda ready: ready["nThreads"]}
+            "stateDir": lambda ready: ready["stateDir"], "nThreads": lambda ready: ready["nThreads"],
+            "preselect": lambda ready: ready["preselect"]}
 
 
 def init_differences(asked: InitRequest, running: InitRequest, ready: dict) -> list[str]:
