@@ -25,14 +25,15 @@ from ..wire.client import Client
 PROMPTS = ["The capital of France is", "Once upon a time", "My favourite colour is", "The weather today",
            "In 1492, Columbus", "The best way to learn", "Water boils at", "A haiku about the sea:"]
 N_GEN, N_TOP = 16, 5
-NEAR_TIE = cachetypes.get("f16", "f16").near_tie
+NEAR_TIE = cachetypes.get(cachetypes.DEFAULT, "cache type").near_tie
 
 
 def greedy_runs(model: str, build: str) -> list[list]:
     """[(token, logprob, [(top token, logprob), ...]) per step] per prompt, each alone."""
     c = Client.spawn("--allow-any-path")
     try:
-        c.init(modelPath=model, build=build, nCtx=4096, nSeqMax=8, cacheTypeK="f16", cacheTypeV="f16",
+        c.init(modelPath=model, build=build, nCtx=4096, nSeqMax=8,
+               cacheTypeK=cachetypes.DEFAULT, cacheTypeV=cachetypes.DEFAULT,
                stateDir=tempfile.mkdtemp(prefix="clkp-agree-"))
         out = []
         for i, p in enumerate(PROMPTS):
