@@ -112,6 +112,48 @@ def test_logits_view_is_zero_copy_and_shaped(model):
     ctx.close()
 
 
+def resident_bytes(lo: int, hi: int) -> int:
+    """Bytes of the whole pages in [lo, hi) that are in memory (mincore(2))."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo, hi = -(-lo // page) * page, hi // page * page
+    n = (hi - lo) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page
+
+
+def test_release_logits_gives_the_rows_pages_back(model):
+    """A decode that outputs 512 rows writes 512 MiB of logits into llama.cpp's output
+    buffer, kept for the context's life; release_logits(64) gives back the pages past
+    row 64 (found by address, whatever mapping the buffer shares) and keeps the first 64."""
+    ctx = Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
+    try:
+        toks = model.tokenize(" ".join(f"word{i} is here." for i in range(95)))[:512]
+        batch = Batch(model.nat, 512)
+        batch.add(toks, 0, 0, output_all=True)
+        assert ctx.decode(batch) == 0
+        rows = ctx.n_outputs
+        assert rows == len(toks) >= 400
+        lg = ctx.logits()
+        kept = lg[:64].copy()
+        base = int(model.nat.ffi.cast("uintptr_t", model.nat.lib.llama_get_logits(ctx.ptr)))
+        row = model.n_vocab * 4
+        past = (base + 64 * row, base + rows * row)
+        assert resident_bytes(*past) >= (rows - 65) * row  # written, so in memory
+        freed = ctx.release_logits(64)
+        assert freed >= (rows - 65) * row, (freed, rows)
+        assert resident_bytes(*past) == 0
+        assert np.array_equal(lg[:64], kept)
+        assert not lg[65:rows - 1].any()  # fresh zero pages (the end rows' part pages stay)
+        assert ctx.release_logits(64) == 0  # nothing written past 64 since
+    finally:
+        ctx.close()
+
+
 def test_cache_types_come_from_the_build(model):
     types = cache_types(model.nat)
     assert {"f16", "q8_0", "q4_0"} <= set(types)

@@ -75,7 +75,9 @@ def caches(rt: Any, sessions: list, session: Any) -> dict[str, dict]:
 
 
 def stats(rt: Any, sessions: list, session: Any, ticks: int, extra: dict | None = None) -> dict:
-    out = {"ticks": ticks, "rssBytes": rss_bytes(), "caches": caches(rt, sessions, session)}
+    rows = rt.ctx.rows_held
+    out = {"ticks": ticks, "rssBytes": rss_bytes(), "caches": caches(rt, sessions, session),
+           "logitsRows": {"held": rows, "bytes": rows * rt.model.n_vocab * 4}}
     if extra:
         out.update(extra)
     return out

@@ -441,6 +441,12 @@ class Context(_Owned):
         """Logits rows of the last decode."""
         return self._n_outputs
 
+    @property
+    def rows_held(self) -> int:
+        """Logits rows written since their pages last went back (release_logits): what
+        of the output buffer a decode made resident and the process still holds."""
+        return self._rows_touched
+
     def release_logits(self, keep_rows: int) -> int:
         """Give back to the OS the pages of the logits buffer past `keep_rows` rows that
         earlier decodes wrote (a score, or a capture of last-layer nodes, writes one row

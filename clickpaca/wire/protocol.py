@@ -786,7 +786,7 @@ def freed_event(seq_id: int) -> dict:
 
 @_event("stats")
 def stats_event(**fields: Any) -> dict:
-    """The answer to `stats`: ticks so far, rssBytes, and every cache with its bounds."""
+    """The answer to `stats`: ticks so far, rssBytes, every cache with its bounds, logitsRows."""
     return {"type": "stats", **fields}
 
 
