@@ -31,6 +31,8 @@ pure modules load without the model's bindings):
     readout.py     activation capture through the jobs: which rows of a tick's batch each
                    job reads, and what it keeps of them until its end event
     mask_ahead.py  grammar masks filled while the decode runs
+    jump.py        jump-forward: the tokens a grammar forces, fed as one chunk of the next
+                   decode instead of a tick each
     faults.py      the stages of one sequence's service in a tick (a failure there
                    ends that sequence alone), how a batch-wide step finds whose part
                    failed (`each`), and the tests' hook that fails one

@@ -29,7 +29,7 @@ from ..sampling.fastpath import FastStats
 from ..wire.scoring import windows_for
 from .jobs import InferJob, PrefillJob, ScoreJob
 from .prepare import Prepared
-from . import readout
+from . import jump, readout
 from .text import StopMatcher
 from .accounting import MAX_GRAMMAR_TEXT_PER_SESSION, MAX_GRAMMARS_PER_SESSION, grammar_bytes
 from .runtime import Runtime
@@ -93,6 +93,8 @@ class Handlers(StateFileHandlers):
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
         self._check_fits(held, prompt, seq_id, "infer")
+        if req.jumpForward:
+            self._check_jump(req)
         rows = {"last": 1, "generated": req.maxTokens}.get(req.captureTokens, rt.ctx.n_ctx_seq)
         capture = readout.for_request(rt, req, session.namespace, min(rows, rt.ctx.n_ctx_seq))
         seq = held if held is not None else seqs.new(session, seq_id, "infer")
@@ -114,7 +116,23 @@ class Handlers(StateFileHandlers):
                                  steer=cvec, strength=req.controlVectorStrength,
                                  check=compiled.check if compiled is not None and (
                                      req.validate or compiled.checks_outputs) else None,
-                                 paths=FastStats() if rt.ctx.presampler is not None else None))
+                                 paths=FastStats() if rt.ctx.presampler is not None else None,
+                                 jump=req.jumpForward and compiled is not None,
+                                 jump_rows=jump.needs_rows(req.params), jump_alone=rt.deterministic))
+
+    def _check_jump(self, req: InferRequest) -> None:
+        """jumpForward's limits (engine/jump.py): not with the decode's pre-selection (it
+        orders the next row with its uniform before the decode, where forced tokens take
+        theirs after it), an activation capture (a row a tick) or a user-defined step."""
+        why = None
+        if self.rt.ctx.presampler is not None:
+            why = "not with init preselect (the pre-selection orders each row with its draw before the decode)"
+        elif req.capture is not None:
+            why = "not with capture (a capture reads one generated token a tick)"
+        elif (users := jump.user_steps(req.params)):
+            why = f"not with user-defined steps ({', '.join(users)}): what they do with a one-token set is unknown"
+        if why is not None:
+            raise ProtocolError(f"jumpForward: {why}", req.seq_id, "infer")
 
     def score(self, session: Session, req: ScoreRequest, work: Prepared) -> None:
         model, ctx, seqs = self.rt.model, self.rt.ctx, self.seqs

@@ -32,7 +32,7 @@ import numpy as np
 from ..wire.protocol import done_event, prefilled_event, scored_event, token_event
 from ..wire.scoring import score_rows
 from ..sampling.usersteps import StepFailed, step_ms
-from . import faults
+from . import faults, jump
 from .plan import Feed, Want
 from .text import StopMatcher, Utf8Assembler
 
@@ -123,6 +123,11 @@ class Job:
         draws nothing): the scheduler reads it before the decode to pre-select the row."""
         return None
 
+    def feed_tokens(self, seq: "Sequence") -> list[int]:
+        """The tokens its feeds are taken from, by position: the sequence's history, and
+        for an infer also the forced tokens fed ahead of their events (jump.py)."""
+        return seq.tokens
+
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
         """Its plan entry's tokens are in the KV cells now (seq.n_past moved on); a job
         that samples asks for its row here (`tick.draw`)."""
@@ -174,6 +179,13 @@ class InferJob(Job):
     # the tick of its last token event and the most ticks between two (`done` max_gap_ticks)
     tick_last: int | None = None
     gap_ticks: int = 0
+    # jumpForward (jump.py): the grammar's forced tokens ride the next decode as a chunk;
+    # `ahead`: those consumed by the matcher and fed (or to be fed) before their events
+    jump: bool = False
+    jump_rows: bool = False  # the sampler runs on each forced token's row (jump.needs_rows)
+    jump_alone: bool = False  # deterministic mode: a forced chunk is decoded alone, as a prompt chunk
+    ahead: list = field(default_factory=list)
+    n_forced: int = 0
 
     def begin(self, seq: "Sequence") -> None:
         if self.steer is not None:
@@ -185,6 +197,12 @@ class InferJob(Job):
 
     def want(self, seq: "Sequence") -> Want:
         n = len(seq.tokens)
+        if self.generating and self.ahead:  # its last sampled token and the forced ones after it
+            n += len(self.ahead)  # rows: those predicting the forced tokens when it needs them, the last
+            first = len(seq.tokens) - 1 if self.jump_rows else n - 1
+            if self.jump_alone:
+                return self.reads(Want(seq, False, seq.n_past, n, first, n - 1, True, seq.kv_wait))
+            return self.reads(Want(seq, True, seq.n_past, n, first, n - 1, True))
         if self.generating:  # its last sampled token, then a row to sample the next
             return self.reads(Want(seq, True, seq.n_past, n, seq.n_past, seq.n_past, True))
         samples = self.max_tokens > 0
@@ -196,9 +214,16 @@ class InferJob(Job):
     def drawer(self) -> "SequenceSampler | None":
         return self.sampler
 
+    def feed_tokens(self, seq: "Sequence") -> list[int]:
+        return seq.tokens + [x.token for x in self.ahead] if self.ahead else seq.tokens
+
     def fed(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
+        if self.ahead:
+            self._emit_forced(tick, seq, f)
+            if seq.job is not self:  # a forced token ended it
+                return
         if f.samples:
-            if not f.generating:
+            if not self.generating:
                 self.generating = True
                 self.t_first = tick.now
             tick.draw(seq, f.rows[-1], self.sampler)
@@ -234,17 +259,56 @@ class InferJob(Job):
             tick.seqs.fail(seq, f"no token can be sampled: {res.reason}")
             return
         self._accept(tick, seq, int(res.token), res)
+        if self.jump and seq.job is self:
+            self._jump(tick, seq)
 
-    def _accept(self, tick: Tick, seq: "Sequence", token: int, res: "SampleResult") -> None:
+    def _jump(self, tick: Tick, seq: "Sequence") -> None:
+        """The tokens the grammar forces after the accepted one (jump.forced_run): consumed
+        by the matcher now, fed with it in the next decode, their events sent once the
+        rows that predict them are decoded (`_emit_forced`). The run is cut to maxTokens,
+        to the context's room and to one batch."""
+        rt = tick.rt
+        limit = min(self.max_tokens - self.n_predicted, rt.ctx.n_ctx_seq - len(seq.tokens),
+                    rt.batch.capacity - 1)
+        if limit > 0:
+            self.ahead = jump.forced_run(self.matcher, self.sampler.params, limit, rt.model.is_eog,
+                                         keep_masks=self.jump_rows)
+
+    def _emit_forced(self, tick: Tick, seq: "Sequence", f: Feed) -> None:
+        """The forced tokens whose predicting row this decode fed enter the history and
+        are sent (`forced`), as their own ticks would have: each takes its draw of the
+        random stream, or with `jump_rows` the sampler runs on its row with its mask."""
+        while self.ahead and len(seq.tokens) <= seq.n_past:  # its row, at len - 1, was fed
+            x = self.ahead.pop(0)
+            if self.jump_rows:
+                r = f.rows.start + (len(seq.tokens) - 1 - f.row_pos)
+                res = self.sampler.sample(tick.row(r), x.mask)
+                if res.empty or int(res.token) != x.token:
+                    tick.seqs.fail(seq, f"jump-forward: the sampler drew {res.token} where the grammar "
+                                        f"forces {x.token} ({res.reason or 'its row'})")
+                    return
+                if self.paths is not None:
+                    self.paths.took(res.path)
+            else:
+                self.sampler.draw()  # the uniform its own tick's sample would have taken
+                res = None
+            self.n_forced += 1
+            self._accept(tick, seq, x.token, res, forced=x)
+            if seq.job is not self:
+                return
+
+    def _accept(self, tick: Tick, seq: "Sequence", token: int, res: "SampleResult | None",
+                forced: "jump.Forced | None" = None) -> None:
         # A sampled token enters the context: the sequence's one history takes it (the
         # sampler reads that list: its penalty window follows at the next draw; the next
-        # tick feeds it to the KV cells); the matcher just below.
+        # tick feeds it to the KV cells); the matcher just below. A forced token
+        # (jump.py) was consumed by the matcher when its run was found, and fed already.
         rt = tick.rt
         seq.tokens.append(token)
-        if rt.model.is_eog(token):
+        if forced is None and rt.model.is_eog(token):
             self._end_if_over(tick, seq, eog=True)
             return
-        if self.matcher is not None:
+        if self.matcher is not None and forced is None:
             if not self.matcher.consume(token):
                 tick.seqs.fail(seq, f"grammar rejected token {token} (matcher: {self.matcher.error()})")
                 return
@@ -253,38 +317,42 @@ class InferJob(Job):
         if self.check is not None:
             self.text.append(piece)
         logprobs = None
-        if self.sampler.params.n_probs:
+        if self.sampler.params.n_probs and res is not None:
             logprobs = {"logprob": res.logprob, "top": _top(rt, res.top),
                         "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
-        if res.trace is not None:
+        if res is not None and res.trace is not None:
             logprobs = {**(logprobs or {}), "trace": res.trace}
-        tick.seqs.send(seq, token_event(seq.seq_id, token, piece, logprobs))
+        tick.seqs.send(seq, token_event(seq.seq_id, token, piece, logprobs, forced=forced is not None))
         faults.hit("accept", seq.seq_id, "sent")  # the tests' hook: its token is out
         if self.tick_last is not None:
             self.gap_ticks = max(self.gap_ticks, tick.seqs.ticks - self.tick_last)
         self.tick_last = tick.seqs.ticks
         self.n_predicted += 1
-        self._end_if_over(tick, seq, stop=self.stops.feed(piece) if self.stops else None)
+        self._end_if_over(tick, seq, stop=self.stops.feed(piece) if self.stops else None,
+                          stopped=forced.stopped if forced is not None else None)
 
-    def _end_if_over(self, tick: Tick, seq: "Sequence", eog: bool = False, stop: str | None = None) -> None:
-        reason = self._over(eog, stop)
+    def _end_if_over(self, tick: Tick, seq: "Sequence", eog: bool = False, stop: str | None = None,
+                     stopped: bool | None = None) -> None:
+        reason = self._over(eog, stop, stopped)
         if reason is not None:
             tick.seqs.finish(seq, reason, stop=stop if reason == "stop" else None)
 
-    def _over(self, eog: bool, stop: str | None) -> str | None:
+    def _over(self, eog: bool, stop: str | None, stopped: bool | None = None) -> str | None:
         """The one place that decides when an infer is over, and why (the `done` event's
         stop_reason); None: it goes on. Asked when its prompt is in and nothing is to be
         sampled (maxTokens 0), and after each drawn token: `eog` (an end-of-generation
         token, not emitted), `stop` (the stop string the emitted text now contains).
         Errors end it where they are met (context full: `overflow`; a rejected or
-        unsamplable token: `sampled`, `_accept`); a cancel or shutdown from outside."""
+        unsamplable token: `sampled`, `_accept`); a cancel or shutdown from outside.
+        `stopped`: for a forced token, whether the grammar was stopped after it (the
+        matcher itself is further on: jump.py)."""
         if self.max_tokens == 0:
             return "max_tokens"
         if eog:
             return "grammar" if self.matcher is not None and self.matcher.is_accepting() else "eos"
         if stop is not None:
             return "stop"
-        if self.matcher is not None and self.matcher.is_stopped():
+        if stopped if stopped is not None else (self.matcher is not None and self.matcher.is_stopped()):
             return "grammar"
         if self.n_predicted >= self.max_tokens:
             return "max_tokens"
@@ -310,7 +378,8 @@ class InferJob(Job):
             eval_tps=round((self.n_predicted - 1) / eval_s, 2) if eval_s > 0 and self.n_predicted > 1 else None,
             **self._tail(), **self._steps_ms(), **self.captured(seq), **self._schema(reason), **self._keys(),
             **({"samplingPath": self.paths.as_event()} if self.paths is not None else {}),
-            **({"max_gap_ticks": self.gap_ticks} if self.gap_ticks else {}))
+            **({"max_gap_ticks": self.gap_ticks} if self.gap_ticks else {}),
+            **({"forced_tokens": self.n_forced} if self.jump else {}))
 
     def _schema(self, reason: str) -> dict:
         """`schemaValid` of a checked output: the validator's verdict on a finished one

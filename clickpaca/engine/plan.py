@@ -5,8 +5,9 @@ rules are testable on their own (tests/test_engine_plan.py). The scheduler fills
 batch from the plan, and after the decode reads everything it needs from the same
 entries: how far each sequence advanced, which logits rows are whose, who samples.
 
-The rules: one token for each generating sequence first (nBatch >= nSeqMax, so they
-always fit), then prompt (and scoring) chunks of the other sequences, fewest tokens left
+The rules: each generating sequence's tokens first (one, or its sampled token and the
+grammar's forced ones after it, engine/jump.py, cut so that one token is left for each
+generating sequence after it: nBatch >= nSeqMax, so they always fit), then prompt (and scoring) chunks of the other sequences, fewest tokens left
 first (ties: arrival order), as many tokens as the batch still holds; a long prompt is
 split across ticks. Arrival order let one long prompt or score take the whole batch tick
 after tick while a one-token request behind it waited for all of it (114.6 s behind a
@@ -76,9 +77,9 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
         used += count
         row += n_rows
 
-    for w in wants:
-        if w.generating:
-            add(w, 1)
+    gens = [w for w in wants if w.generating]
+    for i, w in enumerate(gens):  # a forced chunk (jump.py) leaves one token for each after it
+        add(w, max(1, min(w.n_tokens - w.n_past, n_batch - used - (len(gens) - i - 1))))
     prompts = sorted((w for w in wants if not w.generating), key=lambda w: w.n_tokens - w.n_past)
     for w in prompts:
         if used == n_batch or defer_prompts or w.waiting:

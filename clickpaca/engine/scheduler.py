@@ -173,7 +173,7 @@ class Scheduler:
     def _add(self, f: Feed, now: float) -> None:
         """One plan entry's tokens (and logits rows) into the batch."""
         batch, seq = self.rt.batch, f.key
-        batch.add(seq.tokens[f.pos:f.pos + f.count], f.pos, seq.slot, output_last=False)
+        batch.add(seq.job.feed_tokens(seq)[f.pos:f.pos + f.count], f.pos, seq.slot, output_last=False)
         if f.rows:
             first = f.at + f.row_pos - f.pos
             batch.logits[first:first + len(f.rows)] = 1

@@ -486,6 +486,7 @@ class InferRequest(Request):
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     controlVectorStrength: float | None = wire(_opt(_cvec("strength")), None)  # this sequence's (init's vector)
     validate: bool = wire(_bool, False)  # check the finished output against the JSON schema grammar
+    jumpForward: bool = wire(_bool, False)  # a grammar's forced tokens fed as one chunk (engine/jump.py)
     params: SamplerParams = _folded(sampler_fields, SamplerParams)
 
     @classmethod
@@ -710,10 +711,14 @@ def grammar_ready_event(grammar_id: str, enforced: bool | None = None,
 
 
 @_event("token")
-def token_event(seq_id: int, token: int, piece: str, logprobs: dict | None = None) -> dict:
+def token_event(seq_id: int, token: int, piece: str, logprobs: dict | None = None,
+                forced: bool = False) -> dict:
     """One generated token; with nProbs, ``logprobs`` holds logprob, top, steered_logprob
-    and steered_top."""
+    and steered_top; ``forced``: the grammar forced it and it was fed in a jump-forward
+    chunk (the field is present only then)."""
     ev: dict[str, Any] = {"type": "token", "seq_id": seq_id, "token": token, "piece": piece}
+    if forced:
+        ev["forced"] = True
     if logprobs is not None:
         ev.update(logprobs)
     return ev
