@@ -21,6 +21,13 @@ def gen(key, n_past):
     return Want(key, True, n_past, n_past + 1, n_past, n_past, True)
 
 
+def chunk(key, n_past, forced, rows=False):
+    """A generating sequence with `forced` grammar-forced tokens after its sampled one
+    (engine/jump.py): rows for them too when it needs their log-probabilities."""
+    n = n_past + 1 + forced
+    return Want(key, True, n_past, n, n_past if rows else n - 1, n - 1, True)
+
+
 def prompt(key, n_past, n_tokens, samples=True, waiting=False):
     """An infer (samples) or a prefill (no rows)."""
     out_from = n_tokens - 1 if samples else n_tokens
@@ -37,6 +44,21 @@ def test_generating_sequences_go_first_then_prompts_fewest_tokens_left_first():
     assert [(f.pos, f.count, f.at) for f in plan] == [(7, 1, 0), (2, 1, 1), (0, 3, 2), (0, 5, 5)]
     assert [list(f.rows) for f in plan] == [[0], [1], [2], [3]]
     assert all(f.samples and f.ends for f in plan)
+
+
+def test_a_forced_chunk_rides_its_sequences_decode_and_leaves_room_for_the_others():
+    """The sampled token and the grammar's forced ones after it (engine/jump.py) are fed
+    together; rows only where asked (the last, or every one with log-probabilities); cut
+    so that each generating sequence after it still feeds its token."""
+    a, b = plan_tick([chunk("j", 10, 4), gen("g", 3)], 16)
+    assert (a.pos, a.count, list(a.rows), a.row_pos, a.samples) == (10, 5, [0], 14, True)
+    assert (b.count, list(b.rows), b.samples) == (1, [1], True)
+    a, = plan_tick([chunk("j", 10, 4, rows=True)], 16)
+    assert (a.count, list(a.rows), a.row_pos, a.samples) == (5, [0, 1, 2, 3, 4], 10, True)
+    a, b = plan_tick([chunk("j", 10, 9), gen("g", 3), prompt("p", 0, 5)], 4)  # the prompt waits
+    assert (a.count, a.ends, a.samples, list(a.rows), b.count) == (3, False, False, [], 1)
+    later, _ = plan_tick([chunk("j", 13, 6), gen("g", 4)], 4)  # the rest of the chunk next tick
+    assert (later.pos, later.count, later.ends, later.samples) == (13, 3, False, False)
 
 
 def test_a_long_prompt_is_split_and_only_its_last_chunk_samples():
@@ -94,7 +116,8 @@ def tick_cases(draw):
     wants = []
     n_gen = draw(st.integers(0, n_batch))  # nBatch >= nSeqMax: every generating one fits
     for i in range(n_gen):
-        wants.append(gen(i, draw(st.integers(0, 1000))))
+        forced = draw(st.sampled_from([0, 0, 0, 1, 5, 40]))
+        wants.append(chunk(i, draw(st.integers(0, 1000)), forced, draw(st.booleans())))
     for i in range(n_gen, n_gen + draw(st.integers(0, 8))):
         n_tokens = draw(st.integers(1, 200))
         n_past = draw(st.integers(0, n_tokens - 1))
@@ -143,6 +166,8 @@ def test_plan_invariants(case):
             w = by_key[k]
             ahead = [f for f in plan if f.generating or prompt_keys.index(f.key) < prompt_keys.index(k)]
             assert defer or w.waiting or sum(f.count for f in ahead) == n_batch
+    # a generating sequence feeds at least its sampled token (a forced chunk may be cut)
+    assert all(f.count >= 1 for f in plan if f.generating)
     for f in plan:
         w = by_key[f.key]
         assert f.pos == w.n_past and 0 <= f.count <= w.n_tokens - w.n_past
