@@ -1,0 +1,206 @@
+"""Jump-forward (infer `jumpForward`, engine/jump.py) through the real server and the real
+default model, in deterministic mode: a grammar's forced tokens fed as one chunk of the
+next decode, against the same request generated token by token (`jumpForward` off).
+
+What is equal and what is not (docs/GRAMMARS.md, "Jump-forward"): a chunk's logits rows
+are those of the same text fed as a prompt, bit for bit, but a token decoded alone takes
+another attention kernel than one decoded with others of its sequence
+(docs/DETERMINISM.md), so the rows after a chunk differ from token by token in their
+last bits; the tokens are those of token-by-token generation up to a near-tie, which
+the property test checks. Where rounding cannot enter, it is bit for bit: everything
+before the first chunk, the forced tokens' steered log-probabilities, the random
+stream (a forced token takes its draw whether or not the sampler runs on its row), a
+run beside other sequences, maxTokens inside a run, the repeated-key ban.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clickpaca.measure.schemas import load
+from clickpaca.wire.client import ServerError
+from conftest import spawn_server
+from test_server_grammars import SCHEMAS, chat, schema_text
+from test_server_schemas import REPEAT, TWO_KEYS
+from test_server_state import N_TOP, first_difference, same_up_to_a_near_tie, where_they_part
+
+pytestmark = pytest.mark.model
+
+#: schemas of the test corpora: tests/test_server_grammars.py's, and two real ones enforced whole
+CORPUS = [("check-jsonschema", "github-issue-config.json"), ("schemastore", ".clasp.json")]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def det():
+    c = spawn_server(deterministic=True, nSeqMax=4)
+    for name, (schema, _) in SCHEMAS.items():
+        c.grammar(f"s-{name}", schema_text(schema))
+    for corpus, name in CORPUS:
+        schema = next(s.schema for s in load(corpus) if s.name == name)
+        assert c.grammar(f"c-{name}", schema_text(schema))["enforced"] is True
+    yield c
+    c.close()
+
+
+def job(name: str) -> dict:
+    """The infer of a schema: its grammar and a prompt asking for it."""
+    if name in SCHEMAS:
+        return dict(prompt=chat(SCHEMAS[name][1]), grammar_id=f"s-{name}")
+    return dict(prompt=chat(f"Write a short {name} file as JSON."), grammar_id=f"c-{name}")
+
+
+def run(c, sid: int = 0, **infer) -> tuple[list[dict], dict]:
+    c.infer(sid, **infer)
+    toks, final = c.collect(sid)
+    assert final["type"] == "done", final
+    return toks, final
+
+
+def steps(toks: list[dict]) -> list:
+    """[(token, logprob, top)] for the near-tie rule (tests/test_server_state.py)."""
+    return [(t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top"]]) for t in toks]
+
+
+def unmarked(toks: list[dict]) -> list[dict]:
+    return [{k: v for k, v in t.items() if k != "forced"} for t in toks]
+
+
+def before_first_chunk(toks: list[dict]) -> int:
+    """How many events of a jump-forward run come before its first forced token's row."""
+    i = next((i for i, t in enumerate(toks) if t.get("forced")), len(toks))
+    return i  # the first forced token's own row is the chunk's first
+
+
+NAMES = list(SCHEMAS) + [n for _, n in CORPUS]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(NAMES), chain=st.sampled_from(["greedy", "penalties", "sampled"]),
+       seed=st.integers(0, 2**31))
+def test_jump_forward_is_token_by_token_up_to_a_near_tie(det, name, chain, seed):
+    """The same request with jump-forward on and off: the events before the first chunk
+    are the same bits; the forced tokens are marked, counted in `done`, and their
+    steered log-probabilities are token by token's (one allowed token: 0). Greedy (with
+    and without penalties), the tokens agree, or part only at a near-tie of the
+    token-by-token run (a sampled chain parts wherever rounding moves a draw across a
+    boundary: its stream is checked on its own, below)."""
+    params = {"greedy": dict(temperature=0), "penalties": dict(temperature=0, penaltyRepeat=1.3, minP=0.05),
+              "sampled": dict(temperature=0.8, seed=seed, topK=40)}[chain]
+    params["nProbs"] = N_TOP
+    off, f_off = run(det, **job(name), maxTokens=MAX_TOKENS, **params)
+    on, f_on = run(det, **job(name), maxTokens=MAX_TOKENS, jumpForward=True, **params)
+    assert not any("forced" in t for t in off) and "forced_tokens" not in f_off
+    assert f_on["forced_tokens"] == sum(1 for t in on if t.get("forced"))
+    if chain != "sampled":
+        assert same_up_to_a_near_tie(steps(off), steps(on)), (name, where_they_part(steps(off), steps(on)))
+    k = before_first_chunk(on)
+    assert unmarked(on[:k]) == off[:k]
+    part = first_difference(steps(off), steps(on))
+    for a, b in zip(off[:part], on[:part]):
+        if b.get("forced"):
+            assert b["steered_logprob"] == a["steered_logprob"] == 0.0
+            assert b["steered_top"] == a["steered_top"]
+    if part is None and chain != "sampled":
+        assert f_on["stop_reason"] == f_off["stop_reason"]
+        assert f_on["tokens_predicted"] == f_off["tokens_predicted"]
+
+
+@pytest.mark.parametrize("name", ["person", "anyof_refs"])
+def test_forced_tokens_take_their_draws_of_the_random_stream(det, name):
+    """At temperature 0.8, a run whose sampler runs on every forced row (nProbs: each
+    such sample draws its own uniform) and one where each forced token only takes its
+    draw give the same tokens, seed after seed: the free tokens after a run draw the
+    numbers token by token would give them."""
+    for seed in (1, 2, 3):
+        a, _ = run(det, **job(name), maxTokens=MAX_TOKENS, temperature=0.8, seed=seed, jumpForward=True, nProbs=2)
+        b, fb = run(det, **job(name), maxTokens=MAX_TOKENS, temperature=0.8, seed=seed, jumpForward=True)
+        assert [t["token"] for t in a] == [t["token"] for t in b], seed
+        assert [bool(t.get("forced")) for t in a] == [bool(t.get("forced")) for t in b]
+        assert fb["forced_tokens"] > 0
+
+
+def test_forced_log_probabilities_are_the_chunk_rows(det):
+    """A forced token's log-probability comes from its own row of the chunk: the row of
+    the same text fed as a prompt, bit for bit; and near token by token's."""
+    on, _ = run(det, **job("person"), maxTokens=4, temperature=0, nProbs=3, jumpForward=True)
+    off, _ = run(det, **job("person"), maxTokens=4, temperature=0, nProbs=3)
+    i = next(i for i, t in enumerate(on) if t.get("forced"))
+    text = "".join(t["piece"] for t in on[:i])
+    fed, _ = run(det, prompt=job("person")["prompt"] + text, maxTokens=1, temperature=0, nProbs=N_TOP * 4)
+    assert on[i]["token"] in {x["token"] for x in fed[0]["top"]}
+    ref = next(x["logprob"] for x in fed[0]["top"] if x["token"] == on[i]["token"])
+    assert on[i]["logprob"] == ref
+    assert on[i]["token"] == off[i]["token"] and abs(on[i]["logprob"] - off[i]["logprob"]) < 0.5
+
+
+def test_a_run_beside_other_sequences_is_the_same_bits(det):
+    """Deterministic mode's promise holds for forced chunks: the same events alone and
+    while three other sequences generate (a chunk is decoded alone, as a prompt chunk)."""
+    args = dict(**job("nested"), maxTokens=MAX_TOKENS, temperature=0.8, seed=5, nProbs=2, jumpForward=True)
+    alone, _ = run(det, **args)
+    for sid, name in ((1, "person"), (2, "order"), (3, "optional")):
+        det.infer(sid, **job(name), maxTokens=MAX_TOKENS, temperature=0.8, seed=sid, jumpForward=sid != 2)
+    beside, _ = run(det, 0, **args)
+    for sid in (1, 2, 3):
+        det.collect(sid)
+    assert beside == alone
+
+
+def test_max_tokens_cuts_a_forced_run(det):
+    """maxTokens counts forced tokens: a budget that ends inside a forced run ends the
+    request there (stop_reason max_tokens), with the tokens token by token would give."""
+    off, _ = run(det, **job("anyof_refs"), maxTokens=MAX_TOKENS, temperature=0)
+    on, _ = run(det, **job("anyof_refs"), maxTokens=MAX_TOKENS, temperature=0, jumpForward=True)
+    k = before_first_chunk(on)
+    assert on[k].get("forced") and on[k + 1].get("forced"), "a run of two forced tokens or more"
+    cut, final = run(det, **job("anyof_refs"), maxTokens=k + 1, temperature=0, jumpForward=True)
+    assert final["stop_reason"] == "max_tokens" and final["tokens_predicted"] == k + 1
+    assert [t["token"] for t in cut] == [t["token"] for t in off[:k + 1]]
+    assert final["forced_tokens"] == 1
+
+
+def test_a_stop_string_inside_forced_text_ends_there(det):
+    """A stop string completed by a forced token ends the request at that token."""
+    on, _ = run(det, **job("person"), maxTokens=MAX_TOKENS, temperature=0, jumpForward=True)
+    i = next(i for i, t in enumerate(on) if t.get("forced") and t["piece"].strip())
+    upto = "".join(t["piece"] for t in on[:i + 1])
+    stop, final = run(det, **job("person"), maxTokens=MAX_TOKENS, temperature=0, jumpForward=True,
+                      stop=[on[i]["piece"].strip()])
+    assert final["stop_reason"] == "stop"
+    assert "".join(t["piece"] for t in stop).startswith(upto[:len(upto) - len(on[i]["piece"])])
+    assert len(stop) <= i + 1
+
+
+def test_repeated_key_ends_as_token_by_token(det):
+    """The repeated-key ban (grammar/json_keys.py) with jump-forward: a forced token that
+    would close a key the object holds is never fed; the request ends as token by token
+    (the same output and stop_reason, the output valid)."""
+    det.grammar("two-keys", schema_text(TWO_KEYS))
+    outs = []
+    for jf in (False, True):
+        toks, final = run(det, prompt=REPEAT, grammar_id="two-keys", maxTokens=40, temperature=0, jumpForward=jf)
+        outs.append(("".join(t["piece"] for t in toks), final["stop_reason"]))
+    assert outs[0] == outs[1]
+    text, reason = outs[1]
+    if reason == "grammar":
+        jsonschema.validate(json.loads(text), TWO_KEYS)
+
+
+def test_the_switch(det):
+    """jumpForward is a boolean (an error names it otherwise); off, no event is marked;
+    without a grammar there is nothing to force (and no `forced_tokens` in `done`)."""
+    det.send({"type": "infer", "seq_id": 0, "prompt": "x", "jumpForward": "yes"})
+    with pytest.raises(ServerError, match="jumpForward: must be true or false"):
+        det.wait(0)
+    det.send({"type": "infer", "seq_id": 0, "prompt": "x", "grammar_id": "s-person", "jumpForward": True,
+              "capture": ["result_norm"]})
+    with pytest.raises(ServerError, match="jumpForward: not with capture"):
+        det.wait(0)
+    toks, final = run(det, prompt=chat("Say hi."), maxTokens=5, temperature=0, jumpForward=True)
+    assert not any("forced" in t for t in toks) and "forced_tokens" not in final
