@@ -55,7 +55,7 @@ DEFAULTS = {
     "grammar": {"lenient": False, "numberDigits": 16, "strict": False, "validate": False},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS, **CAPTURE_DEFAULTS,
-              "controlVectorStrength": None, "validate": False},
+              "controlVectorStrength": None, "validate": False, "jumpForward": False},
     "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS},
     "cancel": {}, "free": {}, "prefill": {**CHAT_DEFAULTS, **CAPTURE_DEFAULTS}, "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
@@ -276,7 +276,7 @@ BAD = [
     ("grammar", "numberDigits", 0, ">= 1"), ("grammar", "numberDigits", 19, "<= 18"),
     ("grammar", "numberDigits", 16, "JSON schemas"),  # the minimal grammar is GBNF
     ("grammar", "strict", True, "JSON schemas"), ("grammar", "validate", True, "JSON schemas"),
-    ("grammar", "strict", "yes", "true or false"), ("infer", "validate", 1, "true or false"),
+    ("grammar", "strict", "yes", "true or false"), ("infer", "validate", 1, "true or false"), ("infer", "jumpForward", "yes", "true or false"),
     ("infer", "validate", True, "give grammar_id"),
     ("infer", "messages", [{"role": "user", "content": "x" * ((1 << 20) + 1)}], "limit"),
     # activation capture (docs/ACTIVATIONS.md); the names are checked against the model's graph later

@@ -60,6 +60,13 @@ def test_token_logprobs_only_when_asked():
     assert token_event(0, 7, "x", lp) == {"type": "token", "seq_id": 0, "token": 7, "piece": "x", **lp}
 
 
+def test_forced_only_when_forced():
+    """A token fed in a jump-forward chunk says so; every other leaves the field out."""
+    assert "forced" not in token_event(0, 7, "x", forced=False)
+    assert token_event(0, 7, "x", forced=True) == {"type": "token", "seq_id": 0, "token": 7, "piece": "x",
+                                                   "forced": True}
+
+
 def test_scored_mean_and_per_token():
     ev = scored_event(2, [1.0, 3.0], 1, per_token=True)
     assert ev["nll"] == 2.0 and math.isclose(ev["ppl"], math.exp(2.0)) and ev["token_nll"] == [1.0, 3.0]
