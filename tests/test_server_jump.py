@@ -1,5 +1,6 @@
 """Jump-forward (infer `jumpForward`, engine/jump.py) through the real server and the real
-default model, in deterministic mode: a grammar's forced tokens fed as one chunk of the
+default model, in deterministic mode (and once in default mode, chunks cut by a small
+batch): a grammar's forced tokens fed as one chunk of the
 next decode, against the same request generated token by token (`jumpForward` off).
 
 What is equal and what is not (docs/GRAMMARS.md, "Jump-forward"): a chunk's logits rows
@@ -204,3 +205,27 @@ def test_the_switch(det):
         det.wait(0)
     toks, final = run(det, prompt=chat("Say hi."), maxTokens=5, temperature=0, jumpForward=True)
     assert not any("forced" in t for t in toks) and "forced_tokens" not in final
+
+
+def test_default_mode_chunks_cut_by_a_small_batch():
+    """Default mode, nBatch 6 for 4 sequences: the forced chunks are cut to the room a
+    tick leaves (the rest goes in the next) and share decodes with the others' tokens;
+    each output is its token-by-token run's up to a near-tie, with and without nProbs."""
+    c = spawn_server(nSeqMax=4, nBatch=6)
+    try:
+        names = ["anyof_refs", "nested", "order", "person"]
+        for name in names:
+            c.grammar(f"s-{name}", schema_text(SCHEMAS[name][0]))
+        for n_probs in (N_TOP, 0):
+            ref = {}
+            for name in names:
+                ref[name], _ = run(c, **job(name), maxTokens=MAX_TOKENS, temperature=0, nProbs=N_TOP)
+            for sid, name in enumerate(names):
+                c.infer(sid, **job(name), maxTokens=MAX_TOKENS, temperature=0, nProbs=n_probs, jumpForward=True)
+            for sid, name in enumerate(names):
+                toks, final = c.collect(sid)
+                assert final["type"] == "done" and final["forced_tokens"] > 0, final
+                got = [(t["token"], None, []) for t in toks]  # the rule reads the reference's top only
+                assert same_up_to_a_near_tie(steps(ref[name]), got), (name, where_they_part(steps(ref[name]), got))
+    finally:
+        c.close()
