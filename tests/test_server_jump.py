@@ -181,16 +181,34 @@ def test_a_stop_string_inside_forced_text_ends_there(det):
 def test_repeated_key_ends_as_token_by_token(det):
     """The repeated-key ban (grammar/json_keys.py) with jump-forward: a forced token that
     would close a key the object holds is never fed; the request ends as token by token
-    (the same output and stop_reason, the output valid)."""
+    (the same output, stop_reason and count of narrowed masks, the output valid)."""
     det.grammar("two-keys", schema_text(TWO_KEYS))
     outs = []
     for jf in (False, True):
         toks, final = run(det, prompt=REPEAT, grammar_id="two-keys", maxTokens=40, temperature=0, jumpForward=jf)
-        outs.append(("".join(t["piece"] for t in toks), final["stop_reason"]))
+        outs.append(("".join(t["piece"] for t in toks), final["stop_reason"], final.get("repeatKeyBans")))
     assert outs[0] == outs[1]
-    text, reason = outs[1]
+    text, reason, _ = outs[1]
     if reason == "grammar":
         jsonschema.validate(json.loads(text), TWO_KEYS)
+
+
+ONE_KEY = {"type": "object", "patternProperties": {"^aa$": {"type": "integer", "minimum": 0, "maximum": 9}},
+           "additionalProperties": False}
+
+
+def test_a_forced_key_the_object_holds_ends_with_repeated_key(det):
+    """Where the grammar forces the only key again (`, "` then `aa` then the closing
+    quote), the forced run stops before the token that would close it, and the request
+    ends with repeated_key at the same token as token by token, with the same events."""
+    det.grammar("one-key", schema_text(ONE_KEY))
+    prompt = chat('Copy exactly: {"aa": 1, "aa": 2, "aa": 3}')
+    off, f_off = run(det, prompt=prompt, grammar_id="one-key", maxTokens=40, temperature=0, nProbs=2)
+    on, f_on = run(det, prompt=prompt, grammar_id="one-key", maxTokens=40, temperature=0, nProbs=2, jumpForward=True)
+    assert f_off["stop_reason"] == f_on["stop_reason"] == "repeated_key", (f_off, f_on)
+    assert [t["token"] for t in on] == [t["token"] for t in off]
+    assert f_on["repeatKeyBans"] == f_off["repeatKeyBans"]
+    assert f_on["forced_tokens"] > 0
 
 
 def test_the_switch(det):

@@ -287,8 +287,6 @@ class InferJob(Job):
                     tick.seqs.fail(seq, f"jump-forward: the sampler drew {res.token} where the grammar "
                                         f"forces {x.token} ({res.reason or 'its row'})")
                     return
-                if self.paths is not None:
-                    self.paths.took(res.path)
             else:
                 self.sampler.draw()  # the uniform its own tick's sample would have taken
                 res = None

@@ -86,8 +86,11 @@ def forced_run(matcher, params: SamplerParams, limit: int, is_eog: Callable[[int
         for t in proposed:
             if len(run) >= limit:
                 break
+            acted = matcher.keys.acted if matcher.keys is not None else 0
             mask = matcher.mask()
             if only_token(mask) != t or t in banned or is_eog(t):
+                if matcher.keys is not None:  # the next tick makes this mask again and counts it then
+                    matcher.keys.acted = acted
                 return run
             if not matcher.consume(t):
                 raise RuntimeError(f"grammar rejected forced token {t} (matcher: {matcher.error()})")

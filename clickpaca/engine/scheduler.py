@@ -1,7 +1,8 @@
 """The scheduler: every tick is one llama_decode for all active sequences.
 
-A tick is planned once (plan.py: one token for each generating sequence, then prompt and
-scoring chunks, fewest tokens left first, up to nBatch tokens). The scheduler knows no
+A tick is planned once (plan.py: one token for each generating sequence, or with the
+tokens its grammar forces after it, jump.py; then prompt and scoring chunks, fewest
+tokens left first, up to nBatch tokens). The scheduler knows no
 request kind and calls only the Job interface (jobs.py): after the decode each sequence
 advances by the tokens it fed and its job takes its share (`fed`: score, hold, end, or ask
 for a row to sample). Then the rows asked for are sampled: with a presampler (init
