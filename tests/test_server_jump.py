@@ -137,6 +137,8 @@ def test_forced_log_probabilities_are_the_chunk_rows(det):
     assert on[i]["token"] in {x["token"] for x in fed[0]["top"]}
     ref = next(x["logprob"] for x in fed[0]["top"] if x["token"] == on[i]["token"])
     assert on[i]["logprob"] == ref
+    # token by token's row comes from a lone token's kernel path: near (0.25 nats apart at
+    # most over this file's runs), not equal (docs/GRAMMARS.md, "Jump-forward")
     assert on[i]["token"] == off[i]["token"] and abs(on[i]["logprob"] - off[i]["logprob"]) < 0.5
 
 

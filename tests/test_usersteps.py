@@ -134,3 +134,18 @@ def test_workbench_with_a_user_step():
     assert gens[0].ok and gens[0].tokens == [PARIS] * 4 and gens[0].steps_ms["boost"] > 0
     assert gens[0].record()["step_ms:boost"] == gens[0].steps_ms["boost"]
     assert not gens[1].ok and gens[1].error.startswith("step 'boom' failed")
+
+
+@pytest.mark.model
+def test_jump_forward_is_refused_with_a_user_step_that_runs(srv):
+    """jumpForward (engine/jump.py) is not offered to a chain where a user-defined step
+    runs (what it does with a one-token set is unknown): an error names the field; with
+    the step off (its defaults) it runs."""
+    srv.grammar("yes-no", '%json_schema {"enum": ["yes", "no"]}')
+    srv.infer(3, PROMPT, maxTokens=4, grammar_id="yes-no", jumpForward=True, samplers=["boost"] + CHAIN,
+              boostToken=PARIS, boostBy=1)
+    (ev,) = list(srv.stream(3))
+    assert ev["type"] == "error" and ev["message"].startswith("jumpForward: not with user-defined steps (boost)"), ev
+    srv.infer(3, PROMPT, maxTokens=4, grammar_id="yes-no", jumpForward=True, temperature=0)
+    toks, done = srv.collect(3)
+    assert done["type"] == "done" and done["forced_tokens"] == sum(1 for t in toks if t.get("forced")), done
