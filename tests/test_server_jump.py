@@ -169,15 +169,16 @@ def test_max_tokens_cuts_a_forced_run(det):
 
 
 def test_a_stop_string_inside_forced_text_ends_there(det):
-    """A stop string completed by a forced token ends the request at that token."""
-    on, _ = run(det, **job("person"), maxTokens=MAX_TOKENS, temperature=0, jumpForward=True)
-    i = next(i for i, t in enumerate(on) if t.get("forced") and t["piece"].strip())
-    upto = "".join(t["piece"] for t in on[:i + 1])
-    stop, final = run(det, **job("person"), maxTokens=MAX_TOKENS, temperature=0, jumpForward=True,
-                      stop=[on[i]["piece"].strip()])
-    assert final["stop_reason"] == "stop"
-    assert "".join(t["piece"] for t in stop).startswith(upto[:len(upto) - len(on[i]["piece"])])
-    assert len(stop) <= i + 1
+    """A stop string completed by a forced token ends the request at that token, as
+    token by token (the required key `age` is forced after the name's value)."""
+    outs = []
+    for jf in (False, True):
+        toks, final = run(det, **job("person"), maxTokens=MAX_TOKENS, temperature=0, jumpForward=jf, stop=['"age'])
+        assert final["stop_reason"] == "stop" and final["stop"] == '"age', final
+        outs.append(toks)
+    off, on = outs
+    assert [t["token"] for t in on] == [t["token"] for t in off]
+    assert on[-1].get("forced") and on[-2].get("forced")  # ` "` and `age`: both forced
 
 
 def test_repeated_key_ends_as_token_by_token(det):
