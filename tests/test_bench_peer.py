@@ -77,7 +77,7 @@ def test_bench_peer_short_real_run(tmp_path):
     for r in data["rows"]:
         sides = r["sides"]
         assert set(sides) >= {peer.LS_SPLIT, peer.LS_UNIFIED, peer.CP}
-        assert (peer.CP_PER_REQ in sides) is r["schemas"]
+        assert (peer.CP_PER_REQ in sides) is r["schemas"] and (peer.CP_JUMP in sides) is r["schemas"]
         for name, s in sides.items():
             c = s["checks"]
             assert c["outputs"] == r["requests"], (r["load"], name)
@@ -93,7 +93,10 @@ def test_bench_peer_short_real_run(tmp_path):
             continue
         for name, s in sides.items():
             assert s["checks"]["valid"] >= 1, (r["load"], name)
-        for name in (peer.CP, peer.CP_PER_REQ):
+        # the grammar forces tokens (keys, quotes, braces): jump-forward fed some as chunks
+        assert sides[peer.CP]["forced_share"] == 0 and 0 < sides[peer.CP_JUMP]["forced_share"] < 1
+        assert r["ratio_jump_vs_off"] > 0 and r["ratio_jump_vs_unified"] > 0
+        for name in (peer.CP, peer.CP_PER_REQ, peer.CP_JUMP):
             c = sides[name]["checks"]
             # clickpaca: every output that ended is valid; only outputs cut at the limit may not parse
             assert c["invalid"] == 0, (r["load"], name, c["examples_bad"])
@@ -108,6 +111,8 @@ def test_bench_peer_short_real_run(tmp_path):
     assert "--kv-unified" in cmd and "-np 2" in cmd and "-c 1024" in cmd
     assert "--no-kv-unified" in data["llama_server_commands"][peer.LS_SPLIT]["mixed"]
     assert "| load" in data["table_markdown"] and out["not_expressible"]
+    jump = peer.jump_table(out).splitlines()
+    assert len(jump) == 2 + 2 and "jump-forward / off" in jump[0]  # schema8_ban and mixed
     assert (tmp_path / "peer.png").stat().st_size > 0
 
 

@@ -30,6 +30,7 @@ from ...results.table import fmt, markdown
 
 LS_SPLIT, LS_UNIFIED = "llama-server", "llama-server --kv-unified"
 CP, CP_PER_REQ = "clickpaca", "clickpaca, schema per request"
+CP_JUMP = "clickpaca, jump-forward"  # schema loads: infer jumpForward (docs/GRAMMARS.md)
 BATCH = 512
 
 NOTES = [
@@ -112,14 +113,14 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
                     check_llama_counts(servers[name], outs)
                 else:
                     prefix = f"r{r}_" if name == CP_PER_REQ else None
-                    wall, outs = run_clickpaca(cp, load, reqs, prefix)
+                    wall, outs = run_clickpaca(cp, load, reqs, prefix, jump_forward=name == CP_JUMP)
                     check_clickpaca_counts(outs)
                 outputs.setdefault(name, []).append(outs)
                 return {"wall_s": wall, "tokens": sum(o.tokens for o in outs),
                         "tps": sum(o.tokens for o in outs) / wall if wall > 0 else None}
             return run
 
-        names = [LS_SPLIT, LS_UNIFIED, CP] + ([CP_PER_REQ] if load.schemas else [])
+        names = [LS_SPLIT, LS_UNIFIED, CP] + ([CP_PER_REQ, CP_JUMP] if load.schemas else [])
         res = alternate({name: side(name) for name in names}, args.repeats, f"peer {load.name}")
     # after the with: closing adds what each server's exit showed
     problems = [p for s in (*servers.values(), cp) for p in s.problems]
@@ -137,6 +138,8 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
             "prompt_tokens": sorted({o.prompt_tokens for o in flat if o.prompt_tokens is not None}),
             "checks": checks,
             "same_text_every_round": len({tuple(o.text for o in outs) for outs in rounds}) == 1,
+            "forced_share": (sum(o.forced for o in flat) / sum(o.tokens for o in flat)
+                             if sum(o.tokens for o in flat) else None),
         }
     cp_tps = sides[CP]["tps"]["median"]
     row = {"load": load.name, "title": load.title, "requests": n, "max_tokens": load.tokens,
@@ -148,6 +151,9 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
     if CP_PER_REQ in sides:
         row["ratio_per_request_vs_unified"] = ratio(sides[CP_PER_REQ]["tps"]["median"],
                                                     sides[LS_UNIFIED]["tps"]["median"])
+    if CP_JUMP in sides:
+        row["ratio_jump_vs_unified"] = ratio(sides[CP_JUMP]["tps"]["median"], sides[LS_UNIFIED]["tps"]["median"])
+        row["ratio_jump_vs_off"] = ratio(sides[CP_JUMP]["tps"]["median"], cp_tps)
     progress(f"peer {load.name}: " + ", ".join(f"{k} {fmt(v['tps']['median'])} tok/s"
                                                for k, v in sides.items()))
     return row
@@ -238,6 +244,22 @@ def table(out: dict[str, Any]) -> str:
                      "pretty-printed (unified / clickpaca)"], rows, align="lrrrrrrlll")
 
 
+def jump_table(out: dict[str, Any]) -> str:
+    """Schema loads with `jumpForward` against the same server without it and llama-server."""
+    rows = []
+    for r in out["rows"]:
+        s = r.get("sides", {})
+        if CP_JUMP not in s:
+            continue
+        c = s[CP_JUMP]["checks"]
+        rows.append((r["title"], _cell(s[LS_UNIFIED]["tps"]), _cell(s[CP]["tps"]), _cell(s[CP_JUMP]["tps"]),
+                     r["ratio_jump_vs_off"], r["ratio_jump_vs_unified"], fmt(s[CP_JUMP]["forced_share"]),
+                     f"{c['valid']}/{c['outputs']}"))
+    return markdown(["load", "llama-server --kv-unified tok/s", "clickpaca tok/s", "jump-forward tok/s",
+                     "jump-forward / off", "jump-forward / llama-server", "forced share",
+                     "valid (jump-forward)"], rows, align="lrrrrrrl")
+
+
 def registration_lines(out: dict[str, Any]) -> list[str]:
     return [f"{r['load']}: clickpaca schema registration {_cell(r['registration_ms'])} ms per schema "
             f"(8 schemas, once per server)" for r in out["rows"] if r.get("registration_ms")]
@@ -247,7 +269,7 @@ def plot(out: dict[str, Any], path) -> None:
     """Grouped bars: one group per load, one bar per side (median, min-max as error bar)."""
     plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(7.4, 4.2), dpi=110)
-    names = [LS_SPLIT, LS_UNIFIED, CP, CP_PER_REQ]
+    names = [LS_SPLIT, LS_UNIFIED, CP, CP_PER_REQ, CP_JUMP]
     width = 0.8 / len(names)
     for k, name in enumerate(names):
         xs, ys, lo, hi = [], [], [], []
@@ -277,6 +299,10 @@ def run(args: Any) -> dict[str, Any]:
     emit(out_dir(args), "peer", out, table(out), "clickpaca against llama-server (tokens/s)")
     print("headline (README):\n")
     print(headline_table(out))
+    jump = jump_table(out)
+    if jump.count("\n") > 1:
+        print("\njump-forward (infer jumpForward):\n")
+        print(jump)
     for line in registration_lines(out) + [f"not comparable: {x}" for x in NOT_EXPRESSIBLE]:
         print(f"\n- {line}")
     if args.plot:
@@ -284,4 +310,4 @@ def run(args: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["measure", "run", "table", "headline_table"]
+__all__ = ["measure", "run", "table", "headline_table", "jump_table"]

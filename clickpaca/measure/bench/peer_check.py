@@ -26,6 +26,7 @@ class Output:
     reported_tokens: int | None = None   # the side's own count (done.tokens_predicted / tokens_predicted)
     error: str | None = None
     eog_returned: bool = False       # llama-server: its token list ended with the EOG token
+    forced: int = 0                  # clickpaca with jumpForward: tokens fed as forced chunks (done.forced_tokens)
     notes: list[str] = field(default_factory=list)
 
     @property

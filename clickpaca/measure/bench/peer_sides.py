@@ -59,13 +59,17 @@ def clickpaca_infer(load: Load, req: Req) -> dict[str, Any]:
 
 
 def run_clickpaca(server: Server, load: Load, reqs: list[Req],
-                  register_per_request: str | None = None) -> tuple[float, list[Output]]:
+                  register_per_request: str | None = None,
+                  jump_forward: bool = False) -> tuple[float, list[Output]]:
     """register_per_request: a prefix for fresh grammar ids, each request's schema then
-    compiled in the timed window (a grammar line right before its infer line)."""
+    compiled in the timed window (a grammar line right before its infer line).
+    jump_forward: the requests' `jumpForward` (a grammar's forced tokens as one chunk)."""
     c = server.client
     lines = []
     for sid, r in enumerate(reqs):
         fields = clickpaca_infer(load, r)
+        if jump_forward:
+            fields["jumpForward"] = True
         if r.schema is not None:
             gid = r.schema if register_per_request is None else f"{register_per_request}{sid}"
             if register_per_request is not None:
@@ -90,7 +94,7 @@ def run_clickpaca(server: Server, load: Load, reqs: list[Req],
             continue
         stop = {"max_tokens": "limit"}.get(final["stop_reason"], final["stop_reason"])
         o = Output("".join(pieces), ids, stop, final.get("tokens_prompt"),
-                   final.get("tokens_predicted"))
+                   final.get("tokens_predicted"), forced=final.get("forced_tokens", 0))
         outs.append(o)
     if register_per_request is not None:
         for _ in range(sum(r.schema is not None for r in reqs)):
