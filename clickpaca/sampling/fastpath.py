@@ -2,14 +2,12 @@
 
 Two halves, before and after the decode:
 
-- `route(sampler, grammar)`: whether a sequence's chain can run on pre-selected values
-  (None) or must take the host path (the reason, a short string). Every active step's
-  registry row says whether it can (``Step.preselected``); trace, user-defined steps,
-  DRY, typical-p, XTC, dynamic temperature, mirostat and top-n-sigma need the whole row.
-  `order(sampler, mask)` then says what the graph must hand back (`RowOrder`).
+- route.py decides whether a sequence's chain can run on pre-selected values (`route`,
+  re-exported here). `order(sampler, mask)` then says what the graph must hand back
+  (`RowOrder`).
 - `sample(sampler, pre, words)`: the token (a `SampleResult`) from the K best values, the
   touched tokens' raw values and the block masses, or, when those cannot decide exactly,
-  the reason the whole row is needed (a short string such as `PAST_K`; nothing was drawn,
+  why the whole row is needed (a `route.Fallback` such as `PAST_K`; nothing was drawn,
   the caller runs the host path on the row and `FastStats` counts why).
 
 The contract: the same token as the host path (``chain.SequenceSampler.sample``) except
@@ -34,6 +32,8 @@ from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, steps_to_run
 from .fastpath_dense import dense_plan, dense_tick
 from .registry import ELEMENTWISE, NO_HIST, StepContext
+from .route import (DENSE_TOUCHED, DRAW_OUTSIDE, HOST, N_PROBS_PAST_K, NO_MASS, NON_FINITE, NOTHING_ALLOWED,
+                    OTHER_PLAN, PAST_K, Fallback, route)
 from .steps import FORCE
 from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
@@ -46,8 +46,6 @@ __all__ = ["FastStats", "K_MIN", "K_MAX", "PAST_K", "order", "route", "sample", 
 K_MIN = 64
 #: the most: beyond it the host path is as cheap as the graph's selection
 K_MAX = 1024
-#: the reason a truncation needs the whole row (the sequence asks for twice K next time)
-PAST_K = "truncation reaches past the K best"
 
 
 @dataclass
@@ -59,14 +57,21 @@ class FastStats:
     reasons: dict[str, int] = field(default_factory=dict)
     k: int = K_MIN  # the K this sequence asks for (raised when a truncation needed more)
 
-    def took(self, path: str) -> None:
-        """Count a token by its SampleResult.path: "graph", or "host: <why>"."""
-        if path == "graph":
+    def took(self, res: SampleResult) -> None:
+        """Count a token: decided on pre-selected values, or on the host for its
+        ``fallback`` (`HOST` where none was given)."""
+        if res.path == "graph":
             self.graph += 1
             return
         self.host += 1
-        why = path.partition(": ")[2] or "host"
+        why = str(res.fallback or HOST)  # a plain str: the done event's JSON takes no subclass
         self.reasons[why] = self.reasons.get(why, 0) + 1
+
+    def widen(self, why: Fallback) -> None:
+        """After a host-path token for ``why``: a truncation past the K best asks for
+        twice K next time (up to K_MAX)."""
+        if why == PAST_K:
+            self.k = min(self.k * 2, K_MAX)
 
     def as_event(self) -> dict:
         return {"graph": self.graph, "host": self.host, "reasons": dict(self.reasons)}
@@ -76,21 +81,6 @@ def _plan(s: SequenceSampler, n_allowed: int):
     p, has_hist = s.params, s.penalizes
     active, first = steps_to_run(p, has_hist, n_allowed)
     return p, has_hist, active, first
-
-
-def route(s: SequenceSampler, grammar: bool) -> str | None:
-    """None when the sequence's chain can run on pre-selected values, else why not."""
-    p = s.params
-    if p.trace:
-        return "trace"
-    _, _, active, first = _plan(s, s.n_vocab)
-    for step in active:
-        if not step.preselected:
-            return step.name
-    prefix = active if first is None else active[:first]
-    if first is None and any(st.touches is not None for st in prefix):
-        return "dense draw with touched tokens"
-    return None
 
 
 def _touched(s: SequenceSampler, prefix) -> np.ndarray:
@@ -250,7 +240,7 @@ def _gather(pre: Preselected, ids: np.ndarray, tau: float) -> np.ndarray:
     return v / tau if tau != 1.0 else v
 
 
-def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | str:
+def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | Fallback:
     """The next token from pre-selected values, or the reason the whole row is needed
     (then nothing was drawn: the caller runs ``s.sample`` on the row). ``words``: the
     grammar's bitmask words as ``s.sample`` takes them (int32 or uint32), or None."""
@@ -259,10 +249,10 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     if words is not None:
         words = as_words(words, n)  # uint32: popcounts of int32 words count the sign wrong
     if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
-        return "non-finite row"
+        return NON_FINITE
     n_allowed = count_allowed(words, n) if words is not None else n
     if n_allowed == 0:
-        return "grammar allows nothing"
+        return NOTHING_ALLOWED
     _, has_hist, active, first = _plan(s, n_allowed)
     prefix = active if first is None else active[:first]
     tail = () if first is None else active[first:]
@@ -272,7 +262,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
 
     touched = pre.order.touched
     if 1.0 / tau != pre.order.inv_tau or (prefix and not isin_sorted(_touched(s, prefix), touched).all()):
-        return "pre-selected for another plan"  # the order was made for other params, history or mask
+        return OTHER_PLAN  # the order was made for other params, history or mask
     ids, vals = pre.ids, pre.vals
     finite = vals > -np.inf
     if finite.all():
@@ -295,7 +285,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
             return _finish(s, pre, _run(tail, t_ids, t_logits, p, ctx))
     if first is None:
         if n_touched:  # their masses are in the blocks as the raw row has them (a ban's too)
-            return "dense draw with touched tokens"
+            return DENSE_TOUCHED
         return _dense(s, pre, words, n_allowed, tau)
     # the explicit set: the K best outside the touched ones, and the touched ones
     if touched.size:
@@ -366,7 +356,7 @@ def _rest_mass(pre: Preselected, untouched: np.ndarray, u_logits: np.ndarray, ta
     return max(total, 0.0) * math.exp(pre.top * inv - ref)
 
 
-def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleResult | str:
+def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleResult | Fallback:
     """Draw from an explicit candidate set, then the log-probabilities (nProbs). The
     sequence's one uniform is taken (``draw``) only once the answer is certain, so a
     None-reason leaves the stream where the host path expects it."""
@@ -382,7 +372,7 @@ def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleRes
         s.draw()
         return SampleResult(tok, n_candidates=cand.size, path="graph")
     raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs, s.n_vocab)
-    if isinstance(raw, str):
+    if isinstance(raw, Fallback):
         return raw
     s.draw()
     lp, top = raw
@@ -403,7 +393,7 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     log-softmax, or why the n best cannot be had from the K best."""
     if pre.raw_max is not None:
         if not (math.isfinite(pre.raw_max) and pre.raw_mass > 0 and math.isfinite(pre.raw_mass)):
-            return "non-finite row"  # NaN where the grammar masks it (y was finite): the host maps it to -inf
+            return NON_FINITE  # NaN where the grammar masks it (y was finite): the host maps it to -inf
         lse = pre.raw_max + math.log(pre.raw_mass)
     else:  # y is the raw row and the masses are at tau 1
         lse = pre.top + math.log(float(np.add.reduce(pre.blocks, dtype=np.float64)))
@@ -411,7 +401,7 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     finite = vals > -np.inf
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), n)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
-        return "nProbs reach past the K best"
+        return N_PROBS_PAST_K
     top = tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
     if b_ids.size < n and not finite.all():
         # Fewer than n finite raw values, all among the K best: the rest of the n best
@@ -425,14 +415,14 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     return v - lse, top
 
 
-def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
+def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | Fallback:
     """A draw over every allowed token (no truncation, nothing touched; many rows at
     once: fastpath_dense.dense_tick, which must stay this bit for bit)."""
     blocks = pre.blocks.astype(np.float64)
     cb = np.add.accumulate(blocks)
     total = float(cb[-1])
     if not total > 0:
-        return "no mass"
+        return NO_MASS
     u = s.peek()
     target = u * total
     b = min(int(np.searchsorted(cb, target, side="right")), cb.size - 1)
@@ -440,7 +430,7 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
         b -= 1
     chunk = None if pre.dense is None else pre.dense.get(b)
     if chunk is None:
-        return "draw outside the blocks handed back"
+        return DRAW_OUTSIDE
     within = np.add.accumulate(chunk, dtype=np.float64)
     within += float(cb[b - 1]) if b else 0.0
     j = int(np.searchsorted(within, target, side="right"))
@@ -450,7 +440,7 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
 
 
 def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, total: float,
-                  n_allowed: int) -> SampleResult | str:
+                  n_allowed: int) -> SampleResult | Fallback:
     """A dense draw's result for token tok (its mass m in its block, the blocks' total):
     the uniform taken, and the log-probabilities with nProbs (or why they cannot be had,
     nothing drawn)."""
@@ -471,9 +461,9 @@ def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, tota
     finite = vals > -np.inf
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), p.n_probs)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
-        return "nProbs reach past the K best"
+        return N_PROBS_PAST_K
     raw = _raw_logprobs(pre, x_tok, p.n_probs, s.n_vocab)
-    if isinstance(raw, str):
+    if isinstance(raw, Fallback):
         return raw
     s.draw()
     steered_top = tuple((int(i), (float(x) - pre.top) * inv - log_total) for i, x in zip(b_ids, b_v))
@@ -587,7 +577,7 @@ def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, ma
 
 
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
-                masks: list[np.ndarray | None]) -> list[SampleResult | str]:
+                masks: list[np.ndarray | None]) -> list[SampleResult | Fallback]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
     greedy and top-k chains on [m, K] matrices at once (``batch.batch_plan``'s two
     plans, the same arithmetic as the host path's batched rows), the top-p-first ones
