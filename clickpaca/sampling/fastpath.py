@@ -33,7 +33,7 @@ from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, ste
 from .fastpath_dense import dense_plan, dense_tick
 from .registry import ELEMENTWISE, NO_HIST, StepContext
 from .route import (DENSE_TOUCHED, DRAW_OUTSIDE, HOST, N_PROBS_PAST_K, NO_MASS, NON_FINITE, NOTHING_ALLOWED,
-                    OTHER_PLAN, PAST_K, Fallback, route)
+                    OTHER_PLAN, PAST_K, Fallback, per_chain, route)
 from .steps import FORCE
 from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
@@ -90,31 +90,7 @@ def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     return np.unique(np.concatenate(sets)) if sets else _NO_TOUCHED
 
 
-_UNKEPT = object()
-
-
-def _per_chain(make):
-    """``make(p, *args)`` kept per chain and args: keyed by ``p.chain`` (every parameter
-    but the seed, hashed by identity), so a row's lookup hashes no parameter values, where
-    an lru_cache keyed by the params calls their Python-level __hash__. What it keeps
-    must not depend on the seed; it is dropped when the registry changes, and at 4,096
-    entries."""
-    kept: dict = {}
-
-    def lookup(p, *args):
-        key = (p.chain, *args)
-        r = kept.get(key, _UNKEPT)
-        if r is _UNKEPT:
-            if len(kept) >= 4096:
-                kept.clear()
-            r = kept[key] = make(p, *args)
-        return r
-
-    R.on_change(kept.clear)
-    return functools.wraps(make)(lookup)
-
-
-@_per_chain
+@per_chain
 def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tuple:
     """What an order depends on besides the row's own touched ids, mask and uniform:
     (K before the touched ids, whether the prefix touches, mass, inv_tau, raw, dense,
@@ -542,7 +518,7 @@ class _Route(tuple):
         return self is not other
 
 
-@_per_chain
+@per_chain
 def _route_of(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
               dense: bool) -> _Route | None:
     """`_tick_route` as a `_Route` (one object per chain and order shape)."""

@@ -3,10 +3,14 @@ decides it. `route` says, from the registry rows of a chain's active steps, whet
 chain can run on the values the decode pre-selects (None) or needs the whole row (a
 `Fallback`); the pre-selection's own refusals after the decode are `Fallback`s too, as is
 every other reason a row comes back whole. `path` is what a result's ``path`` says.
+The decision is kept per chain (`per_chain`, the cache the fast path's plans use too).
 """
 
 from __future__ import annotations
 
+import functools
+
+from . import registry
 from .chain import SequenceSampler, steps_to_run
 
 
@@ -39,15 +43,44 @@ NO_MASS = Fallback("no mass")
 DRAW_OUTSIDE = Fallback("draw outside the blocks handed back")
 
 
+_UNKEPT = object()
+
+
+def per_chain(make):
+    """``make(p, *args)`` kept per chain and args: keyed by ``p.chain`` (every parameter
+    but the seed, hashed by identity), so a row's lookup hashes no parameter values, where
+    an lru_cache keyed by the params calls their Python-level __hash__. What it keeps
+    must not depend on the seed; it is dropped when the registry changes, and at 4,096
+    entries."""
+    kept: dict = {}
+
+    def lookup(p, *args):
+        key = (p.chain, *args)
+        r = kept.get(key, _UNKEPT)
+        if r is _UNKEPT:
+            if len(kept) >= 4096:
+                kept.clear()
+            r = kept[key] = make(p, *args)
+        return r
+
+    registry.on_change(kept.clear)
+    return functools.wraps(make)(lookup)
+
+
 def route(s: SequenceSampler, grammar: bool, rows: int = 1) -> Fallback | None:
     """None when the sequence's chain runs on pre-selected values, else why not.
     ``rows``: the logits rows the sequence's job asked of this decode."""
     if rows != 1:
         return MORE_THAN_ONE_ROW
-    p = s.params
+    return _route(s.params, s.penalizes, s.n_vocab)
+
+
+@per_chain
+def _route(p, has_hist: bool, n_vocab: int) -> Fallback | None:
+    """`route` for a chain: from the registry rows of its active steps."""
     if p.trace:
         return TRACE
-    active, first = steps_to_run(p, s.penalizes, s.n_vocab)
+    active, first = steps_to_run(p, has_hist, n_vocab)
     for step in active:
         if not step.preselected:
             return Fallback.step(step.name)
