@@ -18,22 +18,20 @@ the decode".
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import registry as R
-from .batch import batch_plan, topk_draw
+from .batch import topk_draw
 from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, steps_to_run
-from .fastpath_dense import dense_plan, dense_tick
+from .fastpath_dense import dense_tick
 from .registry import ELEMENTWISE, NO_HIST, StepContext
 from .route import (DENSE_TOUCHED, DRAW_OUTSIDE, HOST, N_PROBS_PAST_K, NO_MASS, NON_FINITE, NOTHING_ALLOWED,
-                    OTHER_PLAN, PAST_K, Fallback, per_chain, route)
+                    OTHER_PLAN, PAST_K, Fallback, per_chain, route, tick_route)
 from .steps import FORCE
 from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
@@ -446,32 +444,6 @@ def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, tota
     return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
 
 
-@functools.lru_cache(maxsize=1024)
-def _without_probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """batch_plan of the same chain without nProbs (the candidates do not depend on it)."""
-    return batch_plan(p.replace(n_probs=0), has_hist, n_vocab)
-
-
-R.on_change(_without_probs.cache_clear)
-
-
-@functools.lru_cache(maxsize=1024)
-def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
-    temperature before it), then at most a positive temperature (the caller has ruled
-    out nProbs and trace); None otherwise."""
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    names = [st.name for st in active]
-    if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
-        return None
-    if "temperature" in names and p.temperature <= 0:
-        return None
-    return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
-
-
-R.on_change(_nucleus_plan_of.cache_clear)
-
-
 def _rows(arrays: list[np.ndarray]) -> np.ndarray:
     """np.stack of equal-length 1-D rows, through one concatenate (a third of stack's cost
     at 64 rows: stack makes a view per row first)."""
@@ -503,55 +475,6 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
               best=(floor, _rows([pres[j].ids for j in js]), vals))
 
 
-class _Route(tuple):
-    """A route of `_tick_route`, compared and hashed by identity: there is one per chain
-    and order shape (`_route_of`), so a tick groups its rows by the object itself (a
-    tuple's hash is recomputed at every lookup)."""
-
-    __slots__ = ()
-    __hash__ = object.__hash__
-
-    def __eq__(self, other) -> bool:
-        return self is other
-
-    def __ne__(self, other) -> bool:
-        return self is not other
-
-
-@per_chain
-def _route_of(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
-              dense: bool) -> _Route | None:
-    """`_tick_route` as a `_Route` (one object per chain and order shape)."""
-    plan = _tick_route(p, has_hist, n_vocab, masked, touched, mass, raw, dense)
-    return None if plan is None else _Route(plan)
-
-
-def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
-                dense: bool) -> tuple | None:
-    """Which of sample_tick's batched passes takes a row, from its params and what its
-    order asked of the graph (`_route_of` keeps it: one lookup per row and tick): ("greedy",),
-    ("topk", k, top_p, temperature[, n_probs]) (k None: top-p first, `_nucleus_tick`),
-    ("touched", fastpath_touched's plan) (bias / penalties), ("dense", 1 / tau) (a draw over
-    the whole vocabulary: fastpath_dense), or None (per row: ``sample``). A masked
-    row's route holds only while its K values are all finite (the caller checks)."""
-    if touched:
-        pl = None if masked else T.plan_of(p, has_hist, n_vocab)
-        return None if pl is None else ("touched", pl)
-    plan = None
-    if not p.n_probs:
-        plan = batch_plan(p, has_hist, n_vocab)
-    elif not masked and mass and not raw:  # nProbs from the same candidates (the raw normaliser from the masses)
-        plan = _without_probs(p, has_hist, n_vocab)
-        plan = plan + (p.n_probs,) if plan is not None and plan[0] == "topk" and p.n_probs <= plan[1] else None
-    if plan is not None or masked or not mass:
-        return plan
-    if not (p.trace or p.n_probs) and (plan := _nucleus_plan_of(p, has_hist, n_vocab)) is not None:
-        return plan
-    tau = dense_plan(p, has_hist, n_vocab) if dense else None
-    return None if tau is None else ("dense", 1.0 / tau)
-
-
-
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | Fallback]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
@@ -570,7 +493,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
         p, o = s.params, pre.order
-        route = _route_of(p, s.penalizes, s.n_vocab,
+        route = tick_route(p, s.penalizes, s.n_vocab,
                           mask is not None, o.touched.size > 0, pre.blocks is not None,
                           pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K
