@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import clickpaca.engine.scheduler as scheduler_module
+import clickpaca.engine.tick_sampling as tick_sampling_module
 from clickpaca.engine.jobs import InferJob, Job, PrefillJob, ScoreJob, Tick
 from clickpaca.engine.mask_ahead import MaskJob
 from clickpaca.engine.plan import Feed
@@ -142,15 +143,20 @@ def test_jobs_that_do_not_sample_have_no_grammar_and_take_no_token():
 
 
 def test_the_scheduler_reads_only_the_job_interface():
-    """No job kind is named in the scheduler, and every attribute it reads off a job
+    """No job kind is named in the scheduler or in its tick sampler (tick_sampling.py:
+    the one sampling call of a tick), and every attribute they read off a job
     (`….job.x`) is the base Job's."""
-    src = Path(scheduler_module.__file__).read_text()
+    src = "\n".join(Path(m.__file__).read_text() for m in (scheduler_module, tick_sampling_module))
+    from_engine = set()
+    for m in (scheduler_module, tick_sampling_module):
+        t = ast.parse(Path(m.__file__).read_text())
+        from_engine |= {(n.module, a.name) for n in ast.walk(t) if isinstance(n, ast.ImportFrom) and n.level == 1
+                        for a in n.names}
     tree = ast.parse(src)
-    from_engine = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1
-                   for a in n.names}
     assert ("jobs", "Tick") in from_engine
     assert not [m for m, name in from_engine if m == "jobs" and name != "Tick"]
-    assert not [m for m, name in from_engine if m not in ("jobs", "mask_ahead", "plan", "runtime", "sequences")
+    assert not [m for m, name in from_engine
+                if m not in ("jobs", "mask_ahead", "plan", "runtime", "sequences", "tick_sampling")
                 and (m, name) != (None, "faults")]  # the stage names and the tests' hook
     read = {n.attr for n in ast.walk(tree)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "job"}

@@ -380,12 +380,20 @@ def test_fast_path_is_the_host_path(V, source, style, density, chain, k, ticks, 
     fast_vs_host(p, history, rows, masks, k, batched)
 
 
+def by_reference(rows: list[np.ndarray], orders: list[RowOrder]) -> list[Preselected]:
+    """What the graph hands back for rows of one decode, from its numpy reference, each
+    row at its order's own K (tests/test_presample_graph.py passes the graph's own ops
+    run on ggml's CPU backend instead)."""
+    return [reference(row, o) for row, o in zip(rows, orders)]
+
+
 def fast_vs_host(p: SamplerParams, history: list[int], rows: list[np.ndarray], masks: list, k: int,
-                 batched: bool = False) -> None:
+                 batched: bool = False, preselect=by_reference) -> None:
     """The property for one sequence: two identical samplers, one token per row, the
     fast path on one (``batched``: through ``fastpath.sample_tick``, as the scheduler
     calls it, whose greedy, top-k and top-p-first plans run on [m, K] matrices), the host
-    path on the other (see the module doc)."""
+    path on the other (see the module doc). ``preselect``: rows and orders of one decode
+    to their pre-selections."""
     V = rows[0].size
     fast = SequenceSampler(p, V, prompt_tokens=history)
     host = SequenceSampler(p, V, prompt_tokens=history)
@@ -402,7 +410,7 @@ def fast_vs_host(p: SamplerParams, history: list[int], rows: list[np.ndarray], m
             o = F.order(fast, words, k)
             assert 0 < o.k <= min(F.K_MAX, V)
             with np.errstate(invalid="ignore"):  # a NaN row (refused below)
-                pre = reference(row, o)  # what Presampler.read hands back: the order's own k
+                pre = preselect([row], [o])[0]  # what Presampler.read hands back: the order's own k
             got = F.sample_tick([fast], [pre], [words])[0] if batched else F.sample(fast, pre, words)
             want = host.sample(row, words)
             if isinstance(got, str):
@@ -501,10 +509,18 @@ def test_a_tick_of_several_sequences_is_each_ones_host_path(V, source, specs):
     leaves its own stream untouched."""
     rows, _ = rows_and_masks(source, V, [style for _, style, _, _ in specs], None)
     params = [SamplerParams(**TICK_CHAINS[c], seed=seed) for c, _, seed, _ in specs]
+    tick_vs_host(V, rows, params, [k for _, _, _, k in specs])
+
+
+def tick_vs_host(V: int, rows: list[np.ndarray], params: list[SamplerParams], ks: list[int],
+                 preselect=by_reference) -> None:
+    """The tick property: sample_tick over one sequence per row, each answer its own
+    sequence's host path's, each row's the same alone in a tick (``preselect``: as in
+    fast_vs_host, all rows of the tick one decode)."""
     fast = [SequenceSampler(p, V) for p in params]
     host = [SequenceSampler(p, V) for p in params]
     us = [h.peek() for h in host]
-    pres = [reference(row, F.order(f, None, k)) for f, row, (_, _, _, k) in zip(fast, rows, specs)]
+    pres = preselect(rows, [F.order(f, None, k) for f, k in zip(fast, ks)])
     alone = [SequenceSampler(p, V) for p in params]  # each row alone in a tick: the same result
     got = F.sample_tick(fast, pres, [None] * len(fast))
     for a, pre, g in zip(alone, pres, got):
@@ -643,13 +659,15 @@ def touched_chains(draw) -> dict:
                     seed=draw(st.integers(0, 2**63 - 1)))
 
 
-def touched_tick(V: int, rows: list[np.ndarray], chains: list[dict], ks: list[int], edges=None) -> None:
+def touched_tick(V: int, rows: list[np.ndarray], chains: list[dict], ks: list[int], edges=None,
+                 preselect=by_reference) -> None:
     """sample_tick over sequences with touched tokens (fastpath_touched's batch): each
     answer is its own sequence's host path's, each reason leaves its stream untouched, and
     each row's result is the one it gets alone in a tick (nothing depends on the others).
     ``edges[i]``: None, or (bias, at): a bias on the row's token of rank K + at, K the
     order's without it (so the K-th value handed back is a touched token's, or its
-    neighbour's), as in test_a_touched_token_at_the_edge_of_the_k_best."""
+    neighbour's), as in test_a_touched_token_at_the_edge_of_the_k_best.
+    ``preselect``: as in fast_vs_host."""
     made = [params_of(c, row) for c, row in zip(chains, rows)]
     for i, edge in enumerate(edges or ()):
         if edge is not None:
@@ -666,7 +684,7 @@ def touched_tick(V: int, rows: list[np.ndarray], chains: list[dict], ks: list[in
     for f in fast:  # the chains the test is for: every one goes through the batch
         assert T.plan(f) is not None, f.params
     us = [h.peek() for h in host]
-    pres = [reference(row, F.order(f, None, k)) for f, row, k in zip(fast, rows, ks)]
+    pres = preselect(rows, [F.order(f, None, k) for f, k in zip(fast, ks)])
     got = F.sample_tick(fast, pres, [None] * len(fast))
     for g, f, h, a, one, row, (p, _), u, pre in zip(got, fast, host, alone, single, rows, made, us, pres):
         assert repr(F.sample_tick([a], [pre], [None])[0]) == repr(g)  # deterministic: alone, the same

@@ -26,8 +26,10 @@ pure modules load without the model's bindings):
                    positions, logits rows) and whether it samples, decided once
     scheduler.py   the tick: fill the batch from the jobs' plan, decode (recovering from a
                    full KV cache), advance each sequence by its plan entry, hand each job
-                   its share, sample the rows they asked for (pre-selected rows through
-                   sampling.fastpath, the rest in one batched host call)
+                   its share, sample the rows they asked for in one call
+    tick_sampling.py  that call, and the pre-selection's owner: the rows ordered before
+                   the decode, each row's route after it (sampling/route.py), the K a
+                   sequence asks for, the whole row where the values cannot decide
     readout.py     activation capture through the jobs: which rows of a tick's batch each
                    job reads, and what it keeps of them until its end event
     mask_ahead.py  grammar masks filled while the decode runs

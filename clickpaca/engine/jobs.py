@@ -12,9 +12,9 @@ request runs on it, it holds that request's job, and only the job knows its kind
 - how it ends (`done`: the `done` event of a cancel, a shutdown or its own end),
 - the events it sends, through the protocol's constructors.
 
-The scheduler calls only this interface. It samples the rows that the tick's jobs asked
-for together (Scheduler._sample: the pre-selected rows through sampling.fastpath, the rest
-in one batched host call, sampling.batch.sample_tick) and hands each token to its job.
+The scheduler calls only this interface. The rows that the tick's jobs asked for are
+sampled in one call (tick_sampling.TickSampler.sample, whichever route each row takes)
+and each token goes back to its job.
 
 Fork and load are ways a held sequence starts (no job: nothing to run), not kinds. A
 new request kind that runs over ticks is one class here, its protocol dataclass and its
@@ -57,12 +57,14 @@ class Tick:
     captured: dict = field(default_factory=dict)  # sequence -> its captured rows or CaptureError (readout.py)
     draws: list = field(default_factory=list)  # (sequence, row, sampler) to sample, in plan order
     preselected: set = field(default_factory=set)  # rows that hold pre-selected values (llama/presample/)
+    #: a pre-selected row's whole row, or None where it is not kept (tick_sampling.py sets it)
+    whole_row: Any = None
 
     def row(self, i: int) -> np.ndarray:
         """The whole raw logits row i: `logits[i]`, or for a pre-selected row the copy
-        the presampler kept (presample.Presampler.full_row)."""
+        the pre-selection kept (`whole_row`: presample.Presampler.full_row)."""
         if i in self.preselected:
-            full = self.rt.ctx.presampler.full_row(i, self.rt.ctx.n_outputs)
+            full = self.whole_row(i)
             if full is None:
                 raise RuntimeError("the whole row is needed and this build does not keep pre-selected rows")
             return full
@@ -70,7 +72,7 @@ class Tick:
 
     def draw(self, seq: "Sequence", row: int, sampler: "SequenceSampler") -> None:
         """Sample a token for `seq` from logits row `row` with its sampler, together with
-        the tick's other rows, after every job's `fed` (Scheduler._sample); the result
+        the tick's other rows, after every job's `fed` (TickSampler.sample); the result
         comes back through the job's `sampled`."""
         self.draws.append((seq, row, sampler))
 
@@ -81,6 +83,8 @@ class Job:
     n_prompt: int = 0  # tokens this request feeds (the `done` stats, accounting)
     t_prompt: float | None = None  # when its first prompt chunk went into a batch
     capture: "JobCapture | None" = None  # the activations it reads (readout.py)
+    #: a job that samples with a presampler: its FastStats (the paths its tokens took, the K it asks for)
+    paths = None
 
     def begin(self, seq: "Sequence") -> None:
         """It starts on the sequence (Sequences.start), before any of its tokens is decoded."""
@@ -252,7 +256,7 @@ class InferJob(Job):
             tick.seqs.fail(seq, str(e))
             return
         if self.paths is not None:
-            self.paths.took(res.path)
+            self.paths.took(res)
             if res.trace is not None:
                 res.trace["path"] = res.path
         if res.empty:

@@ -5,10 +5,9 @@ tokens its grammar forces after it, jump.py; then prompt and scoring chunks, few
 tokens left first, up to nBatch tokens). The scheduler knows no
 request kind and calls only the Job interface (jobs.py): after the decode each sequence
 advances by the tokens it fed and its job takes its share (`fed`: score, hold, end, or ask
-for a row to sample). Then the rows asked for are sampled: with a presampler (init
-`preselect`) the rows the decode pre-selected first (sampling.fastpath.sample_tick; a row
-whose values cannot decide is sampled on its whole row), then every other row in one
-batched host call (sampling.batch.sample_tick); each token goes back to its job (`sampled`).
+for a row to sample). Then the rows asked for are sampled in one call (tick_sampling.py,
+which owns the pre-selection: the rows it orders before the decode and the route each
+row takes after it); each token goes back to its job (`sampled`).
 
 Failures stay local: a decode that finds no KV room first defers prompt chunks, then
 ends the sequence that holds the most cells; a failed decode ends only the sequences
@@ -28,24 +27,20 @@ exactly one `done` or `error`.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
-from ..sampling import fastpath
-from ..sampling.batch import sample_tick
-from ..sampling.usersteps import StepFailed
 from . import faults
 from .jobs import Tick
 from .mask_ahead import MaskJob
 from .plan import Feed, plan_tick
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
+from .tick_sampling import TickSampler
 
 _FAILED = object()  # what `_guard` returns for a stage that failed
-_GRAMMAR = object()  # `_route`: pre-selected once its grammar mask is made
 
 
 class Scheduler:
@@ -55,8 +50,7 @@ class Scheduler:
         # logits rows whose pages stay resident between requests (a generating tick uses
         # one per sequence); those past it are given back once no decode needs them
         self._keep_rows = max(64, rt.ctx.n_seq_max)
-        self._host_why: dict = {}  # with a presampler: why a sampled row came back whole
-        self._grammar_wait: list = []  # with a presampler: rows to order once their masks are made
+        self.sampling = TickSampler(rt, seqs, self._fail, self._guard, _FAILED)
 
     def tick(self) -> None:
         """Plan and fill one batch, decode it, then sample / score / finish what it produced."""
@@ -71,7 +65,7 @@ class Scheduler:
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
             while plan:
-                if self._grammar_orders(job, plan):  # one in the batch ended: filled again without it
+                if self.sampling.order_grammar(job, plan):  # one in the batch ended: filled again without it
                     plan = self._plan(defer_prompts=False)
                     job = self._start_masks(plan)
                     continue
@@ -168,7 +162,7 @@ class Scheduler:
             self._fail(seq, "arm", e)
         if any(f.key.job is None for f in plan):
             return plan
-        self._preselect(plan)
+        self.sampling.order(plan)
         return plan
 
     def _add(self, f: Feed, now: float) -> None:
@@ -180,95 +174,6 @@ class Scheduler:
             batch.logits[first:first + len(f.rows)] = 1
         if not f.generating and seq.job.t_prompt is None:
             seq.job.t_prompt = now
-
-    def _preselect(self, plan: list[Feed]) -> None:
-        """With a presampler (init preselect): tell it the rows whose chain runs on
-        pre-selected values (sampling/fastpath.py); every other row comes back whole,
-        and why is kept for its token's `path`."""
-        ps = self.rt.ctx.presampler
-        if ps is None:
-            return
-        self._host_why, self._grammar_wait = {}, []
-        ready = []  # routed to the graph without a grammar: ordered together below
-        for f in plan:
-            if not f.samples:
-                continue
-            seq = f.key
-            try:  # (the tests' hook reaches `order` once a tick: in _orders)
-                got = self._route(seq, f)
-            except Exception as e:  # noqa: BLE001 - this sequence's order; the others go on
-                self._fail(seq, "order", e)
-                continue
-            if isinstance(got, str):
-                self._host_why[seq] = got
-            elif got is _GRAMMAR:
-                self._grammar_wait.append(seq)
-            elif got is not _FAILED:
-                ready.append(seq)
-        ps.order(self._orders(ready, [None] * len(ready)))
-
-    def _grammar_orders(self, job: MaskJob, plan: list[Feed]) -> bool:
-        """The pre-selected rows with a grammar need their mask before the decode (the
-        graph applies it before selecting): wait for the tick's masks, then order them.
-        A mask that failed leaves its row whole (its error comes at the sampling).
-        True when a sequence of `plan` ended here (its order failed): the batch must be
-        filled again."""
-        if not self._grammar_wait or self.rt.ctx.presampler is None:
-            return False
-        ps = self.rt.ctx.presampler
-        job.wait()
-        orders = dict(ps.orders)
-        ready, masks = [], []
-        for seq in self._grammar_wait:
-            if seq.job is None:
-                continue
-            try:
-                masks.append(job.row(seq))
-            except Exception:  # noqa: BLE001 - reported when its row is sampled
-                self._host_why[seq] = "grammar mask failed"
-                continue
-            ready.append(seq)
-        self._grammar_wait = []
-        orders.update(self._orders(ready, masks))
-        ps.order(orders)
-        return any(f.key.job is None for f in plan)
-
-    def _orders(self, seqs: list[Sequence], masks: list) -> dict[int, Any]:
-        """{slot: RowOrder} of sequences routed to the graph, made together
-        (fastpath.order_many); if that raises, one at a time (faults.each), so that
-        only a sequence whose order fails ends (stage `order`)."""
-        if not seqs:
-            return {}
-        made = faults.each(
-            "order", list(zip(seqs, masks)),
-            lambda it: fastpath.order(it[0].job.drawer(), it[1], self._k(it[0])),
-            lambda its: fastpath.order_many([s.job.drawer() for s, _ in its], [m for _, m in its],
-                                            [self._k(s) for s, _ in its]),
-            seq_ids=[seq.seq_id for seq in seqs])
-        out = {}
-        for seq, got in zip(seqs, made):
-            if isinstance(got, Exception):
-                self._fail(seq, "order", got)
-            else:
-                out[seq.slot] = got
-        return out
-
-    @staticmethod
-    def _k(seq: Sequence) -> int:
-        paths = getattr(seq.job, "paths", None)
-        return paths.k if paths is not None else fastpath.K_MIN
-
-    @staticmethod
-    def _route(seq: Sequence, f: Feed) -> Any:
-        """None when the sequence's row is ordered now (without a grammar), _GRAMMAR when
-        once its mask is made, or why its row comes back whole."""
-        if len(f.rows) != 1:
-            return "more than one row"  # a capture asked for logits rows beside the sampled one
-        grammar = seq.job.grammar() is not None
-        why = fastpath.route(seq.job.drawer(), grammar=grammar)
-        if why is not None:
-            return why
-        return _GRAMMAR if grammar else None  # a grammar's row: ordered in _grammar_orders
 
     def _recover(self, plan: list[Feed], rc: int) -> list[Feed]:
         """The decode failed: end only the sequences concerned, rebuild, and retry."""
@@ -305,13 +210,9 @@ class Scheduler:
             self._sample(tick, masks)
 
     def _sample(self, tick: Tick, masks: MaskJob) -> None:
-        """Sample every row the jobs asked for (`Tick.draw`) at once and hand each job its
-        token (`sampled`). sampling.batch.sample_tick takes the tick's rows together:
-        greedy and top-k chains without a grammar share passes over the block, every
-        other row runs its own chain, spread over the decode's threads (idle while the
-        host samples); the results are bit for bit the per-sequence ones
-        (tests/test_sampling_batch.py). A user-defined step that raises (StepFailed)
-        costs only its own sequence, as does any failure of one row (stage `sampling`)."""
+        """Sample every row the jobs asked for (`Tick.draw`) in one call
+        (tick_sampling.TickSampler.sample), each with its grammar's mask row; a mask
+        that failed costs only its own sequence (stage `mask`)."""
         # the mask job was started for exactly the plan's sampling entries with a grammar
         draws, mask_rows = [], []
         for d in tick.draws:
@@ -324,90 +225,5 @@ class Scheduler:
                 continue
             draws.append(d)
             mask_rows.append(row)
-        if not draws:
-            return
-        ps = self.rt.ctx.presampler
-        if ps is not None:  # the pre-selected rows first, each on its own (fastpath.py)
-            draws, mask_rows = self._sample_preselected(tick, ps, draws, mask_rows)
-            if not draws:
-                return
-        # all rows in one call; if it raises, one row at a time, to find whose it is
-        results = faults.each(
-            "sampling", list(zip(draws, mask_rows)),
-            lambda it: it[0][2].sample(tick.logits[it[0][1]], it[1]),
-            lambda its: sample_tick([d[2] for d, _ in its], tick.logits, [d[1] for d, _ in its],
-                                    [m for _, m in its], isolate=(Exception,), threads=self.rt.ctx.n_threads),
-            seq_ids=[d[0].seq_id for d in draws])
-        why = self._host_why if ps is not None else None
-        for (seq, row, _), mask, res in zip(draws, mask_rows, results):
-            if why is not None and not isinstance(res, Exception):
-                res = dataclasses.replace(res, path=f"host: {why.get(seq, 'host')}")
-            if isinstance(res, Exception) and not isinstance(res, StepFailed):
-                if not isinstance(res, faults.StageFailed):
-                    traceback.print_exception(res, file=sys.stderr)
-                self.seqs.fail(seq, faults.describe("sampling", res))
-                continue
-            self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
-
-    def _sample_preselected(self, tick: Tick, ps: Any, draws: list, mask_rows: list) -> tuple[list, list]:
-        """Sample the rows the decode pre-selected (fastpath.sample_tick: the plain greedy
-        and top-k chains together, the others one at a time) and hand each job its token;
-        a row whose values cannot decide takes the host path on its whole row. Return
-        the other draws (their rows came back whole) for the batched host path."""
-        rest, rest_masks, fast = [], [], []
-        n_out = self.rt.ctx.n_outputs
-        ordered = [d for d in draws if d[0].slot in ps.orders]
-        # every ordered row read in one call; if it raises, one at a time (stage `read`)
-        got = faults.each("read", ordered, lambda d: ps.read(d[0].slot, d[1], n_out),
-                          lambda ds: ps.read_many([d[0].slot for d in ds], [d[1] for d in ds], n_out),
-                          seq_ids=[d[0].seq_id for d in ordered])
-        read = {}
-        for d, pre in zip(ordered, got):
-            if isinstance(pre, Exception):
-                self._fail(d[0], "read", pre)
-            else:
-                read[id(d)] = pre
-        for d, mask in zip(draws, mask_rows):
-            seq, row, _ = d
-            if seq.job is None:  # its read failed
-                continue
-            pre = read.get(id(d))
-            if pre is None:  # not ordered, or its row came back whole
-                rest.append(d)
-                rest_masks.append(mask)
-                if seq.slot in ps.orders:
-                    self._host_why[seq] = "the row came back whole"
-            else:
-                fast.append((d, mask, pre))
-                tick.preselected.add(row)
-        if not fast:
-            return rest, rest_masks
-        results = faults.each(  # together; if that raises, one row at a time, to find whose it is
-            "sampling", fast, lambda it: fastpath.sample(it[0][2], it[2], it[1]),
-            lambda its: fastpath.sample_tick([d[2] for d, _, _ in its], [p for _, _, p in its],
-                                             [m for _, m, _ in its]),
-            seq_ids=[d[0].seq_id for d, _, _ in fast])
-        for (d, mask, pre), res in zip(fast, results):
-            seq, row, sampler = d
-            if isinstance(res, Exception):
-                self._fail(seq, "sampling", res)
-                continue
-            if isinstance(res, str):
-                res = self._guard(seq, "sampling", self._whole_row, ps, seq, row, sampler, mask, res, n_out, pre)
-                if res is _FAILED:
-                    continue
-            self._guard(seq, "accept", seq.job.sampled, tick, seq, row, mask, res)
-        return rest, rest_masks
-
-    @staticmethod
-    def _whole_row(ps: Any, seq: Sequence, row: int, sampler: Any, mask: Any, why: str, n_out: int,
-                   pre: Any = None) -> Any:
-        """The host path on a pre-selected row's whole row, when its values could not
-        decide (`why`: the result's `path` says it; `pre`: the row's pack)."""
-        full = ps.full_row(row, n_out, pre)
-        if full is None:
-            raise RuntimeError(f"the whole row is needed ({why}) and this build does not keep it")
-        paths = getattr(seq.job, "paths", None)
-        if paths is not None and why == fastpath.PAST_K:
-            paths.k = min(paths.k * 2, fastpath.K_MAX)  # ask for more next time
-        return dataclasses.replace(sampler.sample(full, mask), path=f"host: {why}")
+        if draws:
+            self.sampling.sample(tick, draws, mask_rows)

@@ -18,7 +18,8 @@ or implicit) and its draw, ``chain`` the composition and per-sequence state, ``t
 did to a token, ``oracle`` llama.cpp's C samplers through the bindings (tests, bench),
 ``vocab`` token text for steps that need it, ``batch`` one tick's rows at once (exactly
 what per-sequence ``sample`` calls give), ``workers`` the threads it may spread them
-over, ``fastpath`` the chain on the values the decode pre-selected (llama/presample/),
+over, ``route`` which path samples a row and the typed reasons a row takes the host
+path, ``fastpath`` the chain on the values the decode pre-selected (llama/presample/),
 ``fastpath_touched`` and ``fastpath_dense`` its batched rows with logit bias and penalties
 and its draws over the whole set,
 ``bench`` the microbenchmark, ``usersteps`` steps written by the user (`serve --steps`).

@@ -54,6 +54,7 @@ class SampleResult:
     steered_top: tuple[tuple[int, float], ...] | None = None
     trace: dict | None = None  # with params.trace: what every step did (sampling/trace.py)
     path: str = "host"  # "graph": decided on the decode's pre-selected values (fastpath.py)
+    fallback: str | None = None  # with pre-selection, why a host-path token took it (route.Fallback)
 
 
 PLAN_CACHE_MAX_BIAS = 64  # params with more logit_bias entries are planned uncached (memory)

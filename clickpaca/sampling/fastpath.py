@@ -2,14 +2,12 @@
 
 Two halves, before and after the decode:
 
-- `route(sampler, grammar)`: whether a sequence's chain can run on pre-selected values
-  (None) or must take the host path (the reason, a short string). Every active step's
-  registry row says whether it can (``Step.preselected``); trace, user-defined steps,
-  DRY, typical-p, XTC, dynamic temperature, mirostat and top-n-sigma need the whole row.
-  `order(sampler, mask)` then says what the graph must hand back (`RowOrder`).
+- route.py decides whether a sequence's chain can run on pre-selected values (`route`,
+  re-exported here). `order(sampler, mask)` then says what the graph must hand back
+  (`RowOrder`).
 - `sample(sampler, pre, words)`: the token (a `SampleResult`) from the K best values, the
   touched tokens' raw values and the block masses, or, when those cannot decide exactly,
-  the reason the whole row is needed (a short string such as `PAST_K`; nothing was drawn,
+  why the whole row is needed (a `route.Fallback` such as `PAST_K`; nothing was drawn,
   the caller runs the host path on the row and `FastStats` counts why).
 
 The contract: the same token as the host path (``chain.SequenceSampler.sample``) except
@@ -20,20 +18,20 @@ the decode".
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import registry as R
-from .batch import batch_plan, topk_draw
+from .batch import topk_draw
 from .bitmask import allowed_ids, allows, as_words, count_allowed
 from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, steps_to_run
-from .fastpath_dense import dense_plan, dense_tick
+from .fastpath_dense import dense_tick
 from .registry import ELEMENTWISE, NO_HIST, StepContext
+from .route import (DENSE_TOUCHED, DRAW_OUTSIDE, HOST, N_PROBS_PAST_K, NO_MASS, NON_FINITE, NOTHING_ALLOWED,
+                    OTHER_PLAN, PAST_K, Fallback, per_chain, route, tick_route)
 from .steps import FORCE
 from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
@@ -46,8 +44,6 @@ __all__ = ["FastStats", "K_MIN", "K_MAX", "PAST_K", "order", "route", "sample", 
 K_MIN = 64
 #: the most: beyond it the host path is as cheap as the graph's selection
 K_MAX = 1024
-#: the reason a truncation needs the whole row (the sequence asks for twice K next time)
-PAST_K = "truncation reaches past the K best"
 
 
 @dataclass
@@ -59,14 +55,21 @@ class FastStats:
     reasons: dict[str, int] = field(default_factory=dict)
     k: int = K_MIN  # the K this sequence asks for (raised when a truncation needed more)
 
-    def took(self, path: str) -> None:
-        """Count a token by its SampleResult.path: "graph", or "host: <why>"."""
-        if path == "graph":
+    def took(self, res: SampleResult) -> None:
+        """Count a token: decided on pre-selected values, or on the host for its
+        ``fallback`` (`HOST` where none was given)."""
+        if res.path == "graph":
             self.graph += 1
             return
         self.host += 1
-        why = path.partition(": ")[2] or "host"
+        why = str(res.fallback or HOST)  # a plain str: the done event's JSON takes no subclass
         self.reasons[why] = self.reasons.get(why, 0) + 1
+
+    def widen(self, why: Fallback) -> None:
+        """After a host-path token for ``why``: a truncation past the K best asks for
+        twice K next time (up to K_MAX)."""
+        if why == PAST_K:
+            self.k = min(self.k * 2, K_MAX)
 
     def as_event(self) -> dict:
         return {"graph": self.graph, "host": self.host, "reasons": dict(self.reasons)}
@@ -78,21 +81,6 @@ def _plan(s: SequenceSampler, n_allowed: int):
     return p, has_hist, active, first
 
 
-def route(s: SequenceSampler, grammar: bool) -> str | None:
-    """None when the sequence's chain can run on pre-selected values, else why not."""
-    p = s.params
-    if p.trace:
-        return "trace"
-    _, _, active, first = _plan(s, s.n_vocab)
-    for step in active:
-        if not step.preselected:
-            return step.name
-    prefix = active if first is None else active[:first]
-    if first is None and any(st.touches is not None for st in prefix):
-        return "dense draw with touched tokens"
-    return None
-
-
 def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     """The sorted unique ids the prefix steps touch for this sequence now."""
     ctx = StepContext(s.penalty_window() if s.params.penalties_active else NO_HIST)
@@ -100,31 +88,7 @@ def _touched(s: SequenceSampler, prefix) -> np.ndarray:
     return np.unique(np.concatenate(sets)) if sets else _NO_TOUCHED
 
 
-_UNKEPT = object()
-
-
-def _per_chain(make):
-    """``make(p, *args)`` kept per chain and args: keyed by ``p.chain`` (every parameter
-    but the seed, hashed by identity), so a row's lookup hashes no parameter values, where
-    an lru_cache keyed by the params calls their Python-level __hash__. What it keeps
-    must not depend on the seed; it is dropped when the registry changes, and at 4,096
-    entries."""
-    kept: dict = {}
-
-    def lookup(p, *args):
-        key = (p.chain, *args)
-        r = kept.get(key, _UNKEPT)
-        if r is _UNKEPT:
-            if len(kept) >= 4096:
-                kept.clear()
-            r = kept[key] = make(p, *args)
-        return r
-
-    R.on_change(kept.clear)
-    return functools.wraps(make)(lookup)
-
-
-@_per_chain
+@per_chain
 def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tuple:
     """What an order depends on besides the row's own touched ids, mask and uniform:
     (K before the touched ids, whether the prefix touches, mass, inv_tau, raw, dense,
@@ -250,7 +214,7 @@ def _gather(pre: Preselected, ids: np.ndarray, tau: float) -> np.ndarray:
     return v / tau if tau != 1.0 else v
 
 
-def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | str:
+def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> SampleResult | Fallback:
     """The next token from pre-selected values, or the reason the whole row is needed
     (then nothing was drawn: the caller runs ``s.sample`` on the row). ``words``: the
     grammar's bitmask words as ``s.sample`` takes them (int32 or uint32), or None."""
@@ -259,10 +223,10 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     if words is not None:
         words = as_words(words, n)  # uint32: popcounts of int32 words count the sign wrong
     if not (math.isfinite(pre.top) and (pre.blocks is None or np.isfinite(pre.blocks).all())):
-        return "non-finite row"
+        return NON_FINITE
     n_allowed = count_allowed(words, n) if words is not None else n
     if n_allowed == 0:
-        return "grammar allows nothing"
+        return NOTHING_ALLOWED
     _, has_hist, active, first = _plan(s, n_allowed)
     prefix = active if first is None else active[:first]
     tail = () if first is None else active[first:]
@@ -272,7 +236,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
 
     touched = pre.order.touched
     if 1.0 / tau != pre.order.inv_tau or (prefix and not isin_sorted(_touched(s, prefix), touched).all()):
-        return "pre-selected for another plan"  # the order was made for other params, history or mask
+        return OTHER_PLAN  # the order was made for other params, history or mask
     ids, vals = pre.ids, pre.vals
     finite = vals > -np.inf
     if finite.all():
@@ -295,7 +259,7 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
             return _finish(s, pre, _run(tail, t_ids, t_logits, p, ctx))
     if first is None:
         if n_touched:  # their masses are in the blocks as the raw row has them (a ban's too)
-            return "dense draw with touched tokens"
+            return DENSE_TOUCHED
         return _dense(s, pre, words, n_allowed, tau)
     # the explicit set: the K best outside the touched ones, and the touched ones
     if touched.size:
@@ -366,7 +330,7 @@ def _rest_mass(pre: Preselected, untouched: np.ndarray, u_logits: np.ndarray, ta
     return max(total, 0.0) * math.exp(pre.top * inv - ref)
 
 
-def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleResult | str:
+def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleResult | Fallback:
     """Draw from an explicit candidate set, then the log-probabilities (nProbs). The
     sequence's one uniform is taken (``draw``) only once the answer is certain, so a
     None-reason leaves the stream where the host path expects it."""
@@ -382,7 +346,7 @@ def _finish(s: SequenceSampler, pre: Preselected, cand: Candidates) -> SampleRes
         s.draw()
         return SampleResult(tok, n_candidates=cand.size, path="graph")
     raw = _raw_logprobs(pre, _raw_value(pre, tok), p.n_probs, s.n_vocab)
-    if isinstance(raw, str):
+    if isinstance(raw, Fallback):
         return raw
     s.draw()
     lp, top = raw
@@ -403,7 +367,7 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     log-softmax, or why the n best cannot be had from the K best."""
     if pre.raw_max is not None:
         if not (math.isfinite(pre.raw_max) and pre.raw_mass > 0 and math.isfinite(pre.raw_mass)):
-            return "non-finite row"  # NaN where the grammar masks it (y was finite): the host maps it to -inf
+            return NON_FINITE  # NaN where the grammar masks it (y was finite): the host maps it to -inf
         lse = pre.raw_max + math.log(pre.raw_mass)
     else:  # y is the raw row and the masses are at tau 1
         lse = pre.top + math.log(float(np.add.reduce(pre.blocks, dtype=np.float64)))
@@ -411,7 +375,7 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     finite = vals > -np.inf
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), n)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
-        return "nProbs reach past the K best"
+        return N_PROBS_PAST_K
     top = tuple((int(i), float(x) - lse) for i, x in zip(b_ids, b_v))
     if b_ids.size < n and not finite.all():
         # Fewer than n finite raw values, all among the K best: the rest of the n best
@@ -425,14 +389,14 @@ def _raw_logprobs(pre: Preselected, v: float, n: int, n_vocab: int):
     return v - lse, top
 
 
-def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | str:
+def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: float) -> SampleResult | Fallback:
     """A draw over every allowed token (no truncation, nothing touched; many rows at
     once: fastpath_dense.dense_tick, which must stay this bit for bit)."""
     blocks = pre.blocks.astype(np.float64)
     cb = np.add.accumulate(blocks)
     total = float(cb[-1])
     if not total > 0:
-        return "no mass"
+        return NO_MASS
     u = s.peek()
     target = u * total
     b = min(int(np.searchsorted(cb, target, side="right")), cb.size - 1)
@@ -440,7 +404,7 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
         b -= 1
     chunk = None if pre.dense is None else pre.dense.get(b)
     if chunk is None:
-        return "draw outside the blocks handed back"
+        return DRAW_OUTSIDE
     within = np.add.accumulate(chunk, dtype=np.float64)
     within += float(cb[b - 1]) if b else 0.0
     j = int(np.searchsorted(within, target, side="right"))
@@ -450,7 +414,7 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
 
 
 def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, total: float,
-                  n_allowed: int) -> SampleResult | str:
+                  n_allowed: int) -> SampleResult | Fallback:
     """A dense draw's result for token tok (its mass m in its block, the blocks' total):
     the uniform taken, and the log-probabilities with nProbs (or why they cannot be had,
     nothing drawn)."""
@@ -471,39 +435,13 @@ def _dense_result(s: SequenceSampler, pre: Preselected, tok: int, m: float, tota
     finite = vals > -np.inf
     b_ids, b_v = S.top_n(ids[finite], vals[finite].astype(np.float64), p.n_probs)
     if finite.all() and b_v.size and not b_v[-1] > float(vals.min()):
-        return "nProbs reach past the K best"
+        return N_PROBS_PAST_K
     raw = _raw_logprobs(pre, x_tok, p.n_probs, s.n_vocab)
-    if isinstance(raw, str):
+    if isinstance(raw, Fallback):
         return raw
     s.draw()
     steered_top = tuple((int(i), (float(x) - pre.top) * inv - log_total) for i, x in zip(b_ids, b_v))
     return SampleResult(tok, False, None, n_allowed, raw[0], raw[1], steered, steered_top, path="graph")
-
-
-@functools.lru_cache(maxsize=1024)
-def _without_probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """batch_plan of the same chain without nProbs (the candidates do not depend on it)."""
-    return batch_plan(p.replace(n_probs=0), has_hist, n_vocab)
-
-
-R.on_change(_without_probs.cache_clear)
-
-
-@functools.lru_cache(maxsize=1024)
-def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
-    temperature before it), then at most a positive temperature (the caller has ruled
-    out nProbs and trace); None otherwise."""
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    names = [st.name for st in active]
-    if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
-        return None
-    if "temperature" in names and p.temperature <= 0:
-        return None
-    return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
-
-
-R.on_change(_nucleus_plan_of.cache_clear)
 
 
 def _rows(arrays: list[np.ndarray]) -> np.ndarray:
@@ -537,57 +475,8 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
               best=(floor, _rows([pres[j].ids for j in js]), vals))
 
 
-class _Route(tuple):
-    """A route of `_tick_route`, compared and hashed by identity: there is one per chain
-    and order shape (`_route_of`), so a tick groups its rows by the object itself (a
-    tuple's hash is recomputed at every lookup)."""
-
-    __slots__ = ()
-    __hash__ = object.__hash__
-
-    def __eq__(self, other) -> bool:
-        return self is other
-
-    def __ne__(self, other) -> bool:
-        return self is not other
-
-
-@_per_chain
-def _route_of(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
-              dense: bool) -> _Route | None:
-    """`_tick_route` as a `_Route` (one object per chain and order shape)."""
-    plan = _tick_route(p, has_hist, n_vocab, masked, touched, mass, raw, dense)
-    return None if plan is None else _Route(plan)
-
-
-def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
-                dense: bool) -> tuple | None:
-    """Which of sample_tick's batched passes takes a row, from its params and what its
-    order asked of the graph (`_route_of` keeps it: one lookup per row and tick): ("greedy",),
-    ("topk", k, top_p, temperature[, n_probs]) (k None: top-p first, `_nucleus_tick`),
-    ("touched", fastpath_touched's plan) (bias / penalties), ("dense", 1 / tau) (a draw over
-    the whole vocabulary: fastpath_dense), or None (per row: ``sample``). A masked
-    row's route holds only while its K values are all finite (the caller checks)."""
-    if touched:
-        pl = None if masked else T.plan_of(p, has_hist, n_vocab)
-        return None if pl is None else ("touched", pl)
-    plan = None
-    if not p.n_probs:
-        plan = batch_plan(p, has_hist, n_vocab)
-    elif not masked and mass and not raw:  # nProbs from the same candidates (the raw normaliser from the masses)
-        plan = _without_probs(p, has_hist, n_vocab)
-        plan = plan + (p.n_probs,) if plan is not None and plan[0] == "topk" and p.n_probs <= plan[1] else None
-    if plan is not None or masked or not mass:
-        return plan
-    if not (p.trace or p.n_probs) and (plan := _nucleus_plan_of(p, has_hist, n_vocab)) is not None:
-        return plan
-    tau = dense_plan(p, has_hist, n_vocab) if dense else None
-    return None if tau is None else ("dense", 1.0 / tau)
-
-
-
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
-                masks: list[np.ndarray | None]) -> list[SampleResult | str]:
+                masks: list[np.ndarray | None]) -> list[SampleResult | Fallback]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
     greedy and top-k chains on [m, K] matrices at once (``batch.batch_plan``'s two
     plans, the same arithmetic as the host path's batched rows), the top-p-first ones
@@ -604,7 +493,7 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
         p, o = s.params, pre.order
-        route = _route_of(p, s.penalizes, s.n_vocab,
+        route = tick_route(p, s.penalizes, s.n_vocab,
                           mask is not None, o.touched.size > 0, pre.blocks is not None,
                           pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K

@@ -12,7 +12,8 @@ chain's fast path (sampling/fastpath.py). The modules, one job each:
 - graph.py: the ggml ops (`build`) and their inputs (`fill`), `mask_table`;
 - sampler.py: `Presampler`, the cffi callbacks llama.cpp calls and the reads after a decode;
 - unpack.py: packed rows to `Preselected`;
-- reference.py: the ops' numpy `reference`, which the tests hold the graph to.
+- reference.py: the ops' numpy `reference`, which the tests hold the graph to;
+- standalone.py: `preselect`, the ops run on ggml's CPU backend over given rows (no model).
 
 The ops, the packing, graph reuse and the costs: docs/BENCHMARKS.md, "Pre-selection
 inside the decode".
