@@ -131,13 +131,19 @@ def _check(check: SchemaCheck, text: str) -> bool | None:
     return check.check(text)["schemaValid"]
 
 
-def run_clickpaca(server: Server, reqs: list[tuple], tokens: int) -> dict[str, Any]:
+#: The sides: clickpaca token by token, clickpaca with `jumpForward` (a grammar's forced
+#: tokens fed as one chunk, docs/GRAMMARS.md), and llama-server unless --no-peer.
+CP, CP_JUMP, LS = "clickpaca", "clickpaca, jump-forward", "llama-server"
+
+
+def run_clickpaca(server: Server, reqs: list[tuple], tokens: int, jump: bool = False) -> dict[str, Any]:
     """reqs: (grammar id, prompt, seed, SchemaCheck); one round, all in flight."""
     c = server.client
     t0 = time.perf_counter()
     for sid, (gid, prompt, seed, _) in enumerate(reqs):
         c.infer(sid, prompt, grammar_id=gid, maxTokens=tokens, temperature=TEMPERATURE,
-                seed=seed, reusePrefix=False, validate=True)  # every finished output checked, timed
+                seed=seed, reusePrefix=False, validate=True,  # every finished output checked, timed
+                **({"jumpForward": True} if jump else {}))
     outs, t_end = [], t0
     for sid, (_, _, _, check) in enumerate(reqs):
         toks, final = c.collect(sid, 3600)
@@ -152,6 +158,7 @@ def run_clickpaca(server: Server, reqs: list[tuple], tokens: int) -> dict[str, A
                      else final["stop_reason"], "tokens": final["tokens_predicted"], "valid": valid,
                      "repeats": repeated_keys(text), "bans": final.get("repeatKeyBans", 0),
                      "server_says": final.get("schemaValid", "absent"), "schema_ms": final.get("schema_ms"),
+                     "forced": final.get("forced_tokens", 0),
                      "text": text[:200]})
     return {"wall_s": t_end - t0, "outputs": outs}
 
@@ -202,6 +209,8 @@ def side_stats(rounds: list[dict]) -> dict[str, Any]:
             "repeating": sum(o.get("repeats", 0) > 0 for o in outs),  # outputs that repeat a key
             "repeated_key_stops": sum(o["stop"] == "repeated_key" for o in outs),
             "banned_in": sum(o.get("bans", 0) > 0 for o in outs),  # outputs the ban narrowed
+            "forced_share": (sum(o.get("forced", 0) for o in outs) / sum(o["tokens"] for o in outs)
+                             if sum(o["tokens"] for o in outs) else None),
             "disagreements": sum(1 for o in outs if "server_says" in o and o["stop"] == "finished"
                                  and o["server_says"] != "absent" and o["server_says"] != o["valid"]),
             "schema_ms": _dist([o["schema_ms"] for o in outs if o.get("schema_ms") is not None]),
@@ -222,7 +231,7 @@ def measure(args: Any) -> dict[str, Any]:
     commands: dict[str, str] = {}
     problems: list[str] = []
     peer = not getattr(args, "no_peer", False)
-    sides = ("clickpaca", "llama-server") if peer else ("clickpaca",)
+    sides = (CP, CP_JUMP, LS) if peer else (CP, CP_JUMP)
     port = free_port()
     cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port) if peer else []
     commands["llama-server"] = " ".join(cmd) if peer else "not run (--no-peer)"
@@ -250,8 +259,8 @@ def measure(args: Any) -> dict[str, Any]:
             for k in range(args.repeats):
                 order = sides if k % 2 == 0 else sides[::-1]
                 for side in order:
-                    if side == "clickpaca":
-                        res[side].append(run_clickpaca(server, ours, tokens))
+                    if side in (CP, CP_JUMP):
+                        res[side].append(run_clickpaca(server, ours, tokens, jump=side == CP_JUMP))
                     else:
                         res[side].append(run_llama(ls, theirs, tokens))
                     progress(f"schemas N={n} round {k + 1} {side}: "
@@ -293,8 +302,10 @@ def measure(args: Any) -> dict[str, Any]:
              "apart (grammar/json_keys.py); CPU: both in the thread's CPU time (no preemption)",
              "repeating = outputs (finished or cut) with a key their object already holds; "
              "repeated_key = clickpaca outputs the ban ended (nothing else allowed)"]
-    dis = sum(r["sides"]["clickpaca"]["disagreements"] for r in gen)
+    dis = sum(r["sides"][name]["disagreements"] for r in gen for name in (CP, CP_JUMP))
     notes.append(f"clickpaca's own done.schemaValid disagreed with the bench's validator on {dis} outputs")
+    notes.append("forced share = tokens fed as forced chunks (done.forced_tokens) / tokens generated: "
+                 "each is a decode tick the request did not wait for")
     for r in gen:
         ms = r["sides"]["clickpaca"]["schema_ms"]
         notes.append(f"N={r['seqs']}: checking an output (done.schema_ms, validate on) took "
@@ -337,9 +348,10 @@ def table(out: dict[str, Any]) -> str:
             t = s["tps"]
             rows.append((r["seqs"], name, f"{fmt(t['median'])} ({fmt(t['min'])}-{fmt(t['max'])})",
                          s["outputs"], s["finished"], s["valid"], s["invalid"], s["cut"], s["errors"],
-                         s["repeating"], s["repeated_key_stops"] if name == "clickpaca" else ""))
+                         s["repeating"], s["repeated_key_stops"] if name != LS else "",
+                         fmt(s["forced_share"]) if name == CP_JUMP else ""))
     t2 = markdown(["seqs", "side", "tok/s", "outputs", "finished", "valid", "invalid", "cut", "errors",
-                   "repeating", "repeated_key"], rows, align="rlrrrrrrrrr")
+                   "repeating", "repeated_key", "forced share"], rows, align="rlrrrrrrrrrr")
     return t1 + "\n\n" + t2
 
 
