@@ -96,6 +96,9 @@ def test_bench_peer_short_real_run(tmp_path):
         # the grammar forces tokens (keys, quotes, braces): jump-forward fed some as chunks
         assert sides[peer.CP]["forced_share"] == 0 and 0 < sides[peer.CP_JUMP]["forced_share"] < 1
         assert r["ratio_jump_vs_off"] > 0 and r["ratio_jump_vs_unified"] > 0
+        for name in (peer.CP, peer.CP_JUMP):  # a round lasts at least its longest request's ticks
+            s = sides[name]
+            assert 0 < s["longest_request_ticks"]["max"] <= s["ticks"]["min"], (name, s["ticks"])
         for name in (peer.CP, peer.CP_PER_REQ, peer.CP_JUMP):
             c = sides[name]["checks"]
             # clickpaca: every output that ended is valid; only outputs cut at the limit may not parse

@@ -70,6 +70,12 @@ def clickpaca_init(model: str, build: str, t: int, n: int, ctx_per_seq: int) -> 
             "swaFull": True, "flashAttn": "auto"}
 
 
+def server_ticks(server: Server) -> int:
+    """The server's decodes so far (`stats` `ticks`)."""
+    server.client.send({"type": "stats"})
+    return server.client.wait_misc({"stats"}, 120)["ticks"]
+
+
 def register_schemas(server: Server) -> list[float]:
     """Register every schema once (grammar id = its name); milliseconds per schema."""
     ms = []
@@ -105,6 +111,7 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
         reg_ms = register_schemas(cp) if load.schemas else []
         reqs = plan(load, ban_ids(servers[LS_UNIFIED]) if load.ban else {})
         outputs: dict[str, list] = {}
+        ticks: dict[str, list[int]] = {}
 
         def side(name: str):
             def run(r: int) -> dict[str, Any]:
@@ -113,8 +120,10 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
                     check_llama_counts(servers[name], outs)
                 else:
                     prefix = f"r{r}_" if name == CP_PER_REQ else None
+                    t0 = server_ticks(cp)
                     wall, outs = run_clickpaca(cp, load, reqs, prefix, jump_forward=name == CP_JUMP)
                     check_clickpaca_counts(outs)
+                    ticks.setdefault(name, []).append(server_ticks(cp) - t0)
                 outputs.setdefault(name, []).append(outs)
                 return {"wall_s": wall, "tokens": sum(o.tokens for o in outs),
                         "tps": sum(o.tokens for o in outs) / wall if wall > 0 else None}
@@ -141,6 +150,11 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
             "forced_share": (sum(o.forced for o in flat) / sum(o.tokens for o in flat)
                              if sum(o.tokens for o in flat) else None),
         }
+        if name in ticks:  # clickpaca: decode ticks per round, and the most one request needed
+            # (its tokens less those fed as forced chunks): a round lasts at least that many
+            sides[name]["ticks"] = summary(ticks[name])
+            sides[name]["longest_request_ticks"] = summary([max(o.tokens - o.forced for o in outs)
+                                                            for outs in rounds])
     cp_tps = sides[CP]["tps"]["median"]
     row = {"load": load.name, "title": load.title, "requests": n, "max_tokens": load.tokens,
            "schemas": load.schemas, "banned": load.ban, "sides": sides,
@@ -254,10 +268,14 @@ def jump_table(out: dict[str, Any]) -> str:
         c = s[CP_JUMP]["checks"]
         rows.append((r["title"], _cell(s[LS_UNIFIED]["tps"]), _cell(s[CP]["tps"]), _cell(s[CP_JUMP]["tps"]),
                      r["ratio_jump_vs_off"], r["ratio_jump_vs_unified"], fmt(s[CP_JUMP]["forced_share"]),
+                     f"{fmt(s[CP]['ticks']['median'])} / {fmt(s[CP_JUMP]['ticks']['median'])}",
+                     f"{fmt(s[CP]['longest_request_ticks']['median'])} / "
+                     f"{fmt(s[CP_JUMP]['longest_request_ticks']['median'])}",
                      f"{c['valid']}/{c['outputs']}"))
     return markdown(["load", "llama-server --kv-unified tok/s", "clickpaca tok/s", "jump-forward tok/s",
                      "jump-forward / off", "jump-forward / llama-server", "forced share",
-                     "valid (jump-forward)"], rows, align="lrrrrrrl")
+                     "ticks (off / on)", "longest request's ticks (off / on)", "valid (jump-forward)"],
+                    rows, align="lrrrrrrrrl")
 
 
 def registration_lines(out: dict[str, Any]) -> list[str]:
