@@ -60,9 +60,13 @@ def build(nat: Any, ctx: Any, logits_t: Any, plan: Plan, orders: dict[int, RowOr
             bias = lib.ggml_view_2d(ctx, bias, V, n, int(bias.nb[1]), 0)
         y = lib.ggml_add(ctx, x, bias)
     y3 = lib.ggml_reshape_3d(ctx, y, 1, V, n)
-    arg = lib.ggml_reshape_2d(ctx, lib.ggml_argmax(ctx, y), 1, n)              # [1, n] i32
+    # the max's id: at K = 1 it is the row's one id, and must be the first of equal maxima
+    # (the host's and llama.cpp's greedy pick); ggml's CPU argmax keeps the last of them,
+    # its top-k of 1 (a partial sort that replaces only on a larger value) the first
+    arg = lib.ggml_top_k(ctx, y, 1) if k == 1 else lib.ggml_argmax(ctx, y)
+    arg = lib.ggml_reshape_2d(ctx, arg, 1, n)                                   # [1, n] i32
     top = lib.ggml_reshape_2d(ctx, lib.ggml_get_rows(ctx, y3, arg), 1, n)      # [1, n]
-    if k == 1:  # greedy rows only: the canonical first is argmax's, no top-k pass
+    if k == 1:  # greedy rows only: no wider top-k pass
         top_ids, vals = arg, top
     else:
         top_ids = lib.ggml_top_k(ctx, y, k)                                    # [k, n] i32

@@ -33,7 +33,7 @@ def _room(n: int, step: int) -> int:
 
 
 def roomy(plan: Plan, n_vocab: int) -> Plan:
-    """``plan`` with K (above 1: argmax's plan stays) and the touched ids rounded up to
+    """``plan`` with K (above 1: the greedy plan stays) and the touched ids rounded up to
     K_ROOM and TOUCHED_ROOM: what a new graph is built for."""
     lay = plan.layout
     k = lay.k if lay.k == 1 else min(n_vocab, _room(lay.k, K_ROOM))

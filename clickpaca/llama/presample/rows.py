@@ -24,8 +24,8 @@ class RowOrder:
     after: not frozen, whose __init__ costs three times a plain one's).
 
     k: top ids wanted (the graph gives the tick's largest k to every row); when the
-      largest is 1, the one id is ggml's argmax (the first of equal maxima: the canonical
-      first token), not a top-k;
+      largest is 1, the one id is a top-k of 1 (the first of equal maxima: the canonical
+      first token; ggml's CPU argmax would keep the last);
     mass: the block masses (and the max they are taken from) are wanted;
     inv_tau: 1/temperature for the masses (1.0 when no temperature applies);
     touched: int32 ids whose raw logits the host adjusts (bias, penalties);
@@ -117,6 +117,6 @@ class Preselected:
 
     @property
     def first(self) -> bool:
-        """``ids`` is argmax's one id: the canonical first token itself (the largest
-        value, the smallest id among equal ones), exact whatever ties."""
+        """``ids`` is a greedy graph's one id: the canonical first token itself (the
+        largest value, the smallest id among equal ones), exact whatever ties."""
         return self.ids.size == 1

@@ -76,8 +76,8 @@ def _own_best_rows(head: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, bo
     their K ids as float32, as the graph packs them): ([m, K] int32 ids, [m, K] values,
     whether every row came strictly descending: no ties and no NaN, so a row's first value
     is its max). The first k of a row are its own k best, the same whatever the others'
-    K. At K = 1 the one id is argmax's (the smallest of equal maxima), as when the graph
-    took argmax for a micro-batch of greedy rows."""
+    K. At K = 1 the one id is the smallest of equal maxima (the graph's top-k of 1 for a
+    micro-batch of greedy rows)."""
     if k == 1:
         return head[:, 1:].astype(np.int32), head[:, :1], False
     # ggml's CPU top_k hands the K best back sorted by value but for its first two, which
