@@ -36,13 +36,14 @@ import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import MISSING
 
 import pytest
 
 from clickpaca.measure.soak import rss_mib
 from clickpaca.sampling.registry import all_params
 from clickpaca.wire.client import Client
-from clickpaca.wire.protocol import MAX_LINE_BYTES, MISSING, REQUESTS, ProtocolError, Request, parse_line
+from clickpaca.wire.protocol import MAX_LINE_BYTES, REQUESTS, ProtocolError, Request, parse_line
 from clickpaca.serve.server import read_lines
 from conftest import fresh_seed, spawn_server
 

@@ -18,7 +18,7 @@ from clickpaca.engine.handlers import HANDLERS
 from clickpaca.wire.protocol import (REQUEST_TYPES, REQUESTS, CancelRequest, ForkRequest, sampler_fields,
                                      FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
                                      PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
-                                     ScoreRequest, StatsRequest, _request, _with_params, parse_line, wire)
+                                     ScoreRequest, StatsRequest, parse_line, request_type, wire, with_params)
 from clickpaca.sampling import SamplerParams
 
 CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "infer": InferRequest, "score": ScoreRequest,
@@ -92,7 +92,7 @@ def test_the_field_table_is_the_dataclass(kind):
             assert (kind, f.name, f.metadata["folds"]) == ("infer", "params", sampler_fields)
             assert f.default_factory is SamplerParams
             for name in sampler_fields():
-                assert spec[name] == (_with_params, MISSING), name
+                assert spec[name] == (with_params, MISSING), name
                 on_the_wire.append(name)
         else:  # init's record of the fields the client wrote
             assert f.metadata.get("given"), f.name
@@ -106,13 +106,13 @@ def test_the_field_table_is_the_dataclass(kind):
 
 def test_a_field_declared_without_its_check_is_refused():
     with pytest.raises(TypeError, match="plain: declare it with wire"):
-        @_request("bogus")
+        @request_type("bogus")
         @dataclasses.dataclass(frozen=True, kw_only=True)
         class Bogus(Request):
             ok: int = wire(lambda name, v: v, 1)
             plain: int = 2
     with pytest.raises(TypeError, match="a request is a frozen dataclass"):
-        @_request("bogus")
+        @request_type("bogus")
         @dataclasses.dataclass(kw_only=True)
         class Mutable(Request):
             ok: int = wire(lambda name, v: v, 1)
@@ -128,21 +128,21 @@ def test_each_handler_takes_its_request_class():
 def test_the_protocol_imports_nothing_from_the_engine():
     """The wire types hold what the client sent; the engine's work on them (prompt
     tokens, compiled grammars) is the engine's type (engine/prepare.Prepared), so the
-    edge names nothing of the engine: no import of it anywhere in protocol.py, at the
-    top or inside a function."""
+    edge names nothing of the engine: no import of it anywhere in wire/protocol/, at
+    the top or inside a function."""
     import clickpaca.wire.protocol as protocol
 
-    tree = ast.parse(Path(protocol.__file__).read_text())
     imported = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            base = "." * node.level + (node.module or "")
-            imported.append(base)
-            if node.module is None:  # from . import x: x is a module
-                imported += [base + a.name for a in node.names]
-        elif isinstance(node, ast.Import):
-            imported += [a.name for a in node.names]
-    assert imported and "..sampling" in imported  # the walk sees the module's imports
+    for path in sorted(Path(protocol.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = "." * node.level + (node.module or "")
+                imported.append(base)
+                if node.module is None:  # from . import x: x is a module
+                    imported += [base + a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                imported += [a.name for a in node.names]
+    assert imported and "...sampling" in imported  # the walk sees the modules' imports
     engine = [m for m in imported if m.split(".")[-1] == "engine" or ".engine." in m + "."]
     assert not engine, engine
 

@@ -1,4 +1,4 @@
-"""The control-vector fields of the protocol, checked at the edge (protocol.py declares them).
+"""The control-vector fields of the protocol, checked at the edge (wire/protocol/requests.py declares them).
 
 - init `controlVector`: a control-vector GGUF path (llama.cpp's format: `clickpaca cvec`
   writes one, cvector-generator too), or the directions as data, `{layer: vector}`, each

@@ -3,7 +3,7 @@
 A check is a function (name, value) -> the value to use, or ``FieldError`` naming the
 field: ``FIELD: must be ..., got VALUE``, the value rendered as JSON (``got "x"``,
 ``got [1, 2]``, ``got null``; ``show``), as the client wrote it. The protocol's request
-fields (protocol.py) and the sampler steps' parameters (sampling/registry.py, and a
+fields (wire/protocol/) and the sampler steps' parameters (sampling/registry.py, and a
 user step's own checks) are built from these, so the same mistake reads the same
 whatever the field.
 

@@ -109,7 +109,7 @@ class Runtime:
         types = (req.cacheTypeK, req.cacheTypeV)
         build = req.build or (kvcenter.build_for_centered(*types) if req.kvCenter is not None
                               else cachetypes.build_for(*types))
-        det = req.deterministic  # the edge (protocol.py) set its flashAttn and kvUnified
+        det = req.deterministic  # the edge (wire/protocol/requests.py) set its flashAttn and kvUnified
         flash_attn = attention_for(types, req.flashAttn)
         states = open_state_dir(req.stateDir or state_dir, allow_any_path)
         if det:
