@@ -111,7 +111,7 @@ def test_a_4000_rule_chain_grammar_is_refused_before_compiling(srv):
 
 
 def test_a_grammar_over_the_size_limit_is_refused_once_naming_the_field(srv):
-    # the size's one check is the edge's (wire/protocol/); grammars.py checks only rules and nesting
+    # the size's one check is the edge's (wire/protocol/); grammars/limits.py checks only rules and nesting
     text = 'root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"'
     srv.send({"type": "grammar", "id": "big", "grammar": text})
     ev = srv.next_misc()

@@ -23,7 +23,7 @@ import pytest
 from jsonschema import validators
 from llguidance import LLMatcher
 
-from clickpaca.grammar.grammars import JSON_DEFAULTS, JSON_OVERRIDES, _schema_overrides, schema_for_llguidance
+from clickpaca.grammar.grammars import JSON_DEFAULTS, JSON_OVERRIDES, schema_for_llguidance, schema_overrides
 from clickpaca.grammar.schema_check import SchemaCheck
 from clickpaca.grammar.json_keys import repeated_keys
 from clickpaca.grammar.schema_rewrite import rewrite
@@ -211,7 +211,7 @@ def schemas() -> dict[tuple[str, str], dict]:
 
 
 def refusal(schema: dict, strict: bool = False) -> str | None:
-    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS, overrides=_schema_overrides(strict))
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS, overrides=schema_overrides(strict))
     is_error, msgs = LLMatcher.validate_grammar_with_warnings(grammar)
     return msgs[0] if is_error else None
 

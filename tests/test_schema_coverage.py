@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher
 
-from clickpaca.grammar.grammars import JSON_DEFAULTS, JSON_OVERRIDES, _refusal, schema_for_llguidance
+from clickpaca.grammar.grammars import JSON_DEFAULTS, JSON_OVERRIDES, schema_for_llguidance
+from clickpaca.grammar.grammars.schemas import _refusal
 from clickpaca.grammar.schema_coverage import (
     ANNOTATIONS, DRAFTS, FORMATS, IMPLEMENTED, ONE_OF_REFUSED, approximated_one_ofs, coverage,
     known_keyword, pointer)

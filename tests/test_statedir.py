@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from clickpaca.engine import statedir
-from clickpaca.grammar.grammars import (MAX_GRAMMAR_NESTING, MAX_GRAMMAR_RULES, GrammarError, _bracket_depth,
-                                        check_limits)
+from clickpaca.grammar.grammars import MAX_GRAMMAR_NESTING, MAX_GRAMMAR_RULES, GrammarError, check_limits
+from clickpaca.grammar.grammars.limits import _bracket_depth
 from clickpaca.wire.protocol import MAX_JSON_DEPTH, ProtocolError, json_depth, parse_line
 from clickpaca.engine.statedir import TEMP_PREFIX, StateDir, StatePathError
 

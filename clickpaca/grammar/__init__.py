@@ -1,4 +1,4 @@
-"""Grammars, below the wire and above the sampler: grammars.py turns a request's
+"""Grammars, below the wire and above the sampler: grammars/ turns a request's
 grammar text into per-sequence matchers and token masks for a whole batch (llguidance,
 its bitmask format from sampling/bitmask.py); gbnf.py translates llama.cpp's GBNF into
 llguidance's Lark dialect; json_schema.py bounds a JSON schema's numbers and reports its

@@ -25,7 +25,7 @@ MAX_REPETITION = 2000
 
 class GbnfError(ValueError):
     """Bad GBNF, with the position where that shows (llguidance's converter raises plain
-    Exceptions for the rest; grammars.py reports both the same way)."""
+    Exceptions for the rest; grammars/grammar_engine.py reports both the same way)."""
 
 
 # ---------------------------------------------------------------------------- AST nodes

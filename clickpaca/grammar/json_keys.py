@@ -21,7 +21,7 @@ module does, beside its mask:
   token: milliseconds, and rare); a token that writes a whole key, or closes objects first (``}, "a"``), is
   checked by running the lexer over it from the present state.
 
-grammars.py applies the ban after llguidance's mask, where masks are made (on the
+grammars/ applies the ban after llguidance's mask, where masks are made (on the
 mask-ahead worker during the decode). When the ban leaves nothing, the tracker says so
 (`exhausted`) and the request ends with ``stop_reason: "repeated_key"``.
 """

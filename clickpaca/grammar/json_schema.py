@@ -69,7 +69,7 @@ def bound_numbers(schema: dict, digits: int = NUMBER_DIGITS) -> dict:
     out = copy.deepcopy(schema)
     limit = 10 ** digits - 1
     stack = [out]
-    while stack:  # iterative: schemas may nest deeply (grammars.py limits the depth)
+    while stack:  # iterative: schemas may nest deeply (grammars/limits.py limits the depth)
         node = stack.pop()
         if not isinstance(node, dict):
             continue

@@ -6,7 +6,7 @@ The engine's decode loop, the server and the benchmarks reach llama.cpp through 
 classes. It is not the only door: modules with a narrower need call the bindings
 (``model.nat.lib`` / ``.ffi``) themselves where these classes offer nothing for it:
 the chat template (chat.py), token attributes for grammars and pretokenized prompts
-(grammars.py, pretokenize.py), the optional APIs' checks (features.py), the sliding
+(grammar/grammars/, pretokenize.py), the optional APIs' checks (features.py), the sliding
 window (engine/handlers.py), activations and control vectors (activations/,
 engine/readout.py), op dumps (opdump.py), RPC devices (rpc/), and llama.cpp's C
 samplers for tests and benchmarks (sampling/oracle.py, measure/bench/sampler_steps.py).

@@ -10,7 +10,7 @@ constrained / unconstrained (goal >= 0.9). A grammar that ends early is reported
 Then, in-process, the cost of the masks alone: time per mask per sequence with every
 matcher filled one after another (serial) and with llguidance's thread pool (parallel),
 on the same matcher states, alternating which goes first; each step then advances every
-matcher by a random allowed token. This is what PARALLEL_MIN_BATCH in grammars.py is
+matcher by a random allowed token. This is what PARALLEL_MIN_BATCH in grammars/grammar_engine.py is
 tuned from.
 """
 

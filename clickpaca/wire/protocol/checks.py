@@ -21,7 +21,7 @@ MAX_TEMPLATE_BYTES = 64 << 10  # chatTemplate text (llama.cpp matches it against
 MAX_STOPS, MAX_STOP_BYTES = 64, 4096  # stop strings: every generated piece is searched for each
 MAX_LOGIT_BIAS = 16384  # logit_bias entries: the engine builds the sequence's bias arrays from them
 MAX_SCORE_BYTES = 4 << 20  # score text
-MAX_GRAMMAR_BYTES = 128 << 10  # grammar text, checked here only (grammar/grammars.py checks its other limits)
+MAX_GRAMMAR_BYTES = 128 << 10  # grammar text, checked here only (grammar/grammars/limits.py checks its other limits)
 MAX_NUMBER_DIGITS = 18  # integral digits of a bounded JSON number: 10**18 - 1 fits an i64
 MAX_THREADS = 512  # GGML_MAX_N_THREADS in ggml.h: the CPU threadpool's fixed arrays
 
