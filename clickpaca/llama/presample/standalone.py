@@ -28,9 +28,10 @@ def preselect(nat: Any, rows: np.ndarray, orders: list[RowOrder], n_threads: int
     m, V = rows.shape
     by_slot = dict(enumerate(orders))
     plan = roomy(plan_of(by_slot, V, keep=False), V)
-    p = ffi.new("struct ggml_init_params *")
-    p.mem_size = lib.ggml_tensor_overhead() * _NODES + lib.ggml_graph_overhead_custom(_NODES, False)
-    p.mem_buffer, p.no_alloc = ffi.NULL, True
+    # ggml's own record, the same in every version: given whole (bindgen/usage.py reads
+    # attribute names alone, and `no_alloc` is also a newer llama_model_params field)
+    size = lib.ggml_tensor_overhead() * _NODES + lib.ggml_graph_overhead_custom(_NODES, False)
+    p = ffi.new("struct ggml_init_params *", {"mem_size": size, "mem_buffer": ffi.NULL, "no_alloc": True})
     ctx = lib.ggml_init(p[0])
     backend = buf = None
     try:
