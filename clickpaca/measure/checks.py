@@ -2,7 +2,8 @@
 
 Before: the arguments that can be checked without measuring (the cache types against the
 build that computes them, the model, llama.cpp's tools, the text, the schema corpus, the
-commit of --against, a center file, the names of chains and loads, --score-last). A failure
+commit of --against, a center file, the names of chains and loads, --score-last,
+--noise-of without --noise). A failure
 is one `Refused` line naming the argument and what to do; the command exits 2 and records
 nothing. A command declares what it needs as names of CHECKS (a bench in its row of
 bench/benches.py, ppl and kv-retrieval in their NEEDS); `NAME if OPTION` runs that check
@@ -26,7 +27,7 @@ from ..llama import cachetypes, kvcenter
 from ..llama.native import build_dir
 from ..results import recording
 
-__all__ = ["Refused", "Failed", "CHECKS", "check", "failures", "measured"]
+__all__ = ["Refused", "Failed", "CHECKS", "check", "failures", "measured", "noise_of"]
 
 
 class Refused(ValueError):
@@ -175,6 +176,12 @@ def _score_last(args: Any) -> None:
                       "leave out one of the two")
 
 
+def noise_of(args: Any) -> None:
+    """--noise-of names whose noise floor --noise measures: alone it asks for nothing."""
+    if getattr(args, "noise_of", None) and not getattr(args, "noise", False):
+        raise Refused("--noise-of: needs --noise (it says whose noise floor to measure)")
+
+
 #: name -> check of the parsed arguments (raises Refused).
 CHECKS: dict[str, Callable[[Any], None]] = {
     "model": _model,
@@ -187,6 +194,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "chain": _chain,
     "loads": _loads,
     "score_last": _score_last,
+    "noise_of": noise_of,
     "llama-server": _llama_server,
     **{tool: _tool(tool) for tool in ("llama-bench", "llama-batched-bench", "llama-perplexity")},
 }

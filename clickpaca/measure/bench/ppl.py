@@ -76,8 +76,9 @@ def measure(args: Any) -> dict[str, Any]:
     threads = getattr(args, "threads", None) or os.cpu_count()
     score_last = getattr(args, "score_last", None)
     check_score_last(score_last, args.ctx, "--score-last")  # before the model loads
-    if getattr(args, "noise_of", None) and not getattr(args, "noise", False):
-        raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
+    from ..checks import noise_of
+
+    noise_of(args)  # also checked before any work (NEEDS); here for in-process callers
     pairs = [parse_pair(s) for s in parse_list(args.cache, str)]
     text, text_path = read_text(args.text)
     # one build per process: the in-process part (tokenizing here, KL below) uses the
@@ -303,7 +304,7 @@ def plot(out: dict[str, Any], args: Any) -> None:
 
 
 #: What `clickpaca ppl` checks before any work (measure/checks.py).
-NEEDS = ("score_last if score_last", "model", "cache", "text", "llama-perplexity if native")
+NEEDS = ("noise_of", "score_last if score_last", "model", "cache", "text", "llama-perplexity if native")
 
 
 def run_ppl(args: argparse.Namespace) -> int:

@@ -127,9 +127,10 @@ def measure(args: Any) -> dict[str, Any]:
     lengths = parse_list(args.lengths, int)
     types = [t for k, v, _ in specs for t in (k, v)]
     build = kvcenter.build_for_centered(*types) if centered else build_for(*types)
+    from ..checks import noise_of as check_noise_of
+
+    check_noise_of(args)  # also checked before any work (NEEDS); here for in-process callers
     noise_of = parse_pair(args.noise_of) if getattr(args, "noise_of", None) else None
-    if noise_of and not args.noise:
-        raise ValueError("--noise-of: needs --noise (it says whose noise floor to measure)")
     setups = plan(pairs, args.ref, bool(args.noise), noise_of, centered)
     floor_of = floor_name(setups, noise_of)
     text, text_path = read_text(args.text)
@@ -367,7 +368,7 @@ def plot(out: dict[str, Any], args: Any) -> None:
 
 
 #: What `clickpaca kv-retrieval` checks before any work (measure/checks.py).
-NEEDS = ("model", "cache+c", "text", "center if center")
+NEEDS = ("noise_of", "model", "cache+c", "text", "center if center")
 
 
 def run_kv_retrieval(args: argparse.Namespace) -> int:
