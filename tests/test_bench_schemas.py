@@ -63,6 +63,10 @@ def test_bench_schemas_short_real_run(tmp_path):
     for name in (bench.CP, bench.CP_JUMP):
         assert row["sides"][name]["disagreements"] == 0
         assert row["sides"][name]["repeating"] == 0  # no output repeats a key
+        # a round takes at least as many decode ticks as its longest request needs
+        t, longest = row["sides"][name]["ticks"], row["sides"][name]["longest_request_ticks"]
+        assert 0 < longest["max"] <= t["min"], (name, t, longest)
+    assert "ticks" not in row["sides"][bench.LS]
     # schemas force keys, quotes and braces: jump-forward fed some of them as chunks
     assert row["sides"][bench.CP]["forced_share"] == 0 and row["sides"][bench.CP_JUMP]["forced_share"] > 0
     assert data["results_run"]

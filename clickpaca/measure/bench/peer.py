@@ -70,12 +70,6 @@ def clickpaca_init(model: str, build: str, t: int, n: int, ctx_per_seq: int) -> 
             "swaFull": True, "flashAttn": "auto"}
 
 
-def server_ticks(server: Server) -> int:
-    """The server's decodes so far (`stats` `ticks`)."""
-    server.client.send({"type": "stats"})
-    return server.client.wait_misc({"stats"}, 120)["ticks"]
-
-
 def register_schemas(server: Server) -> list[float]:
     """Register every schema once (grammar id = its name); milliseconds per schema."""
     ms = []
@@ -120,10 +114,10 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
                     check_llama_counts(servers[name], outs)
                 else:
                     prefix = f"r{r}_" if name == CP_PER_REQ else None
-                    t0 = server_ticks(cp)
+                    t0 = cp.ticks()
                     wall, outs = run_clickpaca(cp, load, reqs, prefix, jump_forward=name == CP_JUMP)
                     check_clickpaca_counts(outs)
-                    ticks.setdefault(name, []).append(server_ticks(cp) - t0)
+                    ticks.setdefault(name, []).append(cp.ticks() - t0)
                 outputs.setdefault(name, []).append(outs)
                 return {"wall_s": wall, "tokens": sum(o.tokens for o in outs),
                         "tps": sum(o.tokens for o in outs) / wall if wall > 0 else None}

@@ -139,6 +139,7 @@ CP, CP_JUMP, LS = "clickpaca", "clickpaca, jump-forward", "llama-server"
 def run_clickpaca(server: Server, reqs: list[tuple], tokens: int, jump: bool = False) -> dict[str, Any]:
     """reqs: (grammar id, prompt, seed, SchemaCheck); one round, all in flight."""
     c = server.client
+    ticks0 = server.ticks()
     t0 = time.perf_counter()
     for sid, (gid, prompt, seed, _) in enumerate(reqs):
         c.infer(sid, prompt, grammar_id=gid, maxTokens=tokens, temperature=TEMPERATURE,
@@ -160,7 +161,7 @@ def run_clickpaca(server: Server, reqs: list[tuple], tokens: int, jump: bool = F
                      "server_says": final.get("schemaValid", "absent"), "schema_ms": final.get("schema_ms"),
                      "forced": final.get("forced_tokens", 0),
                      "text": text[:200]})
-    return {"wall_s": t_end - t0, "outputs": outs}
+    return {"wall_s": t_end - t0, "outputs": outs, "ticks": server.ticks() - ticks0}
 
 
 def llama_body(schema: Any, prompt: str, seed: int, tokens: int) -> dict[str, Any]:
@@ -200,7 +201,15 @@ def llama_accepts(ls: LlamaServer, schema: Any) -> tuple[bool, str]:
 def side_stats(rounds: list[dict]) -> dict[str, Any]:
     outs = [o for r in rounds for o in r["outputs"]]
     tps = [sum(o["tokens"] for o in r["outputs"]) / r["wall_s"] for r in rounds if r["wall_s"] > 0]
-    return {"tps": summary(tps), "outputs": len(outs),
+    ticks = {}
+    if all("ticks" in r for r in rounds):  # clickpaca: decode ticks per round, and the most one
+        # request needed (its tokens less those fed as forced chunks): a round lasts at least that
+        ticks = {"ticks": summary([r["ticks"] for r in rounds]),
+                 "longest_request_ticks": summary([max((o["tokens"] - o.get("forced", 0) for o in r["outputs"]),
+                                                       default=0) for r in rounds])}
+    return {"tps": summary(tps), "outputs": len(outs), **ticks,
+            "wall_s": summary([r["wall_s"] for r in rounds]),
+            "tokens": summary([sum(o["tokens"] for o in r["outputs"]) for r in rounds]),
             "finished": sum(o["stop"] == "finished" for o in outs),
             "valid": sum(o.get("valid") is True for o in outs),
             "invalid": sum(o.get("valid") is False for o in outs),
@@ -349,10 +358,20 @@ def table(out: dict[str, Any]) -> str:
             rows.append((r["seqs"], name, f"{fmt(t['median'])} ({fmt(t['min'])}-{fmt(t['max'])})",
                          s["outputs"], s["finished"], s["valid"], s["invalid"], s["cut"], s["errors"],
                          s["repeating"], s["repeated_key_stops"] if name != LS else "",
-                         fmt(s["forced_share"]) if name == CP_JUMP else ""))
+                         fmt(s["forced_share"]) if name == CP_JUMP else "",
+                         f"{fmt(s['wall_s']['median'])}", f"{fmt(s['tokens']['median'])}",
+                         _ticks(s)))
     t2 = markdown(["seqs", "side", "tok/s", "outputs", "finished", "valid", "invalid", "cut", "errors",
-                   "repeating", "repeated_key", "forced share"], rows, align="rlrrrrrrrrrr")
+                   "repeating", "repeated_key", "forced share", "wall s / round", "tokens / round",
+                   "ticks / round (longest request)"], rows, align="rlrrrrrrrrrrrrr")
     return t1 + "\n\n" + t2
+
+
+def _ticks(s: dict[str, Any]) -> str:
+    """A side's decode ticks per round and its longest request's, medians; '' for llama-server."""
+    if "ticks" not in s:
+        return ""
+    return f"{fmt(s['ticks']['median'])} ({fmt(s['longest_request_ticks']['median'])})"
 
 
 def run(args: Any) -> dict[str, Any]:

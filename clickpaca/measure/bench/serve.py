@@ -68,6 +68,12 @@ class Server:
         maxTokens."""
         return {"logit_bias": [{"token": t, "bias": -1e9} for t in EOG_TOKENS]}
 
+    def ticks(self) -> int:
+        """The server's decodes so far (`stats` `ticks`): a round's difference is how many
+        ticks it took, which no load on the machine changes."""
+        self.client.send({"type": "stats"})
+        return self.client.wait_misc({"stats"}, 120)["ticks"]
+
     def close(self) -> None:
         try:
             self.client.quit(now=True)
