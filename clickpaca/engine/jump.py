@@ -43,21 +43,16 @@ class Forced:
     stopped: bool  # the grammar is stopped once it is consumed (the request ends there)
 
 
-def _active(params: SamplerParams) -> list:
-    steps = R.by_name()
-    return [steps[n] for n in params.steps if n in steps and not steps[n].off(params, True)]
-
-
 def user_steps(params: SamplerParams) -> list[str]:
     """The user-defined steps (`serve --steps`) the chain runs: a forced run is not
     offered to them (what such a step does with a one-token set is unknown)."""
-    return [s.name for s in _active(params) if getattr(s.run, "__module__", None) == usersteps.__name__]
+    return [s.name for s in R.active(params, True) if getattr(s.run, "__module__", None) == usersteps.__name__]
 
 
 def needs_rows(params: SamplerParams) -> bool:
     """True when the sampler must run on each forced token's own row: log-probabilities
     or a trace are asked for, or a stateful step would learn the token."""
-    return params.n_probs > 0 or bool(params.trace) or any(s.stateful for s in _active(params))
+    return params.n_probs > 0 or bool(params.trace) or any(s.stateful for s in R.active(params, True))
 
 
 def only_token(row: np.ndarray) -> int | None:

@@ -68,7 +68,7 @@ def steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tupl
     Active: the listed steps minus those that are identities for these params. The first
     "truncating" step is the first that the implicit fast path cannot carry: one that
     may drop candidates, or a general step (which may use every candidate)."""
-    active = [step for step in map(R.by_name().__getitem__, p.steps) if not step.off(p, has_hist)]
+    active = R.active(p, has_hist)
     if p.temperature <= 0 and _TEMPERATURE in active:
         # Greedy: every truncation keeps the canonical first candidate, so the truncations
         # that run right before greedy cannot change the result. Only those with nothing

@@ -283,6 +283,13 @@ def step(name: str) -> Step:
     return by_name()[name]
 
 
+def active(p: "SamplerParams", has_hist: bool) -> list[Step]:
+    """The steps `p` lists, in its order, less those that are identities for it (`off`):
+    what a chain runs, asked in one place (chain.py, trace.py, the engine's jump-forward)."""
+    by = by_name()
+    return [s for s in map(by.__getitem__, p.steps) if not s.off(p, has_hist)]
+
+
 def chain_params() -> tuple[Param, ...]:
     return tuple(_CHAIN_PARAMS)
 

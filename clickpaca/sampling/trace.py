@@ -64,15 +64,11 @@ def trace(row: np.ndarray, params, words: np.ndarray | None, ctx: R.StepContext,
         if not allows(words, np.array([argmax]))[0]:
             removed_by = "grammar"
     has_hist = ctx.hist[0].size > 0
-    by = R.by_name()
-    for name in params.steps:
-        step = by[name]
-        if step.off(params, has_hist):
-            continue
+    for step in R.active(params, has_hist):
         ids, logits = step.run(ids, logits, params, ctx)
-        out.append({"step": name, **_stats(ids, logits, token)})
+        out.append({"step": step.name, **_stats(ids, logits, token)})
         if removed_by is None and not (ids == argmax).any():
-            removed_by = name
+            removed_by = step.name
         if ids.size == 0:
             break
     return {"steps": out, "argmax": argmax, "argmax_removed_by": removed_by}
