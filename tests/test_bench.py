@@ -223,6 +223,7 @@ def test_bench_batch_side_servers_are_the_ones_asked_for():
     assert side_servers(ap.parse_args(["bench", "batch"])) == {}
     got = side_servers(ap.parse_args(["bench", "batch", "--preselect", "--center", "c.npz", "--build", "kvcenter"]))
     assert got == {"preselect": ("pre", {"preselect": True}), "centered": ("cen", {"kvCenter": "c.npz"})}
+    assert side_servers(ap.parse_args(["bench", "batch", "--ubatch", "63"])) == {"ubatch": ("ub", {"nUbatch": 63})}
 
 
 def test_bench_batch_chain_fields():

@@ -151,6 +151,8 @@ def test_the_protocol_imports_nothing_from_the_engine():
     (b'{"type": "init", "nBatch": 0}', "nBatch: must be >= 1, got 0"),
     (b'{"type": "init", "nBatch": 8, "nSeqMax": 9}',
      "nBatch: must be >= nSeqMax (9) so every sequence gets a token each tick, got 8"),
+    (b'{"type": "init", "nBatch": 64, "nUbatch": 65}', "nUbatch: must be <= nBatch (64), got 65"),
+    (b'{"type": "init", "nUbatch": 0}', "nUbatch: must be >= 1, got 0"),
     (b'{"type": "infer", "seq_id": 2, "maxTokens": "many"}', 'maxTokens: must be an integer, got "many"'),
     (b'{"type": "infer", "seq_id": 2, "topP": 2}', "topP: must be in [0, 1], got 2.0"),
     (b'{"type": "score", "seq_id": 2, "text": "x", "perToken": 1}', "perToken: must be true or false, got 1"),

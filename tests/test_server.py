@@ -32,6 +32,7 @@ def test_ready_reports_the_context(server):
     assert r["nVocab"] == 262144
     assert r["nCtx"] == 4096 and r["nCtxShared"] is True and r["kvUnified"] is True
     assert r["nSeqMax"] == 16
+    assert r["nUbatch"] == r["nBatch"]  # one graph pass per tick unless init says otherwise
     assert r["kvBytes"] > 0
     assert "f16" in r["cacheTypes"] and "q8_0" in r["cacheTypes"]
     assert r["build"] == TEST_BUILD

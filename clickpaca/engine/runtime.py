@@ -67,6 +67,7 @@ class Runtime:
             nCtxPerSeq=ctx.n_ctx_seq,
             nCtxShared=bool(req.kvUnified),
             nBatch=ctx.n_batch,
+            nUbatch=ctx.n_ubatch,
             nSeqMax=ctx.n_seq_max,
             nThreads=ctx.n_threads,
             cacheTypeK=ctx.type_k,
@@ -143,7 +144,7 @@ class Runtime:
         presampler = Presampler(nat, model.n_vocab, req.nSeqMax) if preselect else None
         try:
             ctx = core.Context(model, n_ctx=req.nCtx, n_batch=req.nBatch,
-                               n_ubatch=deterministic.ubatch(types, req.nBatch) if det else None,
+                               n_ubatch=(deterministic.ubatch(types, req.nUbatch or req.nBatch) if det else None) or req.nUbatch,
                                n_seq_max=req.nSeqMax, type_k=types[0], type_v=types[1],
                                n_threads=req.nThreads, flash_attn=flash_attn,
                                kv_unified=req.kvUnified, swa_full=req.swaFull,

@@ -394,6 +394,7 @@ class Context(_Owned):
         self.flash_attn = resolved_flash_attn(flash_attn, sink.captured)
         self.n_ctx = lib.llama_n_ctx(self.ptr)
         self.n_batch = lib.llama_n_batch(self.ptr)
+        self.n_ubatch = int(lib.llama_n_ubatch(self.ptr))  # rows per graph pass
         self.n_seq_max = lib.llama_n_seq_max(self.ptr)
         # llama_n_ctx_seq came after b6170; before it, a unified cache gave every sequence
         # the whole context and separate streams an equal share.
@@ -411,7 +412,6 @@ class Context(_Owned):
         self._releasable = _host_only(nat)
         if presampler is not None:
             presampler.bind(self.ptr)
-            self._n_ubatch = int(lib.llama_n_ubatch(self.ptr))
 
     def close(self) -> None:
         super().close()
@@ -431,7 +431,7 @@ class Context(_Owned):
             # runs it as one micro-batch (its simple split), so whole rows can be read from
             # its graph afterwards. Per-sequence streams split by sequence sets (several
             # micro-batches, measured: the rows of the first were gone): rows are copied then.
-            one = (self.kv_unified and n <= self._n_ubatch and bool(batch.logits[:n].all())
+            one = (self.kv_unified and n <= self.n_ubatch and bool(batch.logits[:n].all())
                    and bool((batch.n_seq_id[:n] == 1).all()) and np.unique(batch.seq[:n]).size == n)
             self.presampler.before_decode(one_micro_batch=one)
         return int(self.nat.lib.llama_decode(self.ptr, batch.value()))

@@ -61,6 +61,7 @@ def server_init(model: str, build: str, t: int, max_seqs: int, p: int, g: int, *
 SIDES = (
     ("deterministic", "det", lambda a: {"deterministic": True} if getattr(a, "deterministic", False) else None),
     ("preselect", "pre", lambda a: {"preselect": True} if getattr(a, "preselect", False) else None),
+    ("ubatch", "ub", lambda a: {"nUbatch": a.ubatch} if getattr(a, "ubatch", None) else None),
     ("centered", "cen", lambda a: {"kvCenter": a.center} if getattr(a, "center", None) else None),
 )
 #: --against REV: REV's default server, its rows' key prefix

@@ -43,6 +43,8 @@ def _batch_fits(values: dict) -> None:
     if values["nBatch"] < values["nSeqMax"]:
         raise ValueError(f"nBatch: must be >= nSeqMax ({values['nSeqMax']}) so every sequence gets "
                          f"a token each tick, got {values['nBatch']}")
+    if values["nUbatch"] is not None and values["nUbatch"] > values["nBatch"]:
+        raise ValueError(f"nUbatch: must be <= nBatch ({values['nBatch']}), got {values['nUbatch']}")
     if values["nCtx"] < values["nSeqMax"]:
         # llama.cpp clamps n_batch to n_ctx, then reserves n_seq_max output rows:
         # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) aborts the process.
@@ -100,6 +102,10 @@ class InitRequest(Request):
     nGpuLayers: int = wire(_int(-1, (1 << 31) - 1), -1)  # -1: every layer (llama.cpp's own default)
     nCtx: int = wire(_int(16, 1 << 24), 8192)
     nBatch: int = wire(_int(1, 1 << 16), 512)
+    # rows per graph pass (llama.cpp's n_ubatch; a larger tick is split): None = nBatch. Below
+    # 64 on a CPU build keeps ggml's attention row by row for many sequences' tokens
+    # (docs/BENCHMARKS.md, "Rows per graph pass")
+    nUbatch: int | None = wire(_opt(_int(1, 1 << 16)), None)
     nSeqMax: int = wire(_int(1, 256), 64)
     cacheTypeK: str = wire(_str(True), cachetypes.DEFAULT)
     cacheTypeV: str = wire(_str(True), cachetypes.DEFAULT)
