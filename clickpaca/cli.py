@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch: also a server with init preselect (the decode pre-selects each sampled row's "
                         "values), in the same alternating rounds (docs/BENCHMARKS.md)")
     p.add_argument("--ubatch", type=int, default=None,
-                   help="batch: also a server with init nUbatch N (rows per graph pass), in the same "
-                        "alternating rounds (docs/BENCHMARKS.md, \"Rows per graph pass\")")
+                   help="rows per graph pass (init nUbatch N). batch: one more server side with it, in the "
+                        "same alternating rounds; peer, schemas: every server (llama-server's -ub N) "
+                        "(docs/BENCHMARKS.md, \"Rows per graph pass\")")
     p.add_argument("--center", default=None,
                    help="batch: also a server with init kvCenter FILE (keys stored minus that center), in the "
                         "same alternating rounds; needs --build kvcenter (docs/KV-RESEARCH.md)")

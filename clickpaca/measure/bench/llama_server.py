@@ -62,12 +62,13 @@ def server_binary(build: str = "mainline") -> str:
 
 
 def server_command(model: str, build: str, threads: int, parallel: int, ctx: int,
-                   batch: int, kv_unified: bool, port: int) -> list[str]:
-    """The exact llama-server command line of a bench run (printed and recorded)."""
+                   batch: int, kv_unified: bool, port: int, ubatch: int | None = None) -> list[str]:
+    """The exact llama-server command line of a bench run (printed and recorded); `ubatch`:
+    rows per graph pass (-ub), the batch's by default, as clickpaca's nUbatch."""
     return [
         server_binary(build), "-m", model, "--host", "127.0.0.1",
         "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
-        "-c", str(ctx), "-b", str(batch), "-ub", str(batch), "-cb",
+        "-c", str(ctx), "-b", str(batch), "-ub", str(ubatch or batch), "-cb",
         "--kv-unified" if kv_unified else "--no-kv-unified",
         "--swa-full",          # clickpaca's default (swaFull true): same cache shape
         "--cache-ram", "0",    # no prompt cache across requests (clickpaca: reusePrefix false)

@@ -64,10 +64,11 @@ NOT_EXPRESSIBLE = [
 ]
 
 
-def clickpaca_init(model: str, build: str, t: int, n: int, ctx_per_seq: int) -> dict[str, Any]:
+def clickpaca_init(model: str, build: str, t: int, n: int, ctx_per_seq: int,
+                   ubatch: int | None = None) -> dict[str, Any]:
     return {"modelPath": model, "build": build, "nThreads": t, "nSeqMax": n,
             "nCtx": n * ctx_per_seq, "nBatch": max(BATCH, n), "kvUnified": True,
-            "swaFull": True, "flashAttn": "auto"}
+            "swaFull": True, "flashAttn": "auto", **({"nUbatch": ubatch} if ubatch else {})}
 
 
 def register_schemas(server: Server) -> list[float]:
@@ -97,11 +98,11 @@ def measure_load(load: Load, args: Any, model: str, t: int, commands: dict) -> d
         servers = {}
         for name, unified in ((LS_SPLIT, False), (LS_UNIFIED, True)):
             port = free_port()
-            cmd = server_command(model, args.build, t, n, n * cps, BATCH, unified, port)
+            cmd = server_command(model, args.build, t, n, n * cps, BATCH, unified, port, getattr(args, "ubatch", None))
             commands.setdefault(name, {})[load.name] = shlex.join(cmd)
             servers[name] = stack.enter_context(LlamaServer(cmd, port))
         progress(f"peer {load.name}: starting clickpaca (nSeqMax {n})")
-        cp = stack.enter_context(Server(clickpaca_init(model, args.build, t, n, cps)))
+        cp = stack.enter_context(Server(clickpaca_init(model, args.build, t, n, cps, getattr(args, "ubatch", None))))
         reg_ms = register_schemas(cp) if load.schemas else []
         reqs = plan(load, ban_ids(servers[LS_UNIFIED]) if load.ban else {})
         outputs: dict[str, list] = {}
@@ -208,6 +209,7 @@ def measure(args: Any) -> dict[str, Any]:
     return {"params": {"loads": [r["load"] for r in rows], "repeats": args.repeats,
                        "threads": t, "build": args.build, "model": model,
                        "ctx_per_seq": args.ctx_per_seq, "batch": BATCH,
+                       "ubatch": getattr(args, "ubatch", None),
                        "greedy_sampling": GREEDY_SAMPLING, "schema_sampling": SCHEMA_SAMPLING},
             "llama_server_commands": commands, "schemas": {k: v[1] for k, v in SCHEMAS.items()},
             "machine_start": m0, "rows": rows, "notes": notes,

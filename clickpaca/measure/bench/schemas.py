@@ -240,13 +240,16 @@ def measure(args: Any) -> dict[str, Any]:
     commands: dict[str, str] = {}
     problems: list[str] = []
     peer = not getattr(args, "no_peer", False)
+    ubatch = getattr(args, "ubatch", None)  # rows per graph pass on both servers
     sides = (CP, CP_JUMP, LS) if peer else (CP, CP_JUMP)
     port = free_port()
-    cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port) if peer else []
+    cmd = server_command(model, args.build, t, max(seqs), max(seqs) * ctx_per_seq, BATCH, True, port,
+                         ubatch) if peer else []
     commands["llama-server"] = " ".join(cmd) if peer else "not run (--no-peer)"
     progress("schemas: starting clickpaca" + (" and llama-server" if peer else ""))
     server = Server({"modelPath": model, "build": args.build, "nThreads": t, "nSeqMax": max(seqs),
-                     "nCtx": max(seqs) * ctx_per_seq, "nBatch": BATCH})
+                     "nCtx": max(seqs) * ctx_per_seq, "nBatch": BATCH,
+                     **({"nUbatch": ubatch} if ubatch else {})})
     ls = None
     try:
         accepted = {s.name: (None, "not asked (--no-peer)") for s in corpus}
@@ -330,7 +333,7 @@ def measure(args: Any) -> dict[str, Any]:
     return {"params": {"corpus": args.corpus, "limit": args.limit, "max_bytes": args.max_bytes,
                        "seqs": seqs, "tokens": tokens, "repeats": args.repeats, "threads": t,
                        "build": args.build, "model": model, "ctx_per_seq": ctx_per_seq,
-                       "versions": versions(args.corpus)},
+                       "ubatch": ubatch, "versions": versions(args.corpus)},
             "llama_server_commands": commands, "machine_start": m0, "compile": comp,
             "refusals": refused,
             "schemas": [{k: v for k, v in r.items() if k not in ("mask_us", "ban_us", "cpu_us")} | {"masks": len(r["mask_us"])}
