@@ -121,6 +121,11 @@ FEATURES: tuple[Feature, ...] = (
             field="controlVectorStrength", request="infer", build="activations",
             refused="a per-request controlVectorStrength",
             without="init's controlVector still steers every sequence alike (llama_set_adapter_cvec)"),
+    Feature("patch", "activation patching: rows written into graph nodes during a decode, per "
+            "sequence, through the live eval callback (activations/patching.py)",
+            ("llama_set_eval_callback",),
+            field="patch", request="infer", build="activations",
+            refused="patch (on infer, score and prefill)"),
     Feature("kv-center", "key centering in the graph: each key stored minus its layer's "
             "calibrated mean key (llama/kvcenter.py, docs/KV-RESEARCH.md)",
             ("llama_set_kv_center",),
