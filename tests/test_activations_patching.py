@@ -1,8 +1,15 @@
 """clickpaca.activations.patching: rows written into graph nodes through the live eval
 callback (the activations build's llama_set_eval_callback), on the real model: later nodes
-read the written values, and unpatched rows are untouched."""
+read the written values, and unpatched rows are untouched.
+
+Each check runs in a child process of its own: one process loads one build, and the other
+tests of this process use mainline's."""
 
 from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -15,8 +22,18 @@ pytestmark = [pytest.mark.model, pytest.mark.activations]
 A, B = "The Eiffel Tower is located in the city of", "The Colosseum is located in the city of"
 
 
-@pytest.fixture(scope="module")
-def rig(model_path):
+def _in_child(check, model_path) -> None:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        ex.submit(_with_rig, check.__name__, str(model_path)).result()
+
+
+def _with_rig(name: str, model_path: str) -> None:
+    with _rig(model_path) as rig:
+        globals()[name](rig)
+
+
+@contextmanager
+def _rig(model_path):
     m = core.Model(model_path, build="activations", repack=False)
     cap = C.Capture(m.nat)
     cap.writer = P.Writer(m.nat)
@@ -49,7 +66,19 @@ def _run(rig, seqs, writes=None, names=()):
     return got, errors, ctx.logits().copy()
 
 
-def test_a_replaced_node_is_what_every_later_node_reads(rig):
+def test_a_replaced_node_is_what_every_later_node_reads(model_path):
+    _in_child(replaced_node_is_what_every_later_node_reads, model_path)
+
+
+def test_a_patch_stays_in_its_sequence(model_path):
+    _in_child(patch_stays_in_its_sequence, model_path)
+
+
+def test_rows_a_node_does_not_hold_fail_only_their_key(model_path):
+    _in_child(rows_a_node_does_not_hold_fail_only_their_key, model_path)
+
+
+def replaced_node_is_what_every_later_node_reads(rig):
     """Every position of l_out-L replaced by another prompt's: the logits are that prompt's,
     bit for bit (the layers after L read the written rows), at a middle layer, the last one,
     and the scaled embeddings; replacing with a sequence's own rows or adding zeros changes
@@ -76,7 +105,7 @@ def test_a_replaced_node_is_what_every_later_node_reads(rig):
     assert np.array_equal(got[0]["l_out-5"][:2], ga[0]["l_out-5"][:2])
 
 
-def test_a_patch_stays_in_its_sequence(rig):
+def patch_stays_in_its_sequence(rig):
     """Two sequences in one batch, the second patched: the first's logits are those of the
     same batch without any patch."""
     _, _, _, a, b = rig
@@ -87,7 +116,7 @@ def test_a_patch_stays_in_its_sequence(rig):
     assert np.array_equal(lp[:n], plain[:n]) and not np.array_equal(lp[n:], plain[n:])
 
 
-def test_rows_a_node_does_not_hold_fail_only_their_key(rig):
+def rows_a_node_does_not_hold_fail_only_their_key(rig):
     """The last layer's l_out holds only rows with logits: a patch at a row without one
     fails its key, naming why, and another key's patch in the same decode is applied."""
     m, cap, ctx, a, b = rig

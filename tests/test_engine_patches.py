@@ -120,20 +120,20 @@ def _refused(c, match: str, **req) -> str:
 
 def test_bad_patches_are_refused_naming_the_field(det):
     row = C.encode(np.zeros((1, 640), np.float32), "float32")
-    msg = _refused(det, "patch[0].node", patch=[entry("Qcur-3", [1], row)])
+    msg = _refused(det, "patch: [0].node", patch=[entry("Qcur-3", [1], row)])
     assert "nodes that can be patched" in msg and "l_out-{0..17}" in msg
     _refused(det, "not in this model's graph", patch=[entry("l_out-99", [1], row)])
-    _refused(det, "patch[0].source: 1 rows for 2 positions", patch=[entry("l_out-3", [1, 2], row)])
+    _refused(det, "patch: [0].source: 1 rows for 2 positions", patch=[entry("l_out-3", [1, 2], row)])
     bad = C.encode(np.zeros((1, 600), np.float32), "float32")
-    _refused(det, "patch[0].source: shape [1, 600] does not match", patch=[entry("l_out-3", [1], bad)])
-    _refused(det, "patch[0].positions: [400] outside", patch=[entry("l_out-3", [400], row)])
-    _refused(det, "patch[0].positions: position -1 is negative", patch=[entry("l_out-3", [-1], row)])
+    _refused(det, "patch: [0].source: shape [1, 600] does not match", patch=[entry("l_out-3", [1], bad)])
+    _refused(det, "patch: [0].positions: [400] outside", patch=[entry("l_out-3", [400], row)])
+    _refused(det, "patch: [0].positions: position -1 is negative", patch=[entry("l_out-3", [-1], row)])
     nan = np.zeros((1, 640), np.float32)
     nan[0, 7] = np.nan
-    _refused(det, "patch[0].source: values must be finite",
+    _refused(det, "patch: [0].source: values must be finite",
              patch=[entry("l_out-3", [1], {"dtype": "float32", "shape": [1, 640],
                                            "data": base64.b64encode(nan.tobytes()).decode()})])
-    _refused(det, "patch[0].mode", patch=[entry("l_out-3", [1], row, "multiply")])
+    _refused(det, "patch: [0].mode", patch=[entry("l_out-3", [1], row, "multiply")])
     _refused(det, "not in this client's namespace", patch=[entry("l_out-3", [1], "/etc/passwd")])
     _refused(det, "no state file named", patch=[entry("l_out-3", [1], "absent.npy")])
     assert run(det, 5, A, maxTokens=1)[2]["type"] == "done"  # still serving

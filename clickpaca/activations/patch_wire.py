@@ -50,7 +50,7 @@ def patches(name: str, v: Any) -> tuple[PatchSpec, ...]:
         raise ValueError(f"{name}: must be a non-empty list of {{node, positions, source, mode}}, got {show(v)}")
     if len(v) > MAX_PATCHES:
         raise ValueError(f"{name}: {len(v)} entries, the limit is {MAX_PATCHES}")
-    return tuple(entry(f"{name}[{i}]", e) for i, e in enumerate(v))
+    return tuple(entry(f"{name}: [{i}]", e) for i, e in enumerate(v))
 
 
 def entry(name: str, e: Any) -> PatchSpec:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..wire.protocol import ProtocolError
 from . import statedir
 from .plan import Feed, Want
 
+_UNNAMED = re.compile(r"^node_\d+$")  # ggml's name for a node llama.cpp left unnamed
 #: the patch rows one request may hold (float32, all entries together)
 MAX_PATCH_BYTES = 256 << 20
 
@@ -71,10 +73,19 @@ class JobPatch:
         return w
 
 
+def refusal(build: str, missing: list[str]) -> str:
+    """Why `patch` is refused on a build without the live eval callback (features.py
+    `eval-callback-live`, whose only other use, capture, falls back instead of refusing)."""
+    f = features.BY_NAME["eval-callback-live"]
+    return (f"patch: build {build!r} lacks {', '.join(missing)} (a patch is written through the eval "
+            f"callback set for the decodes that patch), so patch is refused there; build {f.build!r} "
+            f"has it (make {f.build})")
+
+
 def patchable(g: C.Graph) -> list[str]:
     """The nodes a patch may name: the named nodes capture reads (one node per name, a
     dimension of the tokens outermost), without views and unnamed nodes."""
-    return [n for n in g.names if " (" not in n and not C._INTERNAL.match(n)]
+    return [n for n in g.names if " (" not in n and not _UNNAMED.match(n)]
 
 
 def for_request(rt: Any, req: Any, namespace: str | None, first: int, end: int) -> JobPatch | None:
@@ -84,16 +95,16 @@ def for_request(rt: Any, req: Any, namespace: str | None, first: int, end: int) 
         return None
     seq_id, kind = req.seq_id, req.type
     nat = rt.model.nat
-    missing = features.lacking("patch", features.for_native(nat))
+    missing = features.lacking("eval-callback-live", features.for_native(nat))
     if missing:
-        raise ProtocolError(str(features.refusal("patch", missing, nat.name)), seq_id, kind)
+        raise ProtocolError(refusal(nat.name, missing), seq_id, kind)
     fa = {True: "on", False: "off"}.get(rt.ctx.flash_attn, "auto")
     g = C.graph(rt.model, fa)
     can = patchable(g)
     have = set(can)
     entries, total = [], 0
     for i, spec in enumerate(req.patch):
-        name = f"patch[{i}]"
+        name = f"patch: [{i}]"
         if spec.node not in have:
             why = (f"is not patched: {g.excluded[spec.node]}" if spec.node in g.excluded
                    else "is a view or an unnamed node" if spec.node in g.names else "is not in this model's graph")
