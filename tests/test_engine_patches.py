@@ -36,10 +36,10 @@ def rows(ev: dict, node: str) -> np.ndarray:
     return np.load(ref["file"]) if "file" in ref else C.decode(ref)
 
 
-def prefill_rows(c, seq_id: int, prompt: str, nodes: list[str]) -> dict:
+def prefill_rows(c, seq_id: int, prompt: str, nodes: list[str], **kw) -> dict:
     """The prompt's rows of `nodes` at every position (a prefill's capture), then freed."""
     ev = c.request({"type": "prefill", "seq_id": seq_id, "prompt": prompt, "capture": nodes,
-                    "captureTokens": "all"})
+                    "captureTokens": "all", **kw})
     assert ev["type"] == "prefilled", ev
     c.request({"type": "free", "seq_id": seq_id})
     return ev
@@ -109,6 +109,26 @@ def test_a_plain_sequence_beside_patched_ones_is_its_run_alone(det):
     assert [(t["logprob"], t.get("top")) for t in plain] == alone[1]
     for toks, _ in out[:3]:
         assert [(t["logprob"], t.get("top")) for t in toks] != base[1]
+
+
+def test_score_and_prefill_take_a_patch(det):
+    """A score patched with its own rows gives its NLLs `==` unpatched, and with B's l_out-8
+    other ones; a prefill patched with B's l_out-8 captures B's l_out-12 (the capture reads
+    the same decode's later nodes); a score over several windows is refused."""
+    own = prefill_rows(det, 0, A, ["l_out-8"])
+    other = prefill_rows(det, 1, B, ["l_out-8"])
+    n = own["tokens"]
+    every = list(range(n))
+    plain = det.score(0, A, perToken=True)
+    same = det.score(0, A, perToken=True, patch=[entry("l_out-8", every, own["capture"]["nodes"]["l_out-8"])])
+    moved = det.score(0, A, perToken=True, patch=[entry("l_out-8", every, other["capture"]["nodes"]["l_out-8"])])
+    assert same["token_nll"] == plain["token_nll"] and moved["token_nll"] != plain["token_nll"]
+    b12 = prefill_rows(det, 1, B, ["l_out-12"])
+    ev = prefill_rows(det, 2, A, ["l_out-12"], patch=[entry("l_out-8", every, other["capture"]["nodes"]["l_out-8"])])
+    assert np.array_equal(rows(ev, "l_out-12"), rows(b12, "l_out-12"))  # layers 9-12 read B's rows
+    with pytest.raises(ServerError, match="patch: the text is scored in 2 windows"):
+        det.score(3, A + " Paris. " + B, window=8, patch=[entry("l_out-8", [1], C.encode(
+            np.zeros((1, 640), np.float32), "float32"))])
 
 
 def _refused(c, match: str, **req) -> str:

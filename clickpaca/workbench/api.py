@@ -174,7 +174,7 @@ class Workbench:
         items = [items] if isinstance(items, (str, dict)) else list(items)
         each = patching.per_item(patches, len(items))
         bodies = [{**(it if isinstance(it, dict) else {"messages": it} if isinstance(it, list) else {"prompt": it}),
-                   "patch": p} for it, p in zip(items, each)]
+                   **({"patch": p} if p else {})} for it, p in zip(items, each)]  # [] : no patch
         return self.generate(bodies, progress=progress, **steering)
 
     # ------------------------------------------------------------ sweeps
