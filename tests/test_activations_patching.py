@@ -78,6 +78,60 @@ def test_rows_a_node_does_not_hold_fail_only_their_key(model_path):
     _in_child(rows_a_node_does_not_hold_fail_only_their_key, model_path)
 
 
+@pytest.mark.parametrize("streams", [False, True])
+def test_a_batch_split_into_micro_batches_is_patched_row_by_row(model_path, streams):
+    _in_child(micro_batches_split_ok if not streams else micro_batches_streams_ok, model_path)
+
+
+def micro_batches_split_ok(rig):
+    _micro_batches(rig, streams=False)
+
+
+def micro_batches_streams_ok(rig):
+    _micro_batches(rig, streams=True)
+
+
+def _micro_batches(rig, streams: bool):
+    """A batch llama.cpp splits (nUbatch 4; or one KV stream per sequence with the slots out
+    of order): sequence 0's prompt patched at every position with B's l_out-5 rows gives, bit
+    for bit, the logits of the same batch layout with B's tokens in its place, and the other
+    sequence's logits are unchanged."""
+    m, cap, _, a, b = rig
+    other = m.tokenize("six seven eight nine")
+    n_ub = 64 if streams else 4
+
+    def decode(first, writes=None, names=()):
+        ctx = core.Context(m, n_ctx=256, n_batch=64, n_ubatch=n_ub, n_seq_max=2, flash_attn="off",
+                           kv_unified=not streams)
+        m.nat.lib.llama_set_eval_callback(ctx.ptr, cap.callback, m.nat.ffi.NULL)
+        batch = core.Batch(m.nat, 64)
+        batch.add(list(other), 0, 1, output_all=True)  # slot 1 first: with streams, two micro-batches
+        batch.add(list(first), 0, 0, output_all=True)
+        ub = C.micro_batches(batch.seq[:batch.n], n_ub, streams)
+        assert len(ub) > 1
+        rows = list(range(len(other), batch.n))
+        if names:
+            cap.arm_each({0: (names, rows)}, batch, ub)
+        if writes is not None:
+            cap.writer.arm({0: [P.Write("l_out-5", np.asarray(rows), writes)]}, ub, batch.logits[:batch.n] != 0)
+        try:
+            assert ctx.decode(batch) == 0
+            got = cap.take() if names else {}
+            errors = cap.writer.settle()
+            cap.writer.disarm()
+            return got, errors, ctx.logits().copy()
+        finally:
+            ctx.close()
+
+    got_b, _, lb = decode(b, names=("l_out-5",))
+    _, _, la = decode(a)
+    _, errors, lp = decode(a, writes=got_b[0]["l_out-5"])
+    assert errors == {}
+    assert np.array_equal(lp, lb) and not np.array_equal(lp, la)
+    k = len(other)
+    assert np.array_equal(lp[:k], la[:k])  # the unpatched sequence's rows
+
+
 def replaced_node_is_what_every_later_node_reads(rig):
     """Every position of l_out-L replaced by another prompt's: the logits are that prompt's,
     bit for bit (the layers after L read the written rows), at a middle layer, the last one,
