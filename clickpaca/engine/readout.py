@@ -9,6 +9,10 @@ and what it keeps of them until its end event.
   for capturing decodes only, so requests without `capture` cost nothing; without it the
   callback is installed only when `init` asks (`capture: true`), since it then sees every node
   of every decode.
+- The same callback writes: on a build with the live callback `arm` also asks each feed's
+  job for its patch's rows (engine/patches.py) and arms the callback's writer
+  (activations/patching.py); `take` hands a sequence whose patch was not written in full
+  a `PatchFailed`. The callback is set for the decodes that read or write.
 - `JobCapture`, one per capturing request: its nodes, the positions it captures
   (`captureTokens`), whether it needs logits rows, the rows so far, and its end event's
   `capture` field (base64, or an `.npy` file in the state directory when large).
