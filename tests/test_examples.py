@@ -27,7 +27,8 @@ def run(script: str, tmp_path: Path, n: int, tokens: int | None = None, *args: s
 
 
 def test_every_example_has_a_test():
-    tested = {"steerings_table.py", "document_questions.py", "cache_divergence.py", "user_step.py"}
+    tested = {"steerings_table.py", "document_questions.py", "cache_divergence.py", "user_step.py",
+              "causal_trace.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -80,3 +81,20 @@ def test_user_step(tmp_path):
     assert rows[0.0]["step_ms"] is None  # at wordBias 0 the step is off: it never ran
     assert all(rows[b]["step_ms"] > 0 for b in (2.0, 4.0, 8.0))
     assert rows[8.0]["per_output"] > rows[0.0]["per_output"]  # +8 nats on the listed words shows
+
+
+@pytest.mark.activations
+def test_causal_trace(tmp_path):
+    """One noise sample: the corruption removes the answer, restoring the last layer at the
+    last position brings it back, and restoring before the subject changes nothing."""
+    env = dict(os.environ, OMP_WAIT_POLICY="passive")
+    p = subprocess.run([sys.executable, str(EXAMPLES / "causal_trace.py"), "--samples", "1", "--plot",
+                        str(tmp_path / "trace.png")], capture_output=True, text=True, env=env, timeout=240)
+    assert p.returncode == 0, f"causal_trace.py failed ({p.returncode}):\n{p.stdout}\n{p.stderr[-3000:]}"
+    r = json.loads(p.stdout)
+    grid = r["grid"]  # positions x layers
+    assert len(grid) == len(r["tokens"]) and r["cells"] == len(grid) * len(grid[0])
+    assert r["p_clean"] > 0.3 and r["p_corrupt"] < r["p_clean"] / 10
+    assert abs(grid[-1][-1] - r["p_clean"]) < 0.05  # the clean final state at the last token
+    assert all(abs(x - r["p_corrupt"]) < 0.01 for x in grid[0])  # the BOS: before the subject
+    assert (tmp_path / "trace.png").stat().st_size > 5000

@@ -42,7 +42,7 @@ MINIMAL = {
 }
 
 CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": True}
-CAPTURE_DEFAULTS = {"capture": None, "captureTokens": None, "captureDtype": "float32"}
+CAPTURE_DEFAULTS = {"capture": None, "captureTokens": None, "captureDtype": "float32", "patch": None}
 DEFAULTS = {
     "init": {"modelPath": None, "nGpuLayers": -1, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
@@ -288,6 +288,22 @@ BAD = [
         ("captureTokens", "all", "only applies with capture"),
         ("captureDtype", "int8", "must be one of float32, float16"),
         ("captureDtype", "float16", "only applies with capture"))],
+    # activation patching (activations/patch_wire.py); nodes, files and positions are checked later
+    *[(k, "patch", v, w) for k in ("infer", "score", "prefill") for v, w in (
+        ([], "non-empty list"), ({"node": "l_out-1"}, "non-empty list"), ([1], "must be an object"),
+        ([{"node": "l_out-1", "positions": [0]}], "patch: [0].source: required"),
+        ([{"node": "l_out-1", "positions": [0], "source": "x.npy", "scale": 2}], "unknown field 'scale'"),
+        ([{"node": "l_out-1", "positions": [0, 0], "source": "x.npy"}], "given twice"),
+        ([{"node": "l_out-1", "positions": [True], "source": "x.npy"}], "integers"),
+        ([{"node": "l_out-1", "positions": [0], "source": "x.npy", "mode": "mul"}], "patch: [0].mode"),
+        ([{"node": "l_out-1", "positions": [0], "source": {"dtype": "float32", "shape": [2, 2],
+                                                             "data": "AAAAAAAAAAAAAAAAAAAAAA=="}}],
+         "2 rows for 1 positions"),
+        ([{"node": "l_out-1", "positions": [0], "source": {"dtype": "float32", "shape": [1, 2],
+                                                             "data": "AADAfwAAAAA="}}], "finite"),
+        ([{"node": "l_out-1", "positions": [0], "source": {"dtype": "int8", "shape": [1], "data": ""}}],
+         "capture payload"),
+        ([{"node": "", "positions": [0], "source": "x.npy"}], "patch: [0].node"))],
     # quit
     ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
 ]

@@ -59,6 +59,7 @@ class Capture:
         self._count: dict[str, int] = {}  # node name -> its evaluations in this decode
         self.seen: list[str] | None = None  # when a list: every node name asked (graph_nodes)
         self.shapes: dict[str, list[int]] = {}  # with `seen`: each node's ne (graph_nodes)
+        self.writer: Any = None  # patching.Writer: the nodes written before later ones read them
         self.callback = nat.ffi.callback("ggml_backend_sched_eval_callback", self._cb)
 
     def arm(self, names, rows: dict[Hashable, Any], batch: Any) -> None:
@@ -146,11 +147,21 @@ class Capture:
                 self.seen.append(name)
                 self.shapes.setdefault(name, [int(t.ne[i]) for i in range(4)])
                 return False
-            return bool(self._names) and self.nat.ffi.string(t.name) in self._names
+            name = self.nat.ffi.string(t.name)
+            w = self.writer
+            return (bool(self._names) and name in self._names) or (w is not None and name in w.names)
+        name = self.nat.ffi.string(t.name)
+        if self.writer is not None and name in self.writer.names:  # written first: a capture reads what follows
+            try:
+                self.writer.on_node(t, name.decode())
+            except Exception as e:  # noqa: BLE001 - never raise into C
+                self.writer.fail(name.decode(), f"patch: writing a node failed: {e!r}")
+        if name not in self._names:
+            return True
         try:
             self._copy(t)
         except Exception as e:  # noqa: BLE001 - never raise into C
-            self._errors[self.nat.ffi.string(t.name).decode()] = f"copying a node failed: {e!r}"
+            self._errors[name.decode()] = f"copying a node failed: {e!r}"
         return True
 
     def _copy(self, t: Any) -> None:

@@ -29,7 +29,7 @@ from ..sampling.fastpath import FastStats
 from ..wire.scoring import windows_for
 from .jobs import InferJob, PrefillJob, ScoreJob
 from .prepare import Prepared
-from . import jump, readout
+from . import jump, patches, readout
 from .text import StopMatcher
 from .accounting import MAX_GRAMMAR_TEXT_PER_SESSION, MAX_GRAMMARS_PER_SESSION, grammar_bytes
 from .runtime import Runtime
@@ -97,14 +97,17 @@ class Handlers(StateFileHandlers):
             self._check_jump(req)
         rows = {"last": 1, "generated": req.maxTokens}.get(req.captureTokens, rt.ctx.n_ctx_seq)
         capture = readout.for_request(rt, req, session.namespace, min(rows, rt.ctx.n_ctx_seq))
+        base = len(held.tokens) if held is not None else 0  # a patch names the positions of its prompt
+        patch = patches.for_request(rt, req, session.namespace, base, base + len(prompt))
         seq = held if held is not None else seqs.new(session, seq_id, "infer")
         if held is not None:
             self._reopen_held(seq, prompt)
         else:
             seq.tokens, seq.n_past = prompt.tolist(), 0
-            if req.reusePrefix and cvec is None:  # a steered prompt is computed steered, never shared
+            if req.reusePrefix and cvec is None and patch is None:  # a steered or patched prompt is computed so
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
+        seq.patched = seq.patched or patch is not None
         # The sampler reads the sequence's one history (the whole context: prompt, held,
         # forked or loaded tokens, then each accepted one), never a copy of it. It holds the
         # breaker table the preparation made (prepare.py) for the request's life.
@@ -113,6 +116,7 @@ class Handlers(StateFileHandlers):
         seqs.start(seq, InferJob(n_prompt=len(seq.tokens) - seq.n_past, n_reused=seq.n_past, sampler=sampler,
                                  matcher=compiled.new_matcher() if compiled is not None else None,
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,
+                                 patch=patch,
                                  steer=cvec, strength=req.controlVectorStrength,
                                  check=compiled.check if compiled is not None and (
                                      req.validate or compiled.checks_outputs) else None,
@@ -158,10 +162,14 @@ class Handlers(StateFileHandlers):
             raise ProtocolError("text: too short to score (needs at least 2 tokens)", seq_id, "score")
         rows = len(windows) if req.captureTokens == "last" else sum(len(w[0]) for w in windows)
         capture = readout.for_request(self.rt, req, session.namespace, rows)
+        if req.patch is not None and len(windows) > 1:
+            raise ProtocolError(f"patch: the text is scored in {len(windows)} windows; a patch names the "
+                                "positions of one (a shorter text, or a larger window)", seq_id, "score")
+        patch = patches.for_request(self.rt, req, session.namespace, 0, len(windows[0][0]))
         seq = seqs.new(session, seq_id, "score")
         seq.tokens, seq.n_past = windows[0][0].tolist(), 0
         seqs.start(seq, ScoreJob(n_prompt=sum(len(w[0]) for w in windows), windows=windows,
-                                 per_token=req.perToken, capture=capture))
+                                 per_token=req.perToken, capture=capture, patch=patch))
 
     def prefill(self, session: Session, req: PrefillRequest, work: Prepared) -> None:
         seqs = self.seqs
@@ -172,10 +180,13 @@ class Handlers(StateFileHandlers):
         self._check_fits(held, prompt, seq_id, "prefill")
         capture = readout.for_request(self.rt, req, session.namespace,
                                       1 if req.captureTokens == "last" else len(prompt) + 1)
+        base = len(held.tokens) if held is not None else 0
+        patch = patches.for_request(self.rt, req, session.namespace, base, base + len(prompt))
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         self._no_lone_prompt_token(seq)
-        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past, capture=capture))
+        seq.patched = seq.patched or patch is not None
+        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past, capture=capture, patch=patch))
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""
@@ -211,7 +222,7 @@ class Handlers(StateFileHandlers):
         ctx, model = self.rt.ctx, self.rt.model
         best, best_n = None, 0
         for other in seq.session.seqs.values():
-            if other is seq or not other.held or not other.tokens:
+            if other is seq or not other.held or not other.tokens or other.patched:
                 continue
             m = min(len(other.tokens), len(seq.tokens) - 1)
             a = np.asarray(other.tokens[:m], np.int32)

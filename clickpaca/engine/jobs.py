@@ -38,6 +38,7 @@ from .text import StopMatcher, Utf8Assembler
 
 if TYPE_CHECKING:
     from ..grammar.grammars import Matcher
+    from .patches import JobPatch
     from .readout import JobCapture
     from ..sampling import SampleResult, SequenceSampler
     from ..sampling.fastpath import FastStats
@@ -83,6 +84,7 @@ class Job:
     n_prompt: int = 0  # tokens this request feeds (the `done` stats, accounting)
     t_prompt: float | None = None  # when its first prompt chunk went into a batch
     capture: "JobCapture | None" = None  # the activations it reads (readout.py)
+    patch: "JobPatch | None" = None  # the activations it writes (patches.py)
     #: a job that samples with a presampler: its FastStats (the paths its tokens took, the K it asks for)
     paths = None
 
@@ -96,7 +98,9 @@ class Job:
         raise NotImplementedError
 
     def reads(self, w: Want) -> Want:
-        """Its Want with the logits rows its capture needs (readout.JobCapture.widen)."""
+        """Its Want with the logits rows its capture and its patch need (readout.JobCapture.widen,
+        patches.JobPatch.widen)."""
+        w = w if self.patch is None else self.patch.widen(w)
         return w if self.capture is None else self.capture.widen(w)
 
     def read(self, tick: Tick, seq: "Sequence") -> bool:
@@ -108,7 +112,8 @@ class Job:
         if isinstance(got, Exception):
             tick.seqs.fail(seq, str(got))
             return False
-        self.capture.took(got)
+        if self.capture is not None:
+            self.capture.took(got)
         return True
 
     def captured(self, seq: "Sequence") -> dict:

@@ -9,6 +9,10 @@ and what it keeps of them until its end event.
   for capturing decodes only, so requests without `capture` cost nothing; without it the
   callback is installed only when `init` asks (`capture: true`), since it then sees every node
   of every decode.
+- The same callback writes: on a build with the live callback `arm` also asks each feed's
+  job for its patch's rows (engine/patches.py) and arms the callback's writer
+  (activations/patching.py); `take` hands a sequence whose patch was not written in full
+  a `PatchFailed`. The callback is set for the decodes that read or write.
 - `JobCapture`, one per capturing request: its nodes, the positions it captures
   (`captureTokens`), whether it needs logits rows, the rows so far, and its end event's
   `capture` field (base64, or an `.npy` file in the state directory when large).
@@ -28,6 +32,7 @@ import numpy as np
 from ..llama import features
 from . import faults, statedir
 from ..activations import capture as C
+from ..activations import patching as P
 from ..wire.protocol import ProtocolError
 from .plan import Feed, Want
 
@@ -50,6 +55,8 @@ class Readout:
         self.nat = nat
         self.live = features.available(nat, "eval-callback-live")
         self.cap = C.Capture(nat) if (self.live or at_init) else None
+        if self.live:  # patches are written through the live callback only (engine/patches.py)
+            self.cap.writer = P.Writer(nat)
         self.ctx: "core.Context | None" = None
         self.n_ubatch, self.streams = 0, False
         self._on = False  # live: the callback is set on the context now
@@ -96,11 +103,31 @@ class Readout:
         self._armed = bool(wants)
         if self.cap is None:
             return failed
+        writes = self._writes(plan, failed)
+        ubatches = (C.micro_batches(batch.seq[:batch.n], self.n_ubatch, self.streams)
+                    if wants or writes else None)
         # armed with nothing, it declines every node (a retry after a failed decode disarms it)
-        self.cap.arm_each(wants, batch, C.micro_batches(batch.seq[:batch.n], self.n_ubatch, self.streams)
-                          if wants else None)
-        self._set_live(bool(wants))
+        self.cap.arm_each(wants, batch, ubatches)
+        if self.cap.writer is not None:
+            if writes:
+                self.cap.writer.arm(writes, ubatches, batch.logits[:batch.n] != 0)
+            else:
+                self.cap.writer.disarm()
+        self._set_live(bool(wants) or bool(writes))
         return failed
+
+    def _writes(self, plan: list[Feed], failed: dict) -> dict:
+        """sequence -> the rows its patch writes in this decode (engine/patches.py); a job
+        whose part fails goes to `failed` (stage `arm`)."""
+        feeds = [f for f in plan if f.key.job.patch is not None and f.key not in failed]
+        got = faults.each("arm", feeds, lambda f: f.key.job.patch.writes(f), seq_ids=[f.key.seq_id for f in feeds])
+        out = {}
+        for f, g in zip(feeds, got):
+            if isinstance(g, Exception):
+                failed[f.key] = g
+            elif g:
+                out[f.key] = g
+        return out
 
     @staticmethod
     def _rows_of(f: Feed, batch: Any) -> tuple[tuple[str, ...], list[int], list[int]] | None:
@@ -120,8 +147,9 @@ class Readout:
         error that ends it (a CaptureError; a failure of its own part of the take, stage
         `take`: each sequence's rows are taken alone, faults.each); {} when nothing was
         armed."""
+        patched = self._patch_errors()
         if not self._armed or self.cap is None:
-            return {}
+            return patched
         self._armed = False
         cap = self.cap
         try:
@@ -130,8 +158,19 @@ class Readout:
             got = faults.each("take", keys, cap.take_one)
         finally:
             cap.disarm()
-        return {k: g if not isinstance(g, Exception) or isinstance(g, (C.CaptureError, faults.StageFailed))
-                else faults.StageFailed("take", faults.describe("take", g)) for k, g in zip(keys, got)}
+        return {**{k: g if not isinstance(g, Exception) or isinstance(g, (C.CaptureError, faults.StageFailed))
+                   else faults.StageFailed("take", faults.describe("take", g)) for k, g in zip(keys, got)},
+                **patched}
+
+    def _patch_errors(self) -> dict[Any, Exception]:
+        """After the decode: sequence -> why its patch was not written in full; disarms the writer."""
+        w = self.cap.writer if self.cap is not None else None
+        if w is None or not w.armed:
+            return {}
+        try:
+            return {k: PatchFailed(why) for k, why in w.settle().items()}
+        finally:
+            w.disarm()
 
     def _set_live(self, on: bool) -> None:
         if not self.live or on == self._on or self.ctx is None:
@@ -139,6 +178,10 @@ class Readout:
         ffi = self.nat.ffi
         self.nat.lib.llama_set_eval_callback(self.ctx.ptr, self.cap.callback if on else ffi.NULL, ffi.NULL)
         self._on = on
+
+
+class PatchFailed(ValueError):
+    """A patch that was not written in full in a decode (its message names `patch`)."""
 
 
 @dataclass(eq=False)

@@ -60,6 +60,7 @@ class Sequence:
     job: Job | None = None  # set and cleared only by Sequences (start, hold, release)
     loading: bool = False  # a `load` reads its file: taken, not yet held
     kv_wait: bool = False  # a decode found no KV room for its prompt: retried when cells free up
+    patched: bool = False  # a patch wrote into its cells (patches.py): never another prompt's prefix
 
     @property
     def held(self) -> bool:

@@ -111,10 +111,12 @@ FEATURES: tuple[Feature, ...] = (
             without="its earlier name, llama_apply_adapter_cvec or llama_control_vector_apply",
             fallback=("llama_apply_adapter_cvec", "llama_control_vector_apply")),
     Feature("eval-callback-live", "the eval callback set and unset on a live context: capture "
-            "only on the decodes that capture (engine/readout.py)",
+            "only on the decodes that capture (engine/readout.py), and activation patching, rows "
+            "written into graph nodes on the decodes that patch (engine/patches.py)",
             ("llama_set_eval_callback",),
             without="the callback is given at context creation: init capture true installs it "
-                    "(asked once per graph node on every decode); without it capture is refused",
+                    "(asked once per graph node on every decode); without it capture is refused; "
+                    "patch is refused (patches.refusal names the build that has it)",
             build="activations"),
     Feature("cvec-seq", "a control vector's strength per sequence in one batch",
             ("llama_set_adapter_cvec_seq", "llama_clear_adapter_cvec_seq"),

@@ -4,7 +4,8 @@ the same requests under several server configs and records them; `progress.py` i
 bar on stderr; `overhead.py` measures the Workbench's own cost against the same requests
 sent by hand through the Client; `demo.py` is `clickpaca demo`, the README's main job on
 the default model (seven steered sequences in one batch, a held document forked into
-questions, the cache types' bytes per token)."""
+questions, the cache types' bytes per token); `patching.py` is activation patching's numpy
+side (`Workbench.activations`, `Workbench.patch`)."""
 
 from .api import Document, Workbench
 from .results import Generation, Results, Score

@@ -24,9 +24,11 @@ import os
 import time
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import orjson
 
 from ..wire.client import default_python
+from . import patching
 from .progress import Progress
 from .results import Generation, Results, Score
 from .schedule import EventClient, Slots, gone, run_jobs
@@ -149,6 +151,31 @@ class Workbench:
             self.slots.give(sid)
             raise
         return Document(self, sid, ans)
+
+    # ------------------------------------------------------------ activation patching
+
+    def activations(self, prompt: str, nodes: Sequence[str]) -> dict[str, np.ndarray]:
+        """node -> the prompt's rows at every position (float32 [tokens, ...]): a prefill
+        with `capture` (captureTokens all), its slot freed (workbench/patching.py)."""
+        sid = self.slots.take_wait(self.client.closed)
+        try:
+            ev = self.client.request({"type": "prefill", "seq_id": sid, "prompt": prompt, "capture": list(nodes),
+                                      "captureTokens": "all"})
+            self.client.request({"type": "free", "seq_id": sid})
+        finally:
+            self.slots.give(sid)
+        return patching.rows_of(ev)
+
+    def patch(self, items: Item | Sequence[Item], patches: Sequence[Any], progress: bool | None = None,
+              **steering: Any) -> Results[Generation]:
+        """`generate` with activation patching: `patches` one list of entries `{node,
+        positions, source, mode}` for every item, or one list per item; a numpy `source`
+        is sent inline (workbench/patching.py). Needs the activations build."""
+        items = [items] if isinstance(items, (str, dict)) else list(items)
+        each = patching.per_item(patches, len(items))
+        bodies = [{**(it if isinstance(it, dict) else {"messages": it} if isinstance(it, list) else {"prompt": it}),
+                   **({"patch": p} if p else {})} for it, p in zip(items, each)]  # [] : no patch
+        return self.generate(bodies, progress=progress, **steering)
 
     # ------------------------------------------------------------ sweeps
 

@@ -102,6 +102,12 @@ def node_names(name: str, v: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v))
 
 
+def patches(name: str, v: Any) -> Any:
+    """patch: activation patching's entries (activations/patch_wire.py, loaded when first used)."""
+    from ...activations import patch_wire
+    return patch_wire.patches(name, v)
+
+
 def cvec(check_name: str) -> Callable[[str, Any], Any]:
     """A control-vector field's check, from activations/wire.py (loaded when first used)."""
     def check(name: str, v: Any) -> Any:

@@ -195,6 +195,7 @@ class InferRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(checks.node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
+    patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
     controlVectorStrength: float | None = wire(_opt(checks.cvec("strength")), None)  # this sequence's (init's vector)
     validate: bool = wire(_bool, False)  # check the finished output against the JSON schema grammar
     jumpForward: bool = wire(_bool, False)  # a grammar's forced tokens fed as one chunk (engine/jump.py)
@@ -228,6 +229,7 @@ class ScoreRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(checks.node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
+    patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
@@ -263,6 +265,7 @@ class PrefillRequest(Request):
     capture: tuple[str, ...] | None = wire(_opt(checks.node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
+    patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
