@@ -55,8 +55,8 @@ DEFAULTS = {
     "grammar": {"lenient": False, "numberDigits": 16, "strict": False, "validate": False},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS, **CAPTURE_DEFAULTS,
-              "controlVectorStrength": None, "validate": False, "jumpForward": False},
-    "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS},
+              "controlVectorStrength": None, "validate": False, "jumpForward": False, "lens": None},
+    "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS, "lens": None},
     "cancel": {}, "free": {}, "prefill": {**CHAT_DEFAULTS, **CAPTURE_DEFAULTS}, "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
     "stats": {},
@@ -288,6 +288,10 @@ BAD = [
         ("captureTokens", "all", "only applies with capture"),
         ("captureDtype", "int8", "must be one of float32, float16"),
         ("captureDtype", "float16", "only applies with capture"))],
+    # the logit lens (docs/ACTIVATIONS.md); its layers are checked against the model later
+    *[(k, "lens", v, w) for k in ("infer", "score") for v, w in (
+        ("all", "must be an object"), ({"layers": []}, "non-empty list"), ({"layers": [True]}, "non-empty list"),
+        ({"top": 0}, "top must be"), ({"top": 65}, "top must be"), ({"layer": [1]}, "unknown field 'layer'"))],
     # quit
     ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
 ]

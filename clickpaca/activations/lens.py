@@ -258,13 +258,13 @@ def layers_of(spec: Any, n_layer: int) -> list[int]:
         return list(range(n_layer))
     if not isinstance(spec, list) or not spec or not all(isinstance(i, int) and not isinstance(i, bool)
                                                           for i in spec):
-        raise LensError('lens.layers: "all" or a non-empty list of layer numbers')
+        raise LensError('lens: layers must be "all" or a non-empty list of layer numbers')
     out = []
     for i in spec:
         j = i + n_layer if i < 0 else i
         if not 0 <= j < n_layer:
-            raise LensError(f"lens.layers: {i} is not a layer of this model (0..{n_layer - 1})")
+            raise LensError(f"lens: layers: {i} is not a layer of this model (0..{n_layer - 1})")
         if j in out:
-            raise LensError(f"lens.layers: layer {j} listed twice")
+            raise LensError(f"lens: layers: layer {j} listed twice")
         out.append(j)
     return sorted(out)

@@ -32,6 +32,8 @@ pure modules load without the model's bindings):
                    sequence asks for, the whole row where the values cannot decide
     readout.py     activation capture through the jobs: which rows of a tick's batch each
                    job reads, and what it keeps of them until its end event
+    lensjob.py     one request's logit lens: its rows through the final norm and head,
+                   kept as its token events' or end event's `lens`
     mask_ahead.py  grammar masks filled while the decode runs
     jump.py        jump-forward: the tokens a grammar forces, fed as one chunk of the next
                    decode instead of a tick each
