@@ -5,7 +5,7 @@ controlVectorStrength, whose wire form wire.py checks; the activations build), a
 the final norm and output head to a layer's rows, the logit lens (lens.py; its numpy
 check lens_reference.py).
 
-cost.py is the cost measurement of docs/ACTIVATIONS.md, which says what exists, what it
+cost.py is the cost measurement of docs/ACTIVATIONS.md (the lens's: measure/lens_cost.py), which says what exists, what it
 costs and what is left; its worked experiment (through the server) is
 clickpaca.measure.steering.
 """

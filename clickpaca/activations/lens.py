@@ -115,9 +115,11 @@ class Lens:
         self._buf = lib.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", base + start), size)
         for name, t in (("output_norm.weight", self.norm), (None, self.head)):
             name = name or ("token_embd.weight" if self.tied else "output.weight")
-            off = int(lib.gguf_get_tensor_offset(self._gguf, lib.gguf_find_tensor(self._gguf, name.encode())))
-            if off + int(lib.ggml_nbytes(t)) > size:
-                raise LensError(f"lens: {name} lies past the end of {self.path.name}")
+            i = lib.gguf_find_tensor(self._gguf, name.encode())
+            off = int(lib.gguf_get_tensor_offset(self._gguf, i))
+            if int(lib.gguf_get_tensor_size(self._gguf, i)) != int(lib.ggml_nbytes(t)) or \
+                    off + int(lib.ggml_nbytes(t)) > size:
+                raise LensError(f"lens: {name} does not fit where {self.path.name} puts it")
             lib.ggml_backend_tensor_alloc(self._buf, t, ffi.cast("void *", base + start + off))
 
     @property

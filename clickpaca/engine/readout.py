@@ -288,6 +288,11 @@ def for_request(rt: Any, req: Any, namespace: str | None, max_rows: int) -> JobC
     if req.capture is None and spec is None:
         return None
     seq_id, kind = req.seq_id, req.type
+    if spec is not None:  # a build without the lens's functions names them first (features.py)
+        try:
+            features.require(rt.model.nat, "logit-lens")
+        except features.FeatureMissing as e:
+            raise ProtocolError(str(e), seq_id, kind) from None
     rt.readout.check(seq_id, kind, "capture" if req.capture is not None else "lens")
     fa = {True: "on", False: "off"}.get(rt.ctx.flash_attn, "auto")
     g = C.graph(rt.model, fa)
