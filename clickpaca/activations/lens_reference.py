@@ -93,3 +93,47 @@ def apply(lens: Lens, rows: np.ndarray, top: int, as_kernel: bool = True) -> tup
     ids = np.argsort(-lp, axis=1, kind="stable")[:, :top].astype(np.int32)
     ent = -(np.exp(lp) * lp).sum(axis=1)
     return LensRows(ids, np.take_along_axis(lp, ids, 1), ent), lp
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Per layer, the largest |log-probability| difference between the graph and this
+    reference over the top 10 of a prompt's last three positions (docs/ACTIVATIONS.md)."""
+    import argparse
+
+    from ..llama import core
+    from ..llama.models import resolve_model
+    from .capture import Capture
+
+    ap = argparse.ArgumentParser(prog="python -m clickpaca.activations.lens_reference")
+    ap.add_argument("--model", default=None, help="a path or registry name (default: the default model)")
+    ap.add_argument("--build", default="mainline")
+    ap.add_argument("--float", action="store_true", help="the row not quantized to the kernel's vec_dot type")
+    a = ap.parse_args(argv)
+    path = resolve_model(a.model)
+    m = core.Model(path, build=a.build, n_gpu_layers=0)
+    cap = Capture(m.nat)
+    toks = m.tokenize("The capital of France is Paris, and the capital of Germany is")
+    ctx = core.Context(m, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=2, eval_callback=cap.callback)
+    b = core.Batch(m.nat, 64)
+    b.add(toks, 0, 0, output_all=True)
+    n_layer = int(m.n_layer)
+    cap.arm([f"l_out-{i}" for i in range(n_layer)], {0: list(range(len(toks)))}, b)
+    if ctx.decode(b) != 0:
+        raise RuntimeError("llama_decode failed")
+    got = cap.take()[0]
+    logits = ctx.logits().copy()
+    lens = Lens(m.nat, path, n_threads=2)
+    print(f"{path.name}: {lens.arch}, head {'token_embd (tied)' if lens.tied else 'output'} {lens.head_type}, "
+          f"last layer == logits bit for bit: {np.array_equal(lens.logits(got[f'l_out-{n_layer - 1}']), logits)}")
+    for i in range(n_layer):
+        x = got[f"l_out-{i}"][-3:]
+        r = lens.apply(x, 10)
+        ref, lp = apply(lens, x, 10, as_kernel=not a.float)
+        d = np.abs(np.take_along_axis(lp, r.ids.astype(np.int64), 1) - r.logprobs).max()
+        print(f"layer {i:2d}  max |d logprob| {d:.2e}  max |d entropy| {np.abs(ref.entropy - r.entropy).max():.2e}"
+              f"  same top-10 ids {bool((ref.ids == r.ids).all())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
