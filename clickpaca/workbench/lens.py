@@ -76,9 +76,9 @@ def draw(t: LensTable, path: str | None = None) -> Any:
     im = ax.imshow(lp, aspect="auto", origin="lower", cmap="viridis", vmin=min(min(r) for r in lp), vmax=0)
     for i, row in enumerate(g):
         for j, c in enumerate(row):
-            ax.text(j, i, repr(c["token_text"])[1:-1][:8], ha="center", va="center", fontsize=7, color="w")
+            ax.text(j, i, _label(c["token_text"]), ha="center", va="center", fontsize=7, color="w")
     ax.set_yticks(range(nl), [str(L) for L in t.layers])
-    ax.set_xticks(range(nt), [repr(p)[1:-1][:8] for p in t.pieces], rotation=45, ha="right")
+    ax.set_xticks(range(nt), [_label(p) for p in t.pieces], rotation=45, ha="right")
     ax.set_ylabel("layer")
     ax.set_xlabel("generated token")
     fig.colorbar(im, ax=ax, label="top token's log-probability")
@@ -86,3 +86,9 @@ def draw(t: LensTable, path: str | None = None) -> Any:
     if path is not None:
         fig.savefig(path)
     return fig
+
+
+def _label(text: str) -> str:
+    """A token's text for a cell: escapes shown, at most 8 characters, `$` kept literal
+    (matplotlib would read a pair of them as math)."""
+    return repr(text)[1:-1][:8].replace("$", r"\$")
