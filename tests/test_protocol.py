@@ -44,7 +44,7 @@ MINIMAL = {
 CHAT_DEFAULTS = {"messages": None, "chatTemplate": None, "addGenerationPrompt": True}
 CAPTURE_DEFAULTS = {"capture": None, "captureTokens": None, "captureDtype": "float32", "patch": None}
 DEFAULTS = {
-    "init": {"modelPath": None, "nGpuLayers": -1, "nCtx": 8192, "nBatch": 512, "nSeqMax": 64,
+    "init": {"modelPath": None, "nGpuLayers": -1, "nCtx": 8192, "nBatch": 512, "nUbatch": None, "nSeqMax": 64,
              "cacheTypeK": "f16", "cacheTypeV": "f16", "nThreads": None, "build": None,
              "flashAttn": "auto", "swaFull": True, "kvUnified": True, "stateDir": None,
              "deterministic": False, "preselect": None, "rpcServers": None, "tensorSplit": None,
@@ -55,8 +55,8 @@ DEFAULTS = {
     "grammar": {"lenient": False, "numberDigits": 16, "strict": False, "validate": False},
     "infer": {"prompt": "", "maxTokens": 256, "grammar_id": None, "stop": None, "reusePrefix": True,
               "params": SamplerParams(), **CHAT_DEFAULTS, **CAPTURE_DEFAULTS,
-              "controlVectorStrength": None, "validate": False, "jumpForward": False},
-    "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS},
+              "controlVectorStrength": None, "validate": False, "jumpForward": False, "lens": None},
+    "score": {"window": None, "perToken": False, "scoreLast": None, **CAPTURE_DEFAULTS, "lens": None},
     "cancel": {}, "free": {}, "prefill": {**CHAT_DEFAULTS, **CAPTURE_DEFAULTS}, "fork": {},
     "save": {"shared": False, "replace": False}, "load": {"shared": False}, "quit": {"now": False},
     "stats": {},
@@ -198,6 +198,7 @@ BAD = [
     ("init", "nGpuLayers", 1.5, "integer"), ("init", "nGpuLayers", None, "integer"),
     ("init", "nCtx", 15, ">= 16"), ("init", "nCtx", (1 << 24) + 1, "<="), ("init", "nCtx", "4096", "integer"),
     ("init", "nBatch", 0, ">= 1"), ("init", "nBatch", (1 << 16) + 1, "<="), ("init", "nBatch", [], "integer"),
+    ("init", "nUbatch", 0, ">= 1"), ("init", "nUbatch", "x", "integer"),
     ("init", "nSeqMax", 0, ">= 1"), ("init", "nSeqMax", 257, "<= 256"), ("init", "nSeqMax", {}, "integer"),
     ("init", "cacheTypeK", "", "empty"), ("init", "cacheTypeK", 16, "string"), ("init", "cacheTypeK", None, "string"),
     ("init", "cacheTypeV", "", "empty"), ("init", "cacheTypeV", False, "string"),
@@ -304,6 +305,10 @@ BAD = [
         ([{"node": "l_out-1", "positions": [0], "source": {"dtype": "int8", "shape": [1], "data": ""}}],
          "capture payload"),
         ([{"node": "", "positions": [0], "source": "x.npy"}], "patch: [0].node"))],
+    # the logit lens (docs/ACTIVATIONS.md); its layers are checked against the model later
+    *[(k, "lens", v, w) for k in ("infer", "score") for v, w in (
+        ("all", "must be an object"), ({"layers": []}, "non-empty list"), ({"layers": [True]}, "non-empty list"),
+        ({"top": 0}, "top must be"), ({"top": 65}, "top must be"), ({"layer": [1]}, "unknown field 'layer'"))],
     # quit
     ("quit", "now", 1, "true or false"), ("quit", "now", "true", "true or false"), ("quit", "now", None, "true or false"),
 ]

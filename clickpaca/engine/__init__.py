@@ -34,6 +34,8 @@ pure modules load without the model's bindings):
                    job reads, and what it keeps of them until its end event
     patches.py     activation patching through the jobs: a request's patch checked, and
                    the rows of each tick's batch its job writes
+    lensjob.py     one request's logit lens: its rows through the final norm and head,
+                   kept as its token events' or end event's `lens`
     mask_ahead.py  grammar masks filled while the decode runs
     jump.py        jump-forward: the tokens a grammar forces, fed as one chunk of the next
                    decode instead of a tick each

@@ -131,8 +131,8 @@ class Handlers(StateFileHandlers):
         why = None
         if self.rt.ctx.presampler is not None:
             why = "not with init preselect (the pre-selection orders each row with its draw before the decode)"
-        elif req.capture is not None:
-            why = "not with capture (a capture reads one generated token a tick)"
+        elif req.capture is not None or req.lens is not None:
+            why = "not with capture or lens (they read one generated token a tick)"
         elif (users := jump.user_steps(req.params)):
             why = f"not with user-defined steps ({', '.join(users)}): what they do with a one-token set is unknown"
         if why is not None:

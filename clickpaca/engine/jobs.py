@@ -120,7 +120,11 @@ class Job:
         """`capture` for its end event, when it asked (readout.JobCapture.event_field)."""
         if self.capture is None:
             return {}
-        return {"capture": self.capture.event_field(seq.seq_id)}
+        f = self.capture.event_field(seq.seq_id)
+        out = {} if f is None else {"capture": f}
+        if self.capture.lens is not None and self.kind == "score":  # an infer's lens is in its token events
+            out["lens"] = self.capture.lens.event_field()
+        return out
 
     def grammar(self) -> "Matcher | None":
         """The grammar whose mask its sampled row takes this tick (the scheduler fills it
@@ -329,7 +333,10 @@ class InferJob(Job):
                         "steered_logprob": res.steered_logprob, "steered_top": _top(rt, res.steered_top)}
         if res is not None and res.trace is not None:
             logprobs = {**(logprobs or {}), "trace": res.trace}
-        tick.seqs.send(seq, token_event(seq.seq_id, token, piece, logprobs, forced=forced is not None))
+        ev = token_event(seq.seq_id, token, piece, logprobs, forced=forced is not None)
+        if self.capture is not None and self.capture.lens is not None:
+            ev["lens"] = self.capture.lens.next_token()  # the row this token was sampled from (lensjob.py)
+        tick.seqs.send(seq, ev)
         faults.hit("accept", seq.seq_id, "sent")  # the tests' hook: its token is out
         if self.tick_last is not None:
             self.gap_ticks = max(self.gap_ticks, tick.seqs.ticks - self.tick_last)

@@ -34,6 +34,7 @@ from . import faults, statedir
 from ..activations import capture as C
 from ..activations import patching as P
 from ..wire.protocol import ProtocolError
+from ..wire.protocol.checks import CAPTURE_DEFAULT
 from .plan import Feed, Want
 
 if TYPE_CHECKING:
@@ -61,6 +62,15 @@ class Readout:
         self.n_ubatch, self.streams = 0, False
         self._on = False  # live: the callback is set on the context now
         self._armed = False
+        self._lens: Any = None  # the model's final norm and head (activations/lens.py), made when first asked
+
+    def lens_head(self, model: Any) -> Any:
+        """The lens over ``model``'s file (its head memory-mapped, made once per runtime)."""
+        if self._lens is None:
+            from ..activations.lens import Lens
+
+            self._lens = Lens(self.nat, model.path, n_threads=self.ctx.n_threads if self.ctx is not None else 1)
+        return self._lens
 
     def bind(self, ctx: "core.Context") -> None:
         """The context it reads: how llama.cpp will split its batches (capture.micro_batches)."""
@@ -79,11 +89,12 @@ class Readout:
         creation, every decode asks it), or None (capture refused)."""
         return "live" if self.live else "context" if self.cap is not None else None
 
-    def check(self, seq_id: int, kind: str) -> None:
-        """ProtocolError naming `capture` when this server cannot capture."""
+    def check(self, seq_id: int, kind: str, name: str = "capture") -> None:
+        """ProtocolError naming `capture` (or ``name``: lens reads through it) when this
+        server cannot capture."""
         if self.cap is None:
             raise ProtocolError(
-                f"capture: build {self.nat.name!r} lacks llama_set_eval_callback, so its eval callback "
+                f"{name}: build {self.nat.name!r} lacks llama_set_eval_callback, so its eval callback "
                 "can only be given when the context is created, and this server's init did not ask for "
                 "it: send init capture: true (every decode then pays the callback, ~4 ms here: "
                 "docs/ACTIVATIONS.md) or use a build that has it", seq_id, kind)
@@ -188,7 +199,7 @@ class PatchFailed(ValueError):
 class JobCapture:
     """One request's capture: what it reads from each feed and what it has read."""
 
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # every node it reads: its capture's and its lens's
     tokens: str  # captureTokens: last / generated / all
     dtype: str  # captureDtype
     needs_logits: bool  # some node holds only rows with logits (the last layer's, after the selection)
@@ -197,6 +208,12 @@ class JobCapture:
     positions_read: list[int] = field(default_factory=list)
     rows: dict[str, list[np.ndarray]] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)  # the positions armed this tick
+    shown: tuple[str, ...] | None = None  # the nodes its end event's `capture` holds (None: names)
+    lens: Any = None  # its logit lens (lensjob.JobLens), fed the rows of its nodes
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        return self.names if self.shown is None else self.shown
 
     def positions(self, f: Feed) -> list[int]:
         """The positions of this feed it captures: `all` every token fed; `last` the last
@@ -227,16 +244,21 @@ class JobCapture:
     def took(self, got: dict[str, np.ndarray]) -> None:
         """This tick's rows (at the positions armed), in position order."""
         self.positions_read.extend(self.pending)
+        if self.lens is not None:
+            self.lens.took(self.pending, got)
         self.pending = []
-        for name, arr in got.items():
-            self.rows.setdefault(name, []).append(arr.astype(self.dtype, copy=False))
+        for name in self.reported:
+            self.rows.setdefault(name, []).append(got[name].astype(self.dtype, copy=False))
 
     def event_field(self, seq_id: int) -> dict:
         """The end event's `capture`: positions and one array per node, inline (base64) up
-        to MAX_INLINE_BYTES, else an .npy file in the state directory (its path)."""
+        to MAX_INLINE_BYTES, else an .npy file in the state directory (its path); None
+        when it captures only for its lens."""
+        if not self.reported:
+            return None
         nodes = {}
         try:
-            for name in self.names:
+            for name in self.reported:
                 parts = self.rows.get(name)
                 arr = np.concatenate(parts) if parts else np.zeros((0,), self.dtype)
                 if arr.nbytes > MAX_INLINE_BYTES:
@@ -305,21 +327,46 @@ def for_request(rt: Any, req: Any, namespace: str | None, max_rows: int) -> JobC
     """The request's JobCapture (None without `capture`): the names checked against the
     model's graph (the error lists the valid ones) and the worst case against
     MAX_CAPTURE_BYTES; ProtocolError naming the field."""
-    if req.capture is None:
+    spec = getattr(req, "lens", None)
+    if req.capture is None and spec is None:
         return None
     seq_id, kind = req.seq_id, req.type
-    rt.readout.check(seq_id, kind)
+    if spec is not None:  # a build without the lens's functions names them first (features.py)
+        try:
+            features.require(rt.model.nat, "logit-lens")
+        except features.FeatureMissing as e:
+            raise ProtocolError(str(e), seq_id, kind) from None
+    rt.readout.check(seq_id, kind, "capture" if req.capture is not None else "lens")
     fa = {True: "on", False: "off"}.get(rt.ctx.flash_attn, "auto")
     g = C.graph(rt.model, fa)
     try:
-        names = tuple(C.validate(list(req.capture), g.names, g.excluded))
+        names = tuple(C.validate(list(req.capture), g.names, g.excluded)) if req.capture is not None else ()
     except C.CaptureError as e:
         raise ProtocolError(str(e), seq_id, kind) from None
+    jl = None
+    if spec is not None:
+        jl = _lens_for(rt, spec, seq_id, kind)
+        for n in jl.nodes:
+            if n not in g.names:
+                raise ProtocolError(f"lens: this model's graph has no {n}", seq_id, kind)
     per_row = sum(g.row_elems.get(n, rt.model.n_embd) for n in names) * 4
     if per_row * max_rows > MAX_CAPTURE_BYTES:
         raise ProtocolError(f"capture: up to {max_rows} rows of {per_row} bytes ({', '.join(names)}) "
                             f"exceed the {MAX_CAPTURE_BYTES >> 20} MiB a request may gather; capture "
                             "fewer nodes or tokens (captureTokens last)", seq_id, kind)
-    return JobCapture(names, req.captureTokens, req.captureDtype,
-                      needs_logits=any(n in g.output_rows_only for n in names),
-                      states=rt.states, namespace=namespace)
+    every = names + tuple(n for n in (jl.nodes if jl is not None else ()) if n not in names)
+    return JobCapture(every, req.captureTokens or CAPTURE_DEFAULT[kind], req.captureDtype,
+                      needs_logits=any(n in g.output_rows_only for n in every),
+                      states=rt.states, namespace=namespace, shown=names, lens=jl)
+
+
+def _lens_for(rt: Any, spec: Any, seq_id: int, kind: str) -> Any:
+    """The request's JobLens; ProtocolError naming `lens` (a model whose last steps are not
+    composed, or layers it lacks)."""
+    from ..activations.lens import LensError
+    from . import lensjob
+
+    try:
+        return lensjob.for_request(rt.readout.lens_head(rt.model), spec, rt.model.n_layer, rt.piece)
+    except LensError as e:
+        raise ProtocolError(str(e) if str(e).startswith("lens") else f"lens: {e}", seq_id, kind) from None

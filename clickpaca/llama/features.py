@@ -123,6 +123,14 @@ FEATURES: tuple[Feature, ...] = (
             field="controlVectorStrength", request="infer", build="activations",
             refused="a per-request controlVectorStrength",
             without="init's controlVector still steers every sequence alike (llama_set_adapter_cvec)"),
+    Feature("logit-lens", "the logit lens: the model file's final norm and output head applied to "
+            "captured l_out rows in a ggml graph of its own (activations/lens.py)",
+            ("gguf_init_from_file", "gguf_find_key", "gguf_get_val_str", "gguf_get_val_f32",
+             "gguf_find_tensor", "gguf_get_tensor_offset", "gguf_get_tensor_size", "gguf_get_data_offset",
+             "gguf_free",
+             "ggml_get_tensor", "ggml_backend_cpu_buffer_from_ptr", "ggml_backend_tensor_alloc",
+             "ggml_rms_norm", "ggml_top_k", "ggml_argmax", "ggml_soft_max", "ggml_sum_rows", "ggml_concat"),
+            field="lens", request="infer", refused="a request's lens"),
     Feature("kv-center", "key centering in the graph: each key stored minus its layer's "
             "calibrated mean key (llama/kvcenter.py, docs/KV-RESEARCH.md)",
             ("llama_set_kv_center",),

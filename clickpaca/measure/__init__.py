@@ -4,8 +4,9 @@ retrieval/ is `clickpaca kv-retrieval`; what the two share sits here: common.py 
 commands' shared arguments), checks.py (what every command checks before any work, what
 marks its run failed, and `measured`, which runs it between the two), kl.py (KL and top-1 against a reference, in-process),
 texts.py and corpus.py (the default public-domain texts); steering.py is the worked
-control-vector experiment of docs/ACTIVATIONS.md, through the server, and patching.py what
-activation patching costs there; schemas.py reads a
+control-vector experiment of docs/ACTIVATIONS.md, through the server, patching.py what
+activation patching costs there, and lens_cost.py the logit lens's cost there (a lens on
+every layer against none); schemas.py reads a
 corpus of JSON schemas from a directory or an installed package (`bench schemas`);
 gpucheck.py is `make gpu-check` (docs/GPU.md), gpuagree.py the CPU reference a GPU pack
 carries and the GPU run's check against it; kvsim/ simulates KV cache types inside the

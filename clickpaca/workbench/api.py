@@ -27,8 +27,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import orjson
 
-from ..wire.client import default_python
+from ..wire.client import ServerError, default_python
 from . import patching
+from .lens import LensTable, draw as draw_lens, table as lens_table
 from .progress import Progress
 from .results import Generation, Results, Score
 from .schedule import EventClient, Slots, gone, run_jobs
@@ -135,6 +136,23 @@ class Workbench:
 
             run_jobs(self.client, self.slots, jobs, done)
         return Results(out)
+
+    def lens(self, prompt: Item, layers: list[int] | str = "all", top: int = 5, plot: bool | str = True,
+             **steering: Any) -> "LensTable":
+        """The logit lens of one generation (the server's `lens`; docs/ACTIVATIONS.md): a
+        tidy table, one row per generated token, layer and rank (token, layer, rank,
+        token_text, logprob, ...). `plot`: draw the layers x tokens picture (True), save it
+        to a path (a string), or not (False); it is the table's `figure`."""
+        req, _ = self._infer_request(prompt, {**steering, "lens": {"layers": layers, "top": top}})
+        got: list[list[dict]] = []
+        run_jobs(self.client, self.slots, [req], lambda i, events, t: got.append(events), None)
+        events = got[0]
+        if events and events[-1].get("type") == "error":
+            raise ServerError(events[-1])
+        t = lens_table(events)
+        if plot:
+            t.figure = draw_lens(t, plot if isinstance(plot, str) else None)
+        return t
 
     # ------------------------------------------------------------ held documents
 

@@ -173,3 +173,22 @@ def test_infer_and_score_where_init_works(served):
     assert scored["type"] == "scored" and scored["tokens"] > 0
     assert math.isfinite(scored["ppl"]) and scored["ppl"] > 1.0
     assert len(scored["token_nll"]) == scored["tokens"]
+
+
+def test_lens_is_refused_by_name_where_it_cannot_run(served):
+    """`lens` is refused per request, never at init (features.py 'logit-lens', field lens,
+    so ASKS has no line for it): where the build's bindings lack ggml's gguf API, naming
+    what they lack; elsewhere this server (no init capture, no live callback on an
+    upstream build) refuses it naming lens and what to send."""
+    build, c, ready = served
+    if not isinstance(ready, dict):
+        pytest.skip(f"{build.name} cannot serve (test_serve_works_or_refuses_by_name)")
+    c.infer(3, "The capital of France is", maxTokens=1, lens={"top": 1})
+    ev = c.collect(3)[1]
+    assert ev["type"] == "error" and ev["message"].startswith("lens: "), ev
+    missing = features.lacking("logit-lens", features.for_manifest(manifest(build)))
+    if missing:
+        assert any(re.search(rf"\b{re.escape(n)}\b", ev["message"]) for n in missing), ev
+    else:
+        assert "capture: true" in ev["message"], ev
+    assert c.proc.poll() is None

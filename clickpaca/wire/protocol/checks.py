@@ -137,3 +137,27 @@ def messages(name: str, v: Any) -> Any:
         if n > MAX_PROMPT_BYTES:
             raise ValueError(f"{name}: {n} bytes of content, the limit is {MAX_PROMPT_BYTES}")
     return messages
+
+
+MAX_LENS_TOP = 64  # lens.top: tokens per layer and position (each a dict in the event)
+MAX_LENS_LAYERS = 1024  # lens.layers: entries (checked against the model's layers by the handler)
+
+
+def lens(name: str, v: Any) -> tuple[tuple[int, ...] | str, int]:
+    """lens: {layers: [..] | "all", top: k} as (layers, top); the layers are checked
+    against the model by the handler (activations/lens.layers_of). docs/ACTIVATIONS.md."""
+    if not isinstance(v, dict):
+        raise ValueError(f'{name}: must be an object {{layers: [..] | "all", top: k}}, got {_show(v)}')
+    extra = sorted(set(v) - {"layers", "top"})
+    if extra:
+        raise ValueError(f"{name}: unknown field {extra[0]!r} (it has layers and top)")
+    layers = v.get("layers", "all")
+    if layers != "all":
+        if (not isinstance(layers, list) or not layers or len(layers) > MAX_LENS_LAYERS
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+            raise ValueError(f'{name}: layers must be "all" or a non-empty list of layer numbers, got {_show(layers)}')
+        layers = tuple(layers)
+    top = v.get("top", 5)
+    if not isinstance(top, int) or isinstance(top, bool) or not 1 <= top <= MAX_LENS_TOP:
+        raise ValueError(f"{name}: top must be an integer 1..{MAX_LENS_TOP}, got {_show(top)}")
+    return layers, top

@@ -84,7 +84,7 @@ def error_event(message: str, seq_id: int = -1, request: str | None = None) -> d
 
 @_event("scored", ends=True)
 def scored_event(seq_id: int, nll: list[float], windows: int, per_token: bool,
-                 capture: dict | None = None) -> dict:
+                 capture: dict | None = None, lens: dict | None = None) -> dict:
     """The mean negative log-likelihood of the scored tokens and its perplexity (and the
     request's `capture`, when it asked)."""
     mean = float(np.mean(nll)) if nll else float("nan")
@@ -94,6 +94,8 @@ def scored_event(seq_id: int, nll: list[float], windows: int, per_token: bool,
         ev["token_nll"] = [round(x, 6) for x in nll]
     if capture is not None:
         ev["capture"] = capture
+    if lens is not None:
+        ev["lens"] = lens
     return ev
 
 

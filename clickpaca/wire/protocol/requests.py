@@ -39,6 +39,17 @@ def _capture_fits(obj: dict, values: dict, kind: str) -> None:
         raise ValueError(f"captureTokens: a {kind} generates no tokens; use last or all")
 
 
+def _lens_fits(values: dict, kind: str) -> None:
+    """A lens reads the rows its capture machinery takes (engine/readout.py): with a
+    capture of its own, that capture must read the same tokens (generated for an infer,
+    all for a score)."""
+    if values["lens"] is None or values["capture"] is None:
+        return
+    if values["captureTokens"] != CAPTURE_DEFAULT[kind]:
+        raise ValueError(f"lens: reads the {CAPTURE_DEFAULT[kind]} tokens; with capture, captureTokens "
+                         f"must be {CAPTURE_DEFAULT[kind]} too (or send the lens in its own request)")
+
+
 def _batch_fits(values: dict) -> None:
     if values["nBatch"] < values["nSeqMax"]:
         raise ValueError(f"nBatch: must be >= nSeqMax ({values['nSeqMax']}) so every sequence gets "
@@ -197,6 +208,7 @@ class InferRequest(Request):
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
     controlVectorStrength: float | None = wire(_opt(checks.cvec("strength")), None)  # this sequence's (init's vector)
+    lens: tuple | None = wire(_opt(checks.lens), None)  # the logit lens (docs/ACTIVATIONS.md)
     validate: bool = wire(_bool, False)  # check the finished output against the JSON schema grammar
     jumpForward: bool = wire(_bool, False)  # a grammar's forced tokens fed as one chunk (engine/jump.py)
     params: SamplerParams = folded(sampler_fields, SamplerParams)
@@ -210,6 +222,7 @@ class InferRequest(Request):
         values["params"] = _sampler_params(obj)
         _prompt_or_messages(values, "infer")
         _capture_fits(obj, values, "infer")
+        _lens_fits(values, "infer")
         if values["validate"] and values["grammar_id"] is None:
             raise ValueError("validate: checks the output against a JSON schema grammar; give grammar_id")
 
@@ -230,10 +243,12 @@ class ScoreRequest(Request):
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
+    lens: tuple | None = wire(_opt(checks.lens), None)  # the logit lens (docs/ACTIVATIONS.md)
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
         _capture_fits(obj, values, "score")
+        _lens_fits(values, "score")
 
 
 @request_type("cancel")
