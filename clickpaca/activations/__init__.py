@@ -1,7 +1,9 @@
 """Below the tokens: read a sequence's activations (capture.py), derive a control vector
 from contrastive prompts (cvec.py), apply one to a context (steer.py), and steer each
 sequence with its own strength (vector.py: init's controlVector and infer's
-controlVectorStrength, whose wire form wire.py checks; the activations build).
+controlVectorStrength, whose wire form wire.py checks; the activations build), and
+steer each request with vectors of its own (steering.py: the `vector` request, `steer`
+with triggers and gates, in K slots whose books slots.py keeps).
 
 cost.py is the cost measurement of docs/ACTIVATIONS.md, which says what exists, what it
 costs and what is left; its worked experiment (through the server) is

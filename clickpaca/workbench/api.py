@@ -191,6 +191,20 @@ class Workbench:
             params["grammar_id"] = self.grammar(text)
         return params
 
+    def vector(self, vid: str, vector: Any) -> dict[str, Any]:
+        """Register a steering vector under `vid` (the activations build): a control-vector
+        GGUF path, or {layer: array or list}; its `vector_ready` (slot, layers, norms).
+        Requests name it in `steer=[{"vector": vid, "strength": s, ...}]` (docs/PROTOCOL.md)."""
+        if isinstance(vector, os.PathLike):
+            vector = os.fspath(vector)
+        if isinstance(vector, dict):
+            vector = {str(il): [float(x) for x in v] for il, v in vector.items()}
+        return self.client.vector(vid, vector)
+
+    def free_vector(self, vid: str) -> None:
+        """Release a steering vector (a request already using it keeps it to its end)."""
+        self.client.free_vector(vid)
+
     def grammar(self, text: str) -> str:
         """Register a grammar once per server; its id (raises ServerError on a bad grammar)."""
         gid = self._grammars.get(text)
