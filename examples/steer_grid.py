@@ -1,7 +1,7 @@
 """Two directions, each request its own strengths of both, in one batch, with a trigger.
 
-    .venv/bin/python examples/steer_grid.py                      # writes docs/steer-grid.png
-    .venv/bin/python examples/steer_grid.py --tokens 24 --out /tmp/grid.png
+    .venv/bin/python examples/steer_grid.py --seeds 3            # writes docs/steer-grid.png
+    .venv/bin/python examples/steer_grid.py --tokens 24 --out /tmp   # /tmp/steer-grid.png
 
 Derives a sentiment direction (examples/cvec/sentiment.jsonl) and a formality direction
 (examples/cvec/formality.jsonl) with `clickpaca cvec`, registers both with the server
@@ -17,6 +17,7 @@ as heat maps.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -64,21 +65,24 @@ def derive(name: str, out: Path) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "steer-grid.png"))
+    ap.add_argument("--tokens", type=int, default=int(os.environ.get("CLICKPACA_EXAMPLE_TOKENS", 32)))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=int(os.environ.get("CLICKPACA_EXAMPLE_N", len(PROMPTS))),
+                    help="how many of the prompts (tests run fewer)")
+    ap.add_argument("--out", default=str(ROOT / "docs"), help="the directory steer-grid.png goes to")
     a = ap.parse_args()
+    prompts = PROMPTS[:max(1, a.prompts)]
     tmp = Path(tempfile.mkdtemp(prefix="steer-grid-"))
     vectors = {name: derive(name, tmp) for name in ("sentiment", "formality")}
     cells = [(s, f) for s in SENTIMENT for f in FORMALITY]
     items = []
     for seed in range(a.seeds):
-        for p in PROMPTS:
+        for p in prompts:
             for s, f in cells:
                 items.append({"prompt": p, "seed": 100 * seed + len(items), "label": f"{s:+g}/{f:+g}",
                               "steer": [{"vector": "sentiment", "strength": s, "layers": LAYERS, "from": "generated"},
                                         {"vector": "formality", "strength": f, "layers": LAYERS, "from": "generated"}]})
-    n = len(cells) * len(PROMPTS)
+    n = len(cells) * len(prompts)
     with Workbench.spawn(build="activations", nSeqMax=n, nCtx=n * 96, nBatch=512,
                          stateDir=str(tmp / "state")) as wb:
         for name, path in vectors.items():
@@ -103,8 +107,9 @@ def main() -> int:
                                             for j in range(len(FORMALITY))) + " |")
     for item, g in list(zip(items, res))[:len(cells)]:
         print(f"  {item['label']}: {item['prompt']}{g.text[:90]!r}")
-    plot(sent, form, Path(a.out))
-    print(f"figure: {a.out}")
+    figure = Path(a.out) / "steer-grid.png"
+    plot(sent, form, figure)
+    print(f"figure: {figure}")
     return 0
 
 

@@ -27,7 +27,8 @@ def run(script: str, tmp_path: Path, n: int, tokens: int | None = None, *args: s
 
 
 def test_every_example_has_a_test():
-    tested = {"steerings_table.py", "document_questions.py", "cache_divergence.py", "user_step.py"}
+    tested = {"steerings_table.py", "document_questions.py", "cache_divergence.py", "user_step.py",
+              "steer_grid.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -80,3 +81,13 @@ def test_user_step(tmp_path):
     assert rows[0.0]["step_ms"] is None  # at wordBias 0 the step is off: it never ran
     assert all(rows[b]["step_ms"] > 0 for b in (2.0, 4.0, 8.0))
     assert rows[8.0]["per_output"] > rows[0.0]["per_output"]  # +8 nats on the listed words shows
+
+
+@pytest.mark.activations
+def test_steer_grid(tmp_path):
+    """Two derived vectors, a 3 x 3 strength grid in one batch with a trigger: every cell
+    scored, the figure written."""
+    out = run("steer_grid.py", tmp_path, 1, 8, "--seeds", "1")
+    assert "9 outputs, 1 per cell" in out and "| sentiment \\ formality | -0.3 | +0 | +0.3 |" in out
+    assert sum(line.startswith(("| -2 |", "| +0 |", "| +2 |")) for line in out.splitlines()) == 3
+    assert (tmp_path / "steer-grid.png").stat().st_size > 5000
