@@ -298,18 +298,23 @@ def test_mainline_refuses_steer_naming_the_build(vector_path):
 
 
 def test_a_socket_clients_end_frees_its_vectors(tmp_path, vector_path):
-    """One slot: a client registers, goes away; the next client's registration gets it."""
+    """One slot: a client registers (as data: a socket client names no file of the
+    server's), goes away; the next client's registration gets the slot."""
     from test_socket import sessions_of, start_server, stop_server
 
+    data = {str(il): capture_payload(v.tolist()) for il, v in directions(57).items()}
     path = tmp_path / "s.sock"
     proc = start_server(path, build="activations", vectorSlots=1, deterministic=True,
                         cacheTypeK="f16", cacheTypeV="f16")
     try:
         c = Client.connect(path)
-        assert c.vector("v", vector_path)["slot"] == 0
+        with pytest.raises(ServerError) as e:
+            c.vector("p", vector_path)
+        assert e.value.event["message"].startswith("vector: a socket client sends the directions as data")
+        assert c.vector("v", data)["slot"] == 0
         with Client.connect(path) as d:
             with pytest.raises(ServerError) as e:
-                d.vector("w", vector_path)
+                d.vector("w", data)
             assert e.value.event["message"].startswith("id: all 1 vector slots are taken")
             n = sessions_of(d)
             c.close()
@@ -317,6 +322,22 @@ def test_a_socket_clients_end_frees_its_vectors(tmp_path, vector_path):
             while sessions_of(d) >= n:  # the step that drops c's session (test_socket's way)
                 assert time.monotonic() < deadline, "the closed client's session was never dropped"
                 time.sleep(0.05)
-            assert d.vector("w", vector_path)["slot"] == 0
+            assert d.vector("w", data)["slot"] == 0
     finally:
         stop_server(proc, path)
+
+
+def test_the_workbench_registers_a_vector_and_steers_with_it(srv, vector_path):
+    """wb.vector reads the GGUF on the client's side and sends it as data; generate's steer
+    gives the same tokens as the protocol run on a server of the same settings."""
+    from clickpaca import Workbench
+
+    steer = [{"vector": "a", "strength": 1.5}]
+    with Workbench.spawn(build="activations", nCtx=2048, nSeqMax=8, deterministic=True, cacheTypeK="f16",
+                         cacheTypeV="f16", stateDir=tempfile.mkdtemp(prefix="clkp-state-")) as wb:
+        ready = wb.vector("a", vector_path)
+        assert ready["layers"] == list(range(1, N_LAYER)) and ready["slot"] == 0
+        steered, plain = wb.generate([{"prompt": PROMPTS[0], "steer": steer}, PROMPTS[0]], temperature=0,
+                                     maxTokens=N_GEN, progress=False)
+    assert steered.error is None and steered.tokens == [t[0] for t in alone(srv, PROMPTS[0], steer)]
+    assert plain.tokens == [t[0] for t in alone(srv, PROMPTS[0])] != steered.tokens

@@ -79,6 +79,12 @@ class Handlers(StateFileHandlers):
 
     def vector(self, session: Session, req: VectorRequest, work: Prepared) -> None:
         st = self._steering("vector", -1, "vector")
+        if isinstance(req.vector, str) and session.namespace is not None:
+            # a socket client names no file of the server's (state files are names in its
+            # namespace, statedir.py): it sends the directions as data (wb.vector reads a
+            # GGUF on the client's side)
+            raise ProtocolError("vector: a socket client sends the directions as data ({layer: vector}); "
+                                "a GGUF path is read on stdio only", -1, "vector")
         try:
             ready = st.register(session, req.id, req.vector)
         except KeyError:

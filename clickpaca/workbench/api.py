@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import orjson
 
 from ..wire.client import default_python
@@ -193,13 +194,16 @@ class Workbench:
 
     def vector(self, vid: str, vector: Any) -> dict[str, Any]:
         """Register a steering vector under `vid` (the activations build): a control-vector
-        GGUF path, or {layer: array or list}; its `vector_ready` (slot, layers, norms).
+        GGUF path (read here, sent as data), or {layer: array or list}; its `vector_ready`
+        (slot, layers, norms).
         Requests name it in `steer=[{"vector": vid, "strength": s, ...}]` (docs/PROTOCOL.md)."""
-        if isinstance(vector, os.PathLike):
-            vector = os.fspath(vector)
-        if isinstance(vector, dict):
-            vector = {str(il): [float(x) for x in v] for il, v in vector.items()}
-        return self.client.vector(vid, vector)
+        from ..activations.capture import encode
+        from ..activations.cvec import read_gguf
+
+        if isinstance(vector, (str, os.PathLike)):  # read here: a socket server reads no client's path
+            vector = read_gguf(os.fspath(vector))
+        return self.client.vector(vid, {str(il): encode(np.asarray(v, dtype=np.float32), "float32")
+                                        for il, v in vector.items()})
 
     def free_vector(self, vid: str) -> None:
         """Release a steering vector (a request already using it keeps it to its end)."""
