@@ -38,6 +38,8 @@ def test_applies_once_to_the_pinned_source(pinned_copy):
     h = (pinned_copy / "include" / "llama.h").read_text()
     assert "llama_set_adapter_cvec_seq" in h and "llama_clear_adapter_cvec_seq" in h
     assert "LLAMA_API void llama_set_eval_callback(" in h
+    assert all(f"LLAMA_API int32_t llama_steer_{name}(" in h
+               for name in ("set_slots", "set_slot", "set_table", "set_gate", "n_reserve"))
     changed = {p.name for p, t in before.items() if p.read_text() != t}
     assert changed == {"llama-adapter.h", "llama-adapter.cpp", "llama-graph.h", "llama-graph.cpp",
                        "llama-context.h", "llama-context.cpp"}

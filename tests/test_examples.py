@@ -28,7 +28,7 @@ def run(script: str, tmp_path: Path, n: int, tokens: int | None = None, *args: s
 
 def test_every_example_has_a_test():
     tested = {"steerings_table.py", "document_questions.py", "cache_divergence.py", "user_step.py",
-              "causal_trace.py"}
+              "causal_trace.py", "steer_grid.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -98,3 +98,12 @@ def test_causal_trace(tmp_path):
     assert abs(grid[-1][-1] - r["p_clean"]) < 0.05  # the clean final state at the last token
     assert all(abs(x - r["p_corrupt"]) < 0.01 for x in grid[0])  # the BOS: before the subject
     assert (tmp_path / "trace.png").stat().st_size > 5000
+
+
+def test_steer_grid(tmp_path):
+    """Two derived vectors, a 3 x 3 strength grid in one batch with a trigger: every cell
+    scored, the figure written."""
+    out = run("steer_grid.py", tmp_path, 1, 8, "--seeds", "1")
+    assert "9 outputs, 1 per cell" in out and "| sentiment \\ formality | -0.3 | +0 | +0.3 |" in out
+    assert sum(line.startswith(("| -2 |", "| +0 |", "| +2 |")) for line in out.splitlines()) == 3
+    assert (tmp_path / "steer-grid.png").stat().st_size > 5000

@@ -24,7 +24,8 @@ ENGINE = Path(protocol.__file__).parents[2] / "engine"  # clickpaca/engine
 
 def test_each_event_type_has_one_constructor_that_builds_it():
     assert set(EVENTS) == {"ready", "grammar_ready", "token", "done", "error", "scored",
-                           "prefilled", "forked", "saved", "loaded", "freed", "stats"}
+                           "prefilled", "forked", "saved", "loaded", "freed", "stats", "vector_ready",
+                           "vector_freed"}
     examples = {
         "ready": dict(nVocab=5), "grammar_ready": dict(grammar_id="g"),
         "token": dict(seq_id=1, token=2, piece="a"), "done": dict(seq_id=1, stop_reason="eos"),
@@ -34,6 +35,8 @@ def test_each_event_type_has_one_constructor_that_builds_it():
         "saved": dict(seq_id=1, path="p", n_bytes=9, tokens=3),
         "loaded": dict(seq_id=1, tokens=3), "freed": dict(seq_id=1),
         "stats": dict(ticks=3, rssBytes=1, caches={}),
+        "vector_ready": dict(vector_id="v", slot=0, layers=[1], norms={"1": 1.0}, reserves=1),
+        "vector_freed": dict(vector_id="v"),
     }
     for kind, make in EVENTS.items():
         ev = make(**examples[kind])

@@ -146,6 +146,10 @@ FIELD_HINTS = {  # values for fields whose default tells nothing of their type
     "samplers": [[], ["temperature"], ["top_k", "temperature"], ["penalties", "dry"], ["nope"]],
     "drySequenceBreakers": [["\n"], [], ["x" * 40] * 64, ["é😀"], [""]],
     "trace": [True, False, 3],
+    "vector": [{"3": [0.0] * 640}, "/nonexistent.gguf", "v", {"x": [1.0]}, {"40": [1.0] * 640}],
+    "steer": [[{"vector": "v", "strength": 1}], [], [{"vector": "nope", "strength": 1}], [{"vector": "v"}],
+              [{"vector": "v", "strength": 2, "from": "generated", "after": "the",
+                "when": {"vector": "v", "layer": 3, "above": "-inf"}}]],
 }
 
 
@@ -328,6 +332,8 @@ class Fuzzer:
                  "%llguidance\nstart: /[a-z]+/", "%json_schema {"])},
             "score": {"type": "score", "seq_id": sid, "text": r.choice(PROMPTS[:8]), "perToken": r.random() < 0.5,
                       **({"window": r.choice([2, 3, 8, 100000])} if r.random() < 0.5 else {})},
+            "vector": {"type": "vector", "id": r.choice(["v", 1, ""]),
+                       "vector": r.choice([{"3": [0.0] * 640}, "/nonexistent.gguf", {"x": [1.0]}])},
             "cancel": {"type": "cancel", "seq_id": sid},
             "free": {"type": "free", "seq_id": sid},
             "prefill": {"type": "prefill", "seq_id": sid, "prompt": r.choice(PROMPTS[:8])},

@@ -18,10 +18,10 @@ from clickpaca.engine.handlers import HANDLERS
 from clickpaca.wire.protocol import (REQUEST_TYPES, REQUESTS, CancelRequest, ForkRequest, sampler_fields,
                                      FreeRequest, GrammarRequest, InferRequest, InitRequest, LoadRequest,
                                      PrefillRequest, ProtocolError, QuitRequest, Request, SaveRequest,
-                                     ScoreRequest, StatsRequest, parse_line, request_type, wire, with_params)
+                                     ScoreRequest, StatsRequest, VectorRequest, parse_line, request_type, wire, with_params)
 from clickpaca.sampling import SamplerParams
 
-CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "infer": InferRequest, "score": ScoreRequest,
+CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "vector": VectorRequest, "infer": InferRequest, "score": ScoreRequest,
            "cancel": CancelRequest, "free": FreeRequest, "prefill": PrefillRequest, "fork": ForkRequest,
            "save": SaveRequest, "load": LoadRequest, "quit": QuitRequest,
            "stats": StatsRequest}
@@ -29,6 +29,7 @@ CLASSES = {"init": InitRequest, "grammar": GrammarRequest, "infer": InferRequest
 LINES = {
     "init": b'{"type": "init"}',
     "grammar": b'{"type": "grammar", "id": 7, "grammar": "root ::= \\"a\\""}',
+    "vector": b'{"type": "vector", "id": "v", "vector": {"1": [0.5, 1]}}',
     "infer": b'{"type": "infer", "seq_id": 3, "prompt": "Hi", "topK": 5}',
     "score": b'{"type": "score", "seq_id": 3, "text": "hello"}',
     "cancel": b'{"type": "cancel", "seq_id": 3}',

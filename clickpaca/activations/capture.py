@@ -322,6 +322,10 @@ def graph(model: Any, flash_attn: str = "auto") -> Graph:
     ctx = core.Context(model, n_ctx=64, n_batch=8, n_seq_max=1, flash_attn=flash_attn,
                        eval_callback=cap.callback)
     try:
+        from ..llama import features
+
+        if features.available(model.nat, "steer-slots"):  # a gate's nodes (steer_proj-L, steer_gate-L): its trace
+            model.nat.lib.llama_steer_set_slots(ctx.ptr, 1, True)
         batch = core.Batch(model.nat, 8)
         batch.add([model.bos] * LISTING_TOKENS, 0, 0)
         if ctx.decode(batch) != 0:

@@ -9,6 +9,10 @@ by the wall clock and per CPU second of this process (all its threads: on a mach
 loaded by others the wall clock mostly measures the waiting, the CPU time what the
 setup itself costs).
 
+`--slots` (the activations build): each sequence steered by its own one of 8 registered
+vectors on every layer (the K slots, activations/steering.py), then the same with a gate,
+against no steering; the ratio per round is each setup's rate over no steering's.
+
 `--steer` (the activations build): the same decode steps with no vector, with a vector on
 1 of the sequences and on all of them (per-sequence strengths, native/activations), and
 with upstream's context-wide vector on all of them.
@@ -87,13 +91,55 @@ def run_steer(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, 
     return out
 
 
+SLOT_SETUPS = ("no steering", "8 vectors, all layers", "8 vectors, all layers, gated")
+
+
+def run_slots(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, threads: int = 2,
+              strength: float = 2.0, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Tokens/s per SLOT_SETUPS setup and round (the activations build's K slots,
+    activations/steering.py): 8 registered vectors, sequence s steered by vector s % 8 on
+    every layer; gated: the same with a `when` per sequence (vector (s+1) % 8, layer 6,
+    above 0). One context per setup, the same settings."""
+    from ..llama import features
+    from .steering import Steering
+    from .wire import Gate, SteerEntry
+
+    model = core.Model(model_path, build="activations")
+    if not features.available(model.nat, "steer-slots"):
+        raise SystemExit(f"build {model.nat.name!r} lacks steering slots (make activations)")
+    rng = np.random.default_rng(0)
+    prompt = model.tokenize("The history of the city begins")
+    ctxs = [core.Context(model, n_ctx=max(2048, 64 * seqs), n_batch=max(256, seqs * len(prompt)), n_seq_max=seqs,
+                         n_threads=threads) for _ in SLOT_SETUPS]
+    for i in (1, 2):
+        st = Steering(ctxs[i], 8)
+        for v in range(8):
+            st.register("bench", f"v{v}", tuple((il, rng.normal(scale=0.01, size=model.n_embd).astype("<f4").tobytes())
+                                                for il in range(1, model.n_layer)))
+        for s in range(seqs):
+            when = Gate(f"v{(s + 1) % 8}", 6, 0.0) if i == 2 else None
+            rs = st.for_request("bench", (SteerEntry(f"v{s % 8}", strength, when=when),), model.detokenize)
+            rs.begin(s, list(prompt))
+    out: dict[str, list[float]] = {s: [] for s in SLOT_SETUPS}
+    for _ in range(rounds):
+        for name, ctx in zip(SLOT_SETUPS, ctxs):
+            wall, per_cpu = _decode_rate(model, ctx, prompt, seqs, steps)
+            out[name].append(wall)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(per_cpu)
+    for c in ctxs:
+        c.close()
+    model.close()
+    return out
+
+
 def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int,
                  capture: Capture | None = None, layer: int = 0) -> tuple[float, float]:
     """Tokens/s of `steps` one-token decodes of `seqs` sequences after a shared prompt, by
     the wall clock and per CPU second of this process; with a `capture`, each decode's
     l_out-<layer> rows of every sequence are armed and taken."""
     ctx.clear()
-    batch = core.Batch(model.nat, 256)
+    batch = core.Batch(model.nat, max(256, seqs * len(prompt)))
     for s in range(seqs):
         batch.add(prompt, 0, s)
     assert ctx.decode(batch) == 0
@@ -124,10 +170,14 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steer", action="store_true", help="steering setups instead (the activations build)")
+    ap.add_argument("--slots", action="store_true", help="each sequence its own vector (K slots), with and "
+                                                         "without a gate (the activations build)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     cpu: dict[str, list[float]] = {}
-    if a.steer:
+    if a.slots:
+        res = run_slots(str(resolve_model()), a.seqs, a.steps, a.rounds, threads=a.threads, cpu=cpu)
+    elif a.steer:
         res = run_steer(str(resolve_model()), a.seqs, a.steps, a.rounds, threads=a.threads)
     else:
         res = run(str(resolve_model()), a.seqs, a.steps, a.rounds, a.layer, a.threads, cpu)
@@ -136,11 +186,14 @@ def main() -> None:
     for label, table in (("tok/s", res), ("tok/CPU-s", cpu)):
         if not table:
             continue  # --steer measures the wall clock only
-        base = float(np.median(next(iter(table.values()))))  # the first setup: no callback, or no vector
+        first = next(iter(table.values()))  # the first setup: no callback, or no vector
+        base = float(np.median(first))
         for name, v in table.items():
             med = float(np.median(v))
+            paired = np.asarray(v) / np.asarray(first)  # round by round: the load falls on both
             print(f"  {name.replace('L', str(a.layer)):32s} {med:7.1f} {label} ({min(v):.1f}-{max(v):.1f})  "
-                  f"ratio {med / base:.3f}")
+                  f"ratio {med / base:.3f}, per round {float(np.median(paired)):.3f} "
+                  f"({float(paired.min()):.3f}-{float(paired.max()):.3f})")
 
 
 if __name__ == "__main__":

@@ -75,23 +75,28 @@ def for_request(cv: ContextVector | None, nat: Any, strength: float | None) -> C
 
 
 def _read(path: str) -> dict:
-    """The GGUF's directions, each checked as directions given as data are (wire.values)."""
+    return read_directions(path, "controlVector")
+
+
+def read_directions(path: str, name: str) -> dict:
+    """The GGUF's directions, each checked as directions given as data are (wire.values);
+    SteerError naming `name` (init's controlVector, a vector request's vector)."""
     from .cvec import read_gguf
 
     shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
-            raise steer.SteerError("controlVector", f"{shown}: not a regular file")
+            raise steer.SteerError(name, f"{shown}: not a regular file")
     except FileNotFoundError:
-        raise steer.SteerError("controlVector", f"{shown}: no such file") from None
+        raise steer.SteerError(name, f"{shown}: no such file") from None
     except (OSError, ValueError) as e:  # a name too long, a NUL, no permission
-        raise steer.SteerError("controlVector", f"{shown}: cannot be used "
+        raise steer.SteerError(name, f"{shown}: cannot be used "
                                                 f"({getattr(e, 'strerror', None) or e})") from None
     try:
         dirs = read_gguf(path)
     except Exception as e:  # noqa: BLE001 - gguf's reader raises many kinds for a bad file
-        raise steer.SteerError("controlVector", f"{shown}: not a control-vector GGUF ({type(e).__name__}: {e})") from None
+        raise steer.SteerError(name, f"{shown}: not a control-vector GGUF ({type(e).__name__}: {e})") from None
     try:
-        return {il: check_values(f"controlVector: layer {il}", v) for il, v in dirs.items()}
+        return {il: check_values(f"{name}: layer {il}", v) for il, v in dirs.items()}
     except ValueError as e:
-        raise steer.SteerError("controlVector", f"{shown}: {str(e).removeprefix('controlVector: ')}") from None
+        raise steer.SteerError(name, f"{shown}: {str(e).removeprefix(f'{name}: ')}") from None

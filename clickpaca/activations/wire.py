@@ -16,6 +16,7 @@ frozen and compared field by field (a shared server compares init with what it r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -124,3 +125,119 @@ def strength(name: str, v: Any) -> float:
 def directions(v: Directions) -> dict[int, np.ndarray]:
     """The data form back to {layer: float32 [n_embd]} (steer.apply takes it)."""
     return {il: np.frombuffer(b, dtype="<f4").astype(np.float32) for il, b in v}
+
+
+# ---------------------------------------------------------------- steering slots (#vector, steer)
+
+MAX_STEER = 16  # entries in one request's steer list
+MAX_POSITION = 1 << 30  # a token index (from / until): far beyond any context
+MAX_AFTER_BYTES = 256  # an `after` string
+
+
+def vector_id(name: str, v: Any) -> str:
+    """A vector's id: a string or an integer, as a grammar's id."""
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise ValueError(f"{name}: must be a string or an integer, got {show(v)}")
+    v = str(v)
+    if not 1 <= len(v) <= 128:
+        raise ValueError(f"{name}: 1..128 characters, got {len(v)}")
+    return v
+
+
+def _position(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_POSITION:
+        raise ValueError(f"{name}: must be a token index 0..{MAX_POSITION}, got {show(v)}")
+    return v
+
+
+def _threshold(name: str, v: Any) -> float:
+    """A gate's threshold: a finite number, or "inf" / "-inf" (JSON has no infinities)."""
+    if v in ("inf", "-inf"):
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name}: must be a finite number, \"inf\" or \"-inf\", got {show(v)}")
+    return float(v)
+
+
+def _layers_text(name: str, v: Any) -> tuple[int, int]:
+    """"a-b" or "a" (inclusive), or [a, b]; the model's bound is checked by the engine."""
+    if isinstance(v, str):
+        parts = v.split("-")
+        if len(parts) in (1, 2) and all(p.isdigit() and p.isascii() and len(p) <= MAX_LAYER_DIGITS for p in parts):
+            a, b = int(parts[0]), int(parts[-1])
+            if 1 <= a <= b:
+                return a, b
+        raise ValueError(f"{name}: must be \"a-b\" or \"a\" with 1 <= a <= b, got {show(v)}")
+    return layer_range(name, v)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """`when`: steer only where the residual after `layer`, projected on `vector`'s
+    direction there, exceeds `above` (computed in the graph)."""
+
+    vector: str
+    layer: int
+    above: float
+
+
+@dataclass(frozen=True)
+class SteerEntry:
+    """One entry of a request's `steer`: which vector, how strong, on which layers, and
+    when (`start`: "prompt", "generated" or a token index; `until`: a token index;
+    `after`: a string or a token id; `when`: a Gate)."""
+
+    vector: str
+    strength: float
+    layers: tuple[int, int] | None = None
+    start: str | int = "prompt"
+    until: int | None = None
+    after: str | int | None = None
+    when: Gate | None = None
+
+
+_ENTRY_FIELDS = {"vector", "strength", "layers", "from", "until", "after", "when"}
+
+
+def steer_list(name: str, v: Any) -> tuple[SteerEntry, ...]:
+    """A request's `steer`: a list of 1..MAX_STEER entries; one `when` per request (its
+    gated entries share it)."""
+    if not isinstance(v, list) or not 1 <= len(v) <= MAX_STEER:
+        raise ValueError(f"{name}: must be a list of 1..{MAX_STEER} entries, got {show(v)}")
+    out = []
+    for i, e in enumerate(v):
+        at = f"{name}: [{i}]"
+        if not isinstance(e, dict):
+            raise ValueError(f"{at}: must be an object {{vector, strength, ...}}, got {show(e)}")
+        extra = sorted(set(e) - _ENTRY_FIELDS)
+        if extra:
+            raise ValueError(f"{at}.{extra[0]}: unknown field (known: {', '.join(sorted(_ENTRY_FIELDS))})")
+        if "vector" not in e or "strength" not in e:
+            raise ValueError(f"{at}.{'vector' if 'vector' not in e else 'strength'}: missing")
+        start = e.get("from", "prompt")
+        if start not in ("prompt", "generated"):
+            start = _position(f"{at}.from", start)
+        after = e.get("after")
+        if after is not None:
+            if isinstance(after, str):
+                if not after or len(after.encode("utf-8", "surrogatepass")) > MAX_AFTER_BYTES:
+                    raise ValueError(f"{at}.after: a string of 1..{MAX_AFTER_BYTES} bytes or a token id")
+            elif isinstance(after, bool) or not isinstance(after, int) or not 0 <= after < (1 << 31):
+                raise ValueError(f"{at}.after: must be a string or a token id, got {show(after)}")
+        when = e.get("when")
+        if when is not None:
+            if not isinstance(when, dict) or set(when) != {"vector", "layer", "above"}:
+                raise ValueError(f"{at}.when: must be {{\"vector\", \"layer\", \"above\"}}, got {show(when)}")
+            lay = when["layer"]
+            if isinstance(lay, bool) or not isinstance(lay, int) or lay < 1:
+                raise ValueError(f"{at}.when.layer: must be a layer number >= 1, got {show(lay)}")
+            when = Gate(vector_id(f"{at}.when.vector", when["vector"]), lay,
+                        _threshold(f"{at}.when.above", when["above"]))
+        until = e.get("until")
+        out.append(SteerEntry(vector_id(f"{at}.vector", e["vector"]), strength(f"{at}.strength", e["strength"]),
+                              _layers_text(f"{at}.layers", e["layers"]) if e.get("layers") is not None else None,
+                              start, _position(f"{at}.until", until) if until is not None else None, after, when))
+    gates = {x.when for x in out if x.when is not None}
+    if len(gates) > 1:
+        raise ValueError(f"{name}: one `when` per request (its gated entries share it), got {len(gates)}")
+    return tuple(out)

@@ -225,6 +225,8 @@ class Engine:
         session.deferred.clear()
         session.grammars.clear()
         session.grammar_bytes = 0
+        if self.rt is not None and getattr(self.rt, "steering", None) is not None:
+            self.rt.steering.close(session)  # its vectors; one a running request uses stays to its end
         self.sessions.discard(session)
         if self.states is not None:
             self.states.drop_namespace(session.namespace)

@@ -20,10 +20,11 @@ import numpy as np
 from ..llama import features
 from ..base.fieldcheck import show
 from ..activations import steer, vector
+from ..activations.slots import SlotsFull
 from ..grammar.grammars import GrammarError
 from ..wire.protocol import (REQUESTS, CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest,
-                             PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, forked_event,
-                             freed_event, grammar_ready_event, stats_event)
+                             PrefillRequest, ProtocolError, ScoreRequest, StatsRequest, VectorRequest, forked_event,
+                             freed_event, grammar_ready_event, stats_event, vector_freed_event, vector_ready_event)
 from ..sampling import SamplerParamError, SequenceSampler
 from ..sampling.fastpath import FastStats
 from ..wire.scoring import windows_for
@@ -65,6 +66,45 @@ class Handlers(StateFileHandlers):
         session.grammars[req.id] = compiled
         session.send(grammar_ready_event(req.id, **compiled.coverage_fields()))
 
+    # ------------------------------------------------------------ steering vectors
+
+    def _steering(self, field: str, seq_id: int, kind: str) -> Any:
+        """The context's steering slots; the refusal naming `field` and the build that has them."""
+        st = self.rt.steering
+        if st is None:
+            e = features.refusal("steer-slots", features.lacking("steer-slots", features.for_native(self.rt.model.nat)),
+                                 self.rt.model.nat.name)
+            raise ProtocolError(f"{field}: {e.reason}", seq_id, kind)
+        return st
+
+    def vector(self, session: Session, req: VectorRequest, work: Prepared) -> None:
+        st = self._steering("vector", -1, "vector")
+        if isinstance(req.vector, str) and session.namespace is not None:
+            # a socket client names no file of the server's (state files are names in its
+            # namespace, statedir.py): it sends the directions as data (wb.vector reads a
+            # GGUF on the client's side)
+            raise ProtocolError("vector: a socket client sends the directions as data ({layer: vector}); "
+                                "a GGUF path is read on stdio only", -1, "vector")
+        try:
+            ready = st.register(session, req.id, req.vector)
+        except KeyError:
+            raise ProtocolError(f"id: vector {show(req.id)} is registered (free it first)", -1, "vector") from None
+        except SlotsFull as e:
+            raise ProtocolError(f"id: {e}", -1, "vector") from None
+        except steer.SteerError as e:
+            raise ProtocolError(str(e), -1, "vector") from None
+        session.send(vector_ready_event(req.id, **ready))
+
+    def _steer_for(self, session: Session, entries: tuple | None, seq_id: int, kind: str) -> Any:
+        """A request's `steer` resolved against its session's vectors (None: it has none)."""
+        if entries is None:
+            return None
+        st = self._steering("steer", seq_id, kind)
+        try:
+            return st.for_request(session, entries, self.rt.model.detokenize)
+        except steer.SteerError as e:
+            raise ProtocolError(str(e), seq_id, kind) from None
+
     # ------------------------------------------------------------ sequences that run
 
     def infer(self, session: Session, req: InferRequest, work: Prepared) -> None:
@@ -89,6 +129,7 @@ class Handlers(StateFileHandlers):
             cvec = vector.for_request(rt.cvec, rt.model.nat, req.controlVectorStrength)
         except (features.FeatureMissing, steer.SteerError) as e:
             raise ProtocolError(str(e), seq_id, "infer") from None
+        steering = self._steer_for(session, req.steer, seq_id, "infer")
         prompt = work.prompt.get(continuing=held is not None)  # both ways: prepare.work_for
         if held is None and len(prompt) == 0:
             raise ProtocolError("prompt: empty (nothing to continue from)", seq_id, "infer")
@@ -104,7 +145,8 @@ class Handlers(StateFileHandlers):
             self._reopen_held(seq, prompt)
         else:
             seq.tokens, seq.n_past = prompt.tolist(), 0
-            if req.reusePrefix and cvec is None and patch is None:  # a steered or patched prompt is computed so
+            if req.reusePrefix and cvec is None and steering is None and patch is None:
+                # a steered or patched prompt is computed steered or patched, never shared
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
         seq.patched = seq.patched or patch is not None
@@ -118,6 +160,7 @@ class Handlers(StateFileHandlers):
                                  stops=StopMatcher(req.stop), max_tokens=req.maxTokens, capture=capture,
                                  patch=patch,
                                  steer=cvec, strength=req.controlVectorStrength,
+                                 steering=steering,
                                  check=compiled.check if compiled is not None and (
                                      req.validate or compiled.checks_outputs) else None,
                                  paths=FastStats() if rt.ctx.presampler is not None else None,
@@ -166,16 +209,18 @@ class Handlers(StateFileHandlers):
             raise ProtocolError(f"patch: the text is scored in {len(windows)} windows; a patch names the "
                                 "positions of one (a shorter text, or a larger window)", seq_id, "score")
         patch = patches.for_request(self.rt, req, session.namespace, 0, len(windows[0][0]))
+        steering = self._steer_for(session, req.steer, seq_id, "score")
         seq = seqs.new(session, seq_id, "score")
         seq.tokens, seq.n_past = windows[0][0].tolist(), 0
         seqs.start(seq, ScoreJob(n_prompt=sum(len(w[0]) for w in windows), windows=windows,
-                                 per_token=req.perToken, capture=capture, patch=patch))
+                                 per_token=req.perToken, capture=capture, patch=patch, steering=steering))
 
     def prefill(self, session: Session, req: PrefillRequest, work: Prepared) -> None:
         seqs = self.seqs
         seq_id = req.seq_id
         seqs.check_id(seq_id, "prefill")
         held = self._held_or_free(session, seq_id, "prefill")
+        steering = self._steer_for(session, req.steer, seq_id, "prefill")
         prompt = work.prompt.get(continuing=held is not None)  # both ways: prepare.work_for
         self._check_fits(held, prompt, seq_id, "prefill")
         capture = readout.for_request(self.rt, req, session.namespace,
@@ -186,7 +231,8 @@ class Handlers(StateFileHandlers):
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         self._no_lone_prompt_token(seq)
         seq.patched = seq.patched or patch is not None
-        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past, capture=capture, patch=patch))
+        seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past, capture=capture, patch=patch,
+                                   steering=steering))
 
     def _held_or_free(self, session: Session, seq_id: int, kind: str) -> Sequence | None:
         """The held sequence to continue, None for a free seq_id; an active one is an error."""
@@ -253,6 +299,11 @@ class Handlers(StateFileHandlers):
         self.seqs.finish(seq, "cancelled")
 
     def free(self, session: Session, req: FreeRequest, work: Prepared) -> None:
+        if req.vector is not None:  # a running request that uses it keeps it to its end (slots.py)
+            if not self._steering("vector", -1, "free").free(session, req.vector):
+                raise ProtocolError(f"vector: unknown vector {show(req.vector)}", -1, "free")
+            session.send(vector_freed_event(req.vector))
+            return
         seq = session.seqs.get(req.seq_id)
         if seq is None:
             raise ProtocolError(f"seq_id: sequence {req.seq_id} holds nothing", req.seq_id, "free")
@@ -292,6 +343,7 @@ class Handlers(StateFileHandlers):
 #: ends the client's connection at quit.
 HANDLERS: dict[str, Callable[[Handlers, Session, Any], None]] = {
     "grammar": Handlers.grammar,
+    "vector": Handlers.vector,
     "infer": Handlers.infer,
     "score": Handlers.score,
     "prefill": Handlers.prefill,

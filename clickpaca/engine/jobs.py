@@ -87,12 +87,18 @@ class Job:
     patch: "JobPatch | None" = None  # the activations it writes (patches.py)
     #: a job that samples with a presampler: its FastStats (the paths its tokens took, the K it asks for)
     paths = None
+    #: its own `steer` (activations/steering.RequestSteer): in the table from begin to end
+    steering: Any = None
 
     def begin(self, seq: "Sequence") -> None:
         """It starts on the sequence (Sequences.start), before any of its tokens is decoded."""
+        if self.steering is not None:
+            self.steering.begin(seq.slot, seq.tokens)
 
     def end(self, seq: "Sequence") -> None:
         """It is over (held, finished, failed or released): undo what `begin` set."""
+        if self.steering is not None:
+            self.steering.end()
 
     def want(self, seq: "Sequence") -> Want:
         raise NotImplementedError
@@ -201,10 +207,12 @@ class InferJob(Job):
     n_forced: int = 0
 
     def begin(self, seq: "Sequence") -> None:
+        super().begin(seq)
         if self.steer is not None:
             self.steer.set(seq.slot, self.strength)
 
     def end(self, seq: "Sequence") -> None:
+        super().end(seq)
         if self.steer is not None:
             self.steer.reset(seq.slot)
 
@@ -316,6 +324,8 @@ class InferJob(Job):
         # (jump.py) was consumed by the matcher when its run was found, and fed already.
         rt = tick.rt
         seq.tokens.append(token)
+        if self.steering is not None:  # an `after` trigger may start at the next token
+            self.steering.seen(seq.tokens)
         if forced is None and rt.model.is_eog(token):
             self._end_if_over(tick, seq, eog=True)
             return

@@ -14,6 +14,7 @@ from ..llama import backends, cachetypes, core, cpu, deterministic, features, gp
 from ..wire import chat, pretokenize
 from . import statedir
 from ..activations import steer
+from ..activations.steering import Steering
 from ..activations.vector import ContextVector
 from ..grammar.grammars import GrammarEngine
 from .mask_ahead import MaskAhead
@@ -40,6 +41,7 @@ class Runtime:
                  loss: rpc.WorkerLoss | None = None, readout: Readout | None = None) -> None:
         self.model, self.ctx = model, ctx
         self.states = states
+        self.steering: Steering | None = None  # the activations build's vector slots (_start)
         self.readout = readout if readout is not None else Readout(model.nat, False)
         self.readout.bind(ctx)
         self.deterministic = deterministic
@@ -52,6 +54,7 @@ class Runtime:
             self.cvec = ContextVector.open(ctx, req)
         except steer.SteerError as e:
             raise ProtocolError(str(e), request="init") from None
+        self.steering = Steering.open(ctx, req.vectorSlots)  # the K slots are made by the first vector
         self.center = open_center(ctx, req.kvCenter)  # before the warm-up too (llama/kvcenter.py)
         self._warm_up()
         self.vocab = pretokenize.Vocab(model)  # tokenizing in linear time (pretokenize.py)

@@ -131,6 +131,13 @@ FEATURES: tuple[Feature, ...] = (
              "ggml_get_tensor", "ggml_backend_cpu_buffer_from_ptr", "ggml_backend_tensor_alloc",
              "ggml_rms_norm", "ggml_top_k", "ggml_argmax", "ggml_soft_max", "ggml_sum_rows", "ggml_concat"),
             field="lens", request="infer", refused="a request's lens"),
+    Feature("steer-slots", "each request's own steering vectors: K direction slots per context, "
+            "strengths per token and layer, triggers and in-graph gates (activations/steering.py)",
+            ("llama_steer_set_slots", "llama_steer_set_slot", "llama_steer_set_table", "llama_steer_set_gate",
+             "llama_steer_n_reserve"),
+            field="steer", request="infer", build="activations",
+            refused="a request's steer (and the vector request)",
+            without="requests steer only through init's controlVector"),
     Feature("kv-center", "key centering in the graph: each key stored minus its layer's "
             "calibrated mean key (llama/kvcenter.py, docs/KV-RESEARCH.md)",
             ("llama_set_kv_center",),

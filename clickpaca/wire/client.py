@@ -213,6 +213,15 @@ class Client:
         self.send({"type": "grammar", "id": gid, "grammar": text, **options})
         return self.wait_misc({"grammar_ready"}, timeout)
 
+    def vector(self, vid: str, vector: Any, timeout: float = 120) -> dict:
+        """Register a steering vector (a control-vector GGUF path or {layer: vector}); its vector_ready."""
+        self.send({"type": "vector", "id": vid, "vector": vector})
+        return self.wait_misc({"vector_ready"}, timeout)
+
+    def free_vector(self, vid: str, timeout: float = 120) -> dict:
+        self.send({"type": "free", "vector": vid})
+        return self.wait_misc({"vector_freed"}, timeout)
+
     def infer(self, seq_id: int, prompt: str, **params: Any) -> None:
         self.send({"type": "infer", "seq_id": seq_id, "prompt": prompt, **params})
 

@@ -236,6 +236,23 @@ class Workbench:
             params["grammar_id"] = self.grammar(text)
         return params
 
+    def vector(self, vid: str, vector: Any) -> dict[str, Any]:
+        """Register a steering vector under `vid` (the activations build): a control-vector
+        GGUF path (read here, sent as data), or {layer: array or list}; its `vector_ready`
+        (slot, layers, norms).
+        Requests name it in `steer=[{"vector": vid, "strength": s, ...}]` (docs/PROTOCOL.md)."""
+        from ..activations.capture import encode
+        from ..activations.cvec import read_gguf
+
+        if isinstance(vector, (str, os.PathLike)):  # read here: a socket server reads no client's path
+            vector = read_gguf(os.fspath(vector))
+        return self.client.vector(vid, {str(il): encode(np.asarray(v, dtype=np.float32), "float32")
+                                        for il, v in vector.items()})
+
+    def free_vector(self, vid: str) -> None:
+        """Release a steering vector (a request already using it keeps it to its end)."""
+        self.client.free_vector(vid)
+
     def grammar(self, text: str) -> str:
         """Register a grammar once per server; its id (raises ServerError on a bad grammar)."""
         gid = self._grammars.get(text)

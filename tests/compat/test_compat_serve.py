@@ -58,9 +58,9 @@ def blocking(build) -> list[dict]:
 def lacking(build, init_itself: bool) -> dict[str, list[str]]:
     """feature -> the names this build lacks, for the features init itself needs
     (`init_itself`) or for the optional ones that refuse an init option (those refused in
-    another request, cvec-seq's infer strength, are tested on mainline in
-    tests/test_activations_server.py; `patch`, refused without eval-callback-live, in
-    tests/test_engine_patches.py)."""
+    another request, cvec-seq's infer strength and steer-slots' vector / steer, are tested on
+    mainline in tests/test_activations_server.py and tests/test_activations_steering.py;
+    `patch`, refused without eval-callback-live, in tests/test_engine_patches.py)."""
     have = features.for_manifest(manifest(build))
     return {f.name: features.lacking(f, have) for f in features.FEATURES
             if f.refuses and f.request == "init" and (f.field == "build") == init_itself

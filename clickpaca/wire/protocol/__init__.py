@@ -20,10 +20,12 @@ from .checks import (CAPTURE_DEFAULT, CAPTURE_DTYPES, CAPTURE_TOKENS, MAX_CAPTUR
 from .declare import REQUEST_TYPES, REQUESTS, Request, request_type, wire, with_params
 from .events import (END_EVENTS, EVENTS, done_event, encode, error_event, forked_event, freed_event,
                      grammar_ready_event, loaded_event, prefilled_event, ready_event, saved_event,
-                     scored_event, stats_event, token_event)
+                     scored_event, stats_event, token_event, vector_freed_event,
+                     vector_ready_event)
 from .parse import MAX_JSON_DEPTH, MAX_LINE_BYTES, ProtocolError, json_depth, parse_line, validate
 from .requests import (CancelRequest, ForkRequest, FreeRequest, GrammarRequest, InferRequest, InitRequest,
-                       LoadRequest, PrefillRequest, QuitRequest, SaveRequest, ScoreRequest, StatsRequest)
+                       LoadRequest, PrefillRequest, QuitRequest, SaveRequest, ScoreRequest, StatsRequest,
+                       VectorRequest)
 
 __all__ = ["CAPTURE_DEFAULT", "CAPTURE_DTYPES", "CAPTURE_TOKENS", "END_EVENTS", "EVENTS", "MAX_CAPTURE_NODES",
            "MAX_GRAMMAR_BYTES", "MAX_JSON_DEPTH", "MAX_LINE_BYTES", "MAX_LOGIT_BIAS", "MAX_MESSAGES",
@@ -34,4 +36,5 @@ __all__ = ["CAPTURE_DEFAULT", "CAPTURE_DTYPES", "CAPTURE_TOKENS", "END_EVENTS", 
            "StatsRequest", "done_event", "encode", "error_event", "forked_event", "freed_event",
            "grammar_ready_event", "json_depth", "loaded_event", "parse_line", "prefilled_event", "ready_event",
            "request_type", "sampler_fields", "saved_event", "scored_event", "stats_event", "token_event",
-           "validate", "wire", "with_params"]
+           "validate", "wire", "with_params", "VectorRequest", "vector_freed_event",
+           "vector_ready_event"]

@@ -46,6 +46,19 @@ def grammar_ready_event(grammar_id: str, enforced: bool | None = None,
     return ev
 
 
+@_event("vector_ready")
+def vector_ready_event(vector_id: str, slot: int, layers: list[int], norms: dict, reserves: int) -> dict:
+    """A steering vector registered: its slot, its layers, each layer's norm, and how often
+    the steering has re-reserved the graph so far (activations/steering.py)."""
+    return {"type": "vector_ready", "id": vector_id, "slot": slot, "layers": layers, "norms": norms,
+            "reserves": reserves}
+
+
+@_event("vector_freed")
+def vector_freed_event(vector_id: str) -> dict:
+    return {"type": "vector_freed", "id": vector_id}
+
+
 @_event("token")
 def token_event(seq_id: int, token: int, piece: str, logprobs: dict | None = None,
                 forced: bool = False) -> dict:

@@ -146,6 +146,8 @@ class InitRequest(Request):
     controlVector: Any = wire(_opt(checks.cvec("control_vector")), None)
     controlVectorLayers: tuple[int, int] | None = wire(_opt(checks.cvec("layer_range")), None)
     controlVectorStrength: float = wire(checks.cvec("strength"), 1.0)
+    # resident steering vectors (`vector` requests) of the activations build (docs/ACTIVATIONS.md)
+    vectorSlots: int = wire(_int(1, 64), 8)
     # key centering (docs/KV-RESEARCH.md, "Key centering in the graph"): a center file that
     # `clickpaca kv-center` wrote; every key is stored minus its layer's mean key
     kvCenter: str | None = wire(_opt(_str(True)), None)
@@ -189,6 +191,16 @@ class GrammarRequest(Request):
             raise ValueError("strict: refuses what lenient ignores; give one of them")
 
 
+@request_type("vector")
+@dataclass(frozen=True, kw_only=True)
+class VectorRequest(Request):
+    """Register a steering vector under an id of the client's session (docs/ACTIVATIONS.md):
+    a control-vector GGUF path or {layer: vector}, as init's controlVector."""
+
+    id: str = wire(checks.cvec("vector_id"))
+    vector: Any = wire(checks.cvec("control_vector"))
+
+
 @request_type("infer")
 @dataclass(frozen=True, kw_only=True)
 class InferRequest(Request):
@@ -209,6 +221,7 @@ class InferRequest(Request):
     patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
     controlVectorStrength: float | None = wire(_opt(checks.cvec("strength")), None)  # this sequence's (init's vector)
     lens: tuple | None = wire(_opt(checks.lens), None)  # the logit lens (docs/ACTIVATIONS.md)
+    steer: tuple | None = wire(_opt(checks.cvec("steer_list")), None)  # its own vectors (activations/steering.py)
     validate: bool = wire(_bool, False)  # check the finished output against the JSON schema grammar
     jumpForward: bool = wire(_bool, False)  # a grammar's forced tokens fed as one chunk (engine/jump.py)
     params: SamplerParams = folded(sampler_fields, SamplerParams)
@@ -239,6 +252,7 @@ class ScoreRequest(Request):
     # (the default window is the context's): both scoring.check_score_last's rule
     scoreLast: int | None = wire(_opt(_int(SCORE_LAST_MIN, 1 << 24)), None)
     perToken: bool = wire(_bool, False)
+    steer: tuple | None = wire(_opt(checks.cvec("steer_list")), None)  # its own vectors (activations/steering.py)
     capture: tuple[str, ...] | None = wire(_opt(checks.node_names), None)  # docs/ACTIVATIONS.md
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
@@ -262,9 +276,22 @@ class CancelRequest(Request):
 @request_type("free")
 @dataclass(frozen=True, kw_only=True)
 class FreeRequest(Request):
-    """Release a sequence, running or held, and its KV cells."""
+    """Release a sequence, running or held, and its KV cells; or (`vector`) a steering
+    vector registered by this client."""
 
-    seq_id: int = wire(SEQ)
+    seq_id: int | None = wire(_opt(SEQ), None)
+    vector: str | None = wire(_opt(checks.cvec("vector_id")), None)
+
+    @property
+    def reply_seq_id(self) -> int:
+        return -1 if self.seq_id is None else self.seq_id
+
+    @classmethod
+    def check_across(cls, obj: dict, values: dict) -> None:
+        if values["seq_id"] is None and values["vector"] is None:
+            raise ValueError("seq_id: missing (required for free)")
+        if values["seq_id"] is not None and values["vector"] is not None:
+            raise ValueError("vector: a free names a sequence (seq_id) or a vector, not both")
 
 
 @request_type("prefill")
@@ -281,6 +308,7 @@ class PrefillRequest(Request):
     captureTokens: str | None = wire(_opt(_one_of(CAPTURE_TOKENS)), None)
     captureDtype: str = wire(_one_of(CAPTURE_DTYPES), "float32")
     patch: tuple | None = wire(_opt(checks.patches), None)  # activation patching: docs/ACTIVATIONS.md
+    steer: tuple | None = wire(_opt(checks.cvec("steer_list")), None)  # its own vectors (activations/steering.py)
 
     @classmethod
     def check_across(cls, obj: dict, values: dict) -> None:
