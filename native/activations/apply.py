@@ -3,7 +3,7 @@
 
     python3 native/activations/apply.py <llama.cpp-source-dir>
 
-Two small changes for reading and steering activations per sequence:
+Three changes for reading and steering activations per sequence:
 
 1. The eval callback set and unset on a live context (llama_set_eval_callback), so a
    decode without a capture runs with no callback at all: upstream takes cb_eval only at
@@ -29,6 +29,24 @@ upstream's, bit for bit. New C API (include/llama.h):
 
 The vector itself is still set by llama_set_adapter_cvec (directions and layer range);
 give it unscaled and steer each sequence by its strength.
+
+3. Steering slots: each request's own vectors (activations/steering.py). K direction sets
+live in the context; after layer il, in build_cvec's place,
+
+    cur = cur + dirs_il [n_embd, K] x s_il [K, n_tokens]
+
+one ggml_mul_mat per steered layer, where s_il is a graph input filled in set_input from
+a host table of entries {sequence, slot, positions [from, until), layers, strength,
+gated}: a token's strength is the sum of the entries that cover its sequence, position
+and layer. Triggers are positions the host resolves, so the table changes per tick and
+the graph is reused. A gate (llama_steer_set_gate) opens per token where the residual
+after layer il, projected on a slot's direction of that layer, exceeds a threshold:
+ggml_mul_mat, a subtraction and ggml_step in the graph, multiplying the gated entries'
+strengths; the host never reads the residual. Slot contents, the table and thresholds are
+data; K and turning gates on re-reserve the graph (llama_steer_n_reserve counts them).
+K = 0: upstream's graph. New C API: llama_steer_set_slots, llama_steer_set_slot,
+llama_steer_set_table, llama_steer_set_gate, llama_steer_n_reserve (include/llama.h, each
+with its comment). The C fills the inputs and composes ggml's own ops; no kernel of ours.
 
 Every anchor must match exactly once, or nothing at all is written (exit status 1, a
 message naming the file and anchor: native/patchset.py, shared with the other patch sets).
