@@ -136,6 +136,26 @@ def test_neighbours_leave_each_sequence_as_it_runs_alone(srv):
     assert together(srv, reqs) == solo
 
 
+def test_a_steered_prefill_is_never_another_prompts_prefix(srv):
+    """A sequence prefilled with steering holds steered cells, and so does its fork: an
+    unsteered infer whose prompt begins with that text computes its own cells, bit for bit
+    as with nothing held (deterministic mode promises the same across reused state)."""
+    prompt = PROMPTS[0] + " better than the book, and"
+    cold = alone(srv, prompt)
+    ev = srv.request({"type": "prefill", "seq_id": 6, "prompt": PROMPTS[0],
+                      "steer": [{"vector": "a", "strength": 1.5}]})
+    assert ev["type"] == "prefilled", ev
+    assert srv.request({"type": "fork", "seq_id": 6, "dst_seq_id": 7})["type"] == "forked"
+    held = [6, 7]
+    try:
+        assert alone(srv, prompt) == cold  # neither held sequence lent its cells
+        srv.request({"type": "free", "seq_id": held.pop(0)})
+        assert alone(srv, prompt) == cold  # the fork alone did not either
+    finally:
+        for s in held:
+            srv.request({"type": "free", "seq_id": s})
+
+
 def test_from_generated_equals_the_prompt_length_by_hand(srv):
     n = n_tokens(srv, PROMPTS[0])
     plain = alone(srv, PROMPTS[0])

@@ -149,7 +149,7 @@ class Handlers(StateFileHandlers):
                 # a steered or patched prompt is computed steered or patched, never shared
                 self._reuse_prefix(seq)
         self._no_lone_prompt_token(seq)
-        seq.patched = seq.patched or patch is not None
+        seq.altered = seq.altered or patch is not None
         # The sampler reads the sequence's one history (the whole context: prompt, held,
         # forked or loaded tokens, then each accepted one), never a copy of it. It holds the
         # breaker table the preparation made (prepare.py) for the request's life.
@@ -230,7 +230,7 @@ class Handlers(StateFileHandlers):
         seq = held if held is not None else seqs.new(session, seq_id, "prefill")
         seq.tokens.extend(prompt.tolist())  # a held sequence's n_past stays: it continues
         self._no_lone_prompt_token(seq)
-        seq.patched = seq.patched or patch is not None
+        seq.altered = seq.altered or patch is not None or steering is not None
         seqs.start(seq, PrefillJob(n_prompt=len(seq.tokens) - seq.n_past, capture=capture, patch=patch,
                                    steering=steering))
 
@@ -268,7 +268,7 @@ class Handlers(StateFileHandlers):
         ctx, model = self.rt.ctx, self.rt.model
         best, best_n = None, 0
         for other in seq.session.seqs.values():
-            if other is seq or not other.held or not other.tokens or other.patched:
+            if other is seq or not other.held or not other.tokens or other.altered:
                 continue
             m = min(len(other.tokens), len(seq.tokens) - 1)
             a = np.asarray(other.tokens[:m], np.int32)
@@ -330,6 +330,7 @@ class Handlers(StateFileHandlers):
         dst = seqs.new(session, dst_id, "fork")  # starts held: a fork is how a sequence starts, not a kind
         self.rt.ctx.seq_cp(src.slot, dst.slot, -1, -1)
         dst.tokens, dst.n_past = list(src.tokens), src.n_past
+        dst.altered = src.altered  # the same cells: a patched or steered prefix stays unshared
         session.send(forked_event(src.seq_id, dst_id, dst.n_past))
 
     def stats(self, session: Session, req: StatsRequest, work: Prepared) -> None:

@@ -9,7 +9,7 @@ the tokens the request feeds. Before each decode engine/readout.py asks each job
 `writes` of that feed; the callback writes them (activations/patching.py).
 
 A patched sequence's cells hold what the patch made of them, so no other request's prompt
-reuses them as a prefix (Sequence.patched).
+reuses them as a prefix (Sequence.altered).
 """
 
 from __future__ import annotations

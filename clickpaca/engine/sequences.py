@@ -60,7 +60,9 @@ class Sequence:
     job: Job | None = None  # set and cleared only by Sequences (start, hold, release)
     loading: bool = False  # a `load` reads its file: taken, not yet held
     kv_wait: bool = False  # a decode found no KV room for its prompt: retried when cells free up
-    patched: bool = False  # a patch wrote into its cells (patches.py): never another prompt's prefix
+    # its cells hold what a request's own patch or steering made of them (patches.py,
+    # activations/steering.py): never another prompt's prefix; a fork inherits it
+    altered: bool = False
 
     @property
     def held(self) -> bool:
