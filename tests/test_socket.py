@@ -193,14 +193,15 @@ def test_client_init_matches_running_server(sock_server):
 
 #: A valid value of every init field that differs from what sock_server runs (issue #25:
 #: the shared server compared 10 fields and said `ready` to, e.g., deterministic: true).
-DIFFERENT = {"modelPath": "/nonexistent/other.gguf", "nGpuLayers": 0, "nCtx": 128, "nBatch": 64,
+DIFFERENT = {"modelPath": "/nonexistent/other.gguf", "nGpuLayers": 0, "nCtx": 128, "nBatch": 64, "nUbatch": 32,
              "nSeqMax": 8, "cacheTypeK": "q8_0" if TEST_CACHE_K != "q8_0" else "f16",
              "cacheTypeV": "q8_0" if TEST_CACHE_V != "q8_0" else "f16", "nThreads": 1,
              "build": "turboquant" if TEST_BUILD != "turboquant" else "mainline",
              "flashAttn": "off", "swaFull": False, "kvUnified": False, "stateDir": "/tmp/elsewhere",
              "deterministic": True, "preselect": True, "rpcServers": ["127.0.0.1:50052"], "tensorSplit": [1.0],
              "rpcTimeout": 30.0, "outputLocal": True, "capture": True, "controlVector": "/nonexistent/v.gguf",
-             "controlVectorLayers": [2, 3], "controlVectorStrength": 2.0, "kvCenter": "/nonexistent/c.npz"}
+             "controlVectorLayers": [2, 3], "controlVectorStrength": 2.0, "kvCenter": "/nonexistent/c.npz",
+             "vectorSlots": 4}
 #: Fields that only apply with another (the protocol refuses them alone): sent with it.
 WITH = {"controlVectorLayers": "controlVector", "controlVectorStrength": "controlVector"}
 
@@ -211,12 +212,12 @@ def test_client_init_is_checked_against_every_field(sock_server):
     assert set(DIFFERENT) == set(REQUESTS["init"]), "a new init field needs a row here"
     with Client.connect(sock_server) as c:
         ready = c.init()
-        same = {"modelPath": ready["model"]["path"], "nGpuLayers": -1, "nCtx": 4096, "nBatch": 512,
+        same = {"modelPath": ready["model"]["path"], "nGpuLayers": -1, "nCtx": 4096, "nBatch": 512, "nUbatch": 512,
                 "nSeqMax": 64, "cacheTypeK": TEST_CACHE_K, "cacheTypeV": TEST_CACHE_V,
                 "nThreads": ready["nThreads"], "build": TEST_BUILD, "flashAttn": "auto", "swaFull": True,
                 "kvUnified": True, "stateDir": ready["stateDir"], "deterministic": False, "preselect": False,
                 "rpcServers": None, "tensorSplit": None, "rpcTimeout": 120.0, "outputLocal": False,
-                "capture": False, "controlVector": None, "kvCenter": None}
+                "capture": False, "controlVector": None, "kvCenter": None, "vectorSlots": 8}
         assert c.init(**same)["type"] == "ready"  # every field given, each as it runs
         for name, value in DIFFERENT.items():
             if name == "nThreads" and ready["nThreads"] == 1:

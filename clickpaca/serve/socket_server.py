@@ -289,7 +289,7 @@ class SocketServer:
 #: as well as the one given at start.
 RESOLVED = {"modelPath": lambda ready: ready["model"]["path"], "build": lambda ready: ready["build"],
             "stateDir": lambda ready: ready["stateDir"], "nThreads": lambda ready: ready["nThreads"],
-            "preselect": lambda ready: ready["preselect"]}
+            "preselect": lambda ready: ready["preselect"], "nUbatch": lambda ready: ready["nUbatch"]}
 
 
 def init_differences(asked: InitRequest, running: InitRequest, ready: dict) -> list[str]:
