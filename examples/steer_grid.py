@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from clickpaca import Workbench
-from clickpaca.measure.steering import score as sentiment
+from clickpaca.measure.steering import per_100_words, score as sentiment
 
 ROOT = Path(__file__).resolve().parents[1]
 SENTIMENT = (-2.0, 0.0, 2.0)  # |direction| 43..304 on layers 4-9 (clickpaca cvec prints it)
@@ -43,17 +42,11 @@ consequently nevertheless sincerely kindly request require shall would pleased r
 assistance concerning respectively additionally subsequently""".split())
 INFORMAL = frozenset("""gonna wanna gotta kinda yeah yep nope hey lol ok okay cool dude guys
 stuff totally super awesome like ya cause""".split())
-WORD = re.compile(r"[a-z']+")
 
 
 def formality(text: str) -> float:
     """(formal - informal markers) per 100 words; a contraction counts as informal."""
-    words = WORD.findall(text.lower())
-    if not words:
-        return 0.0
-    formal = sum(w in FORMAL for w in words)
-    informal = sum(w in INFORMAL or "'" in w for w in words)
-    return 100.0 * (formal - informal) / len(words)
+    return per_100_words(text, FORMAL.__contains__, lambda w: w in INFORMAL or "'" in w)
 
 
 def derive(name: str, out: Path) -> Path:

@@ -45,11 +45,19 @@ def run(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, layer:
     steer.apply(ctxs[3], {il: rng.normal(scale=0.01, size=model.n_embd).astype(np.float32)
                           for il in range(1, model.n_layer)})
     prompt = model.tokenize("The history of the city begins")
-    out: dict[str, list[float]] = {s: [] for s in SETUPS}
+    return _rounds(model, ctxs, SETUPS, rounds, cpu,
+                   lambda name, ctx: _decode_rate(model, ctx, prompt, seqs, steps, layer=layer,
+                                                  capture=caps[2] if name == SETUPS[2] else None))
+
+
+def _rounds(model: core.Model, ctxs: list, names: tuple[str, ...], rounds: int,
+            cpu: dict[str, list[float]] | None, rate) -> dict[str, list[float]]:
+    """Each setup in turn, round after round (`rate(name, ctx)` -> (wall, per CPU)):
+    tokens/s by the wall clock per setup, per CPU second into `cpu`; then close them all."""
+    out: dict[str, list[float]] = {s: [] for s in names}
     for _ in range(rounds):
-        for name, ctx, cap in zip(SETUPS, ctxs, caps):
-            wall, per_cpu = _decode_rate(model, ctx, prompt, seqs, steps,
-                                         capture=cap if name == SETUPS[2] else None, layer=layer)
+        for name, ctx in zip(names, ctxs):
+            wall, per_cpu = rate(name, ctx)
             out[name].append(wall)
             if cpu is not None:
                 cpu.setdefault(name, []).append(per_cpu)
@@ -120,17 +128,8 @@ def run_slots(model_path: str, seqs: int = 8, steps: int = 32, rounds: int = 5, 
             when = Gate(f"v{(s + 1) % 8}", 6, 0.0) if i == 2 else None
             rs = st.for_request("bench", (SteerEntry(f"v{s % 8}", strength, when=when),), model.detokenize)
             rs.begin(s, list(prompt))
-    out: dict[str, list[float]] = {s: [] for s in SLOT_SETUPS}
-    for _ in range(rounds):
-        for name, ctx in zip(SLOT_SETUPS, ctxs):
-            wall, per_cpu = _decode_rate(model, ctx, prompt, seqs, steps)
-            out[name].append(wall)
-            if cpu is not None:
-                cpu.setdefault(name, []).append(per_cpu)
-    for c in ctxs:
-        c.close()
-    model.close()
-    return out
+    return _rounds(model, ctxs, SLOT_SETUPS, rounds, cpu,
+                   lambda name, ctx: _decode_rate(model, ctx, prompt, seqs, steps))
 
 
 def _decode_rate(model: core.Model, ctx: core.Context, prompt, seqs: int, steps: int,

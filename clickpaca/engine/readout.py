@@ -75,7 +75,7 @@ class Readout:
     def bind(self, ctx: "core.Context") -> None:
         """The context it reads: how llama.cpp will split its batches (capture.micro_batches)."""
         self.ctx = ctx
-        self.n_ubatch = int(self.nat.lib.llama_n_ubatch(ctx.ptr))
+        self.n_ubatch = ctx.n_ubatch
         self.streams = not ctx.kv_unified
 
     @property

@@ -52,14 +52,18 @@ waste wasted weak frustrating frustrated depressing depressed tragic unfortunate
 WORD = re.compile(r"[a-z']+")
 
 
-def score(text: str) -> float:
-    """(positive - negative words) per 100 words; 0 for a text without words."""
+def per_100_words(text: str, plus, minus) -> float:
+    """(words `plus(w)` holds for - words `minus(w)` holds for) per 100 words, lower-cased;
+    0 for a text without words: the word-list scorers' one arithmetic."""
     words = WORD.findall(text.lower())
     if not words:
         return 0.0
-    pos = sum(w in POSITIVE for w in words)
-    neg = sum(w in NEGATIVE for w in words)
-    return 100.0 * (pos - neg) / len(words)
+    return 100.0 * (sum(map(plus, words)) - sum(map(minus, words))) / len(words)
+
+
+def score(text: str) -> float:
+    """(positive - negative words) per 100 words; 0 for a text without words."""
+    return per_100_words(text, POSITIVE.__contains__, NEGATIVE.__contains__)
 
 
 def run(vector: str, layers: tuple[int, int] | None, rounds: int = 2, max_tokens: int = 32,
