@@ -590,6 +590,8 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
             shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CLICKPACA_BUILD_DIR=str(out / "cmake"))
+        if preset_info:
+            link_driver_stub(env, Path(preset_info["root"]), out)
         if cpu["cflags"]:
             for var in ("CFLAGS", "CXXFLAGS"):
                 env[var] = " ".join([env.get(var, ""), *cpu["cflags"]]).strip()
@@ -643,6 +645,14 @@ def build_locked(flavor: str, preset: str, sdist_version: str | None, jobs: int,
     for name in link_names(flavor, sdist_version, cpu):
         link_build(name, out)
     return out
+
+
+def link_driver_stub(env: dict, toolkit: Path, out: Path) -> None:
+    """Where no NVIDIA driver is installed, the tools' link finds the toolkit's driver
+    stub as libcuda.so.1 (cudakit.link_time_driver), through `env` only."""
+    stubs = cuda.link_time_driver(toolkit, out / "link-stubs")
+    if stubs is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stubs), env.get("LD_LIBRARY_PATH")]))
 
 
 def link_names(flavor: str, sdist_version: str | None, cpu: dict) -> list[str]:

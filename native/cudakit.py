@@ -254,6 +254,27 @@ def write_driver_stub(root: Path, cc: str = "cc") -> Path:
     return out
 
 
+def link_time_driver(root: Path, dest: Path, ldconfig: str | None = None) -> Path | None:
+    """`dest` holding libcuda.so.1 -> the toolkit's driver stub, for the linker alone: an
+    executable linked against libggml-cuda (llama-bench, llama-server) must resolve the
+    library's driver calls, and ld looks for libcuda.so.1, which only a driver installs.
+    Put on LD_LIBRARY_PATH while building, never at run time (the stub answers error 34).
+    None where the driver's library is installed (ld finds it) or the toolkit has no stub."""
+    cache = subprocess.run([ldconfig or shutil.which("ldconfig") or "/sbin/ldconfig", "-p"],
+                           capture_output=True, text=True).stdout
+    if "libcuda.so.1 " in cache:
+        return None
+    for sub in ("lib/stubs", "lib64/stubs", "targets/x86_64-linux/lib/stubs"):
+        stub = root / sub / "libcuda.so"
+        if stub.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            link = dest / "libcuda.so.1"
+            link.unlink(missing_ok=True)
+            link.symlink_to(stub)
+            return dest
+    return None
+
+
 def assemble_registry_toolkit(cache: Path, wheels: Path | None = None) -> Path:
     """Install the pinned CUDA wheels into the cache (from `wheels`, a bundle's directory,
     when given: no index then) and make their prefix look like a toolkit root: unversioned

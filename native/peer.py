@@ -93,6 +93,9 @@ def make_peer(main: Path, out: Path, key: str, main_key: str, jobs: int) -> None
     out.mkdir(parents=True)
     logfile = out / "build.log"
     env = dict(os.environ)
+    toolkit = (json.loads((main / "build-info.json").read_text()).get("cuda") or {}).get("root")
+    if toolkit:
+        build.link_driver_stub(env, Path(toolkit), out)
     before = cache_values(cmake_dir, list(SERVER_OPTIONS))
     on = [f"-D{k}={v}" for k, v in SERVER_OPTIONS.items()]
     build.log(f"peer: building {TARGET} in the tree {cmake_dir}")

@@ -135,6 +135,36 @@ def test_the_driver_stub_defines_each_function_by_its_link_name(tmp_path):
     assert "SONAME               libcuda.so.1" in soname
 
 
+def test_a_tool_links_against_a_library_that_calls_the_driver_only_with_the_link_time_stub(tmp_path):
+    """llama-bench links against libggml-cuda, which needs libcuda.so.1: on a machine with
+    no driver ld cannot resolve the driver calls, unless build.py puts the stub, named
+    libcuda.so.1, on LD_LIBRARY_PATH (cudakit.link_time_driver) for the build alone."""
+    inc = tmp_path / "include"
+    inc.mkdir()
+    (inc / "cuda.h").write_text("typedef int CUresult;\n#define CUDAAPI\n"
+                                + "".join(f"CUresult CUDAAPI cuF{i}(int x);\n" for i in range(120)))
+    stub = cudakit.write_driver_stub(tmp_path)
+    (tmp_path / "gpu.c").write_text("int cuF7(int);\nint gpu_call(void) { return cuF7(0); }\n")
+    (tmp_path / "tool.c").write_text("int gpu_call(void);\nint main(void) { return gpu_call(); }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libgpu.so"), str(tmp_path / "gpu.c"),
+                    str(stub)], check=True)
+    no_driver = tmp_path / "ldconfig-empty"
+    no_driver.write_text("#!/bin/sh\necho '1 libs found in cache'\n")
+    with_driver = tmp_path / "ldconfig-driver"
+    with_driver.write_text("#!/bin/sh\necho '\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/libcuda.so.1'\n")
+    for f in (no_driver, with_driver):
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    link = ["cc", "-o", str(tmp_path / "tool"), str(tmp_path / "tool.c"), f"-L{tmp_path}", "-lgpu"]
+    bare = subprocess.run(link, capture_output=True, text=True, env=env)
+    assert bare.returncode != 0 and "cuF7" in bare.stderr, bare.stderr
+    assert cudakit.link_time_driver(tmp_path, tmp_path / "links", ldconfig=str(with_driver)) is None
+    stubs = cudakit.link_time_driver(tmp_path, tmp_path / "links", ldconfig=str(no_driver))
+    assert stubs is not None and (stubs / "libcuda.so.1").resolve() == stub.resolve()
+    linked = subprocess.run(link, capture_output=True, text=True, env=dict(env, LD_LIBRARY_PATH=str(stubs)))
+    assert linked.returncode == 0, linked.stderr
+
+
 def no_nvcc_env(tmp_path: Path) -> dict:
     """PATH with the prerequisites (and python) but no nvcc, and no toolkit variables."""
     bindir = tmp_path / "bin"
