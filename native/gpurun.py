@@ -14,8 +14,9 @@ build, install the wheels into a target folder, make the twin model and check it
 load the bindings, agree with the CPU reference, the tests marked gpu, bench decode
 against llama-bench, bench batch 1/8/64 against llama-batched-bench, bench peer (64 mixed
 JSON-schema requests) against llama-server, bench sampler's host share, pre-selection
-against the host path at 8 and 64 sequences. Writes summary.json, summary.md and six logs
-to --out (8 files: what one call brings back). Exit 0 when no step failed.
+against the host path at 8 and 64 sequences, the steering slots' cost against none.
+Writes summary.json, summary.md and six logs to --out (8 files: what one call brings
+back). Exit 0 when no step failed.
 """
 
 from __future__ import annotations
@@ -162,6 +163,15 @@ class Run:
         return self.sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                         "tests/test_gpu.py"], f, budget)
 
+    def steering_cost(self, f, budget) -> int:
+        """Issue 57's cost goals on the GPU: each sequence its own slot vector on every
+        layer, then gated, against no steering, alternating rounds (activations/cost.py)."""
+        rc = 0
+        for seqs in ("8", "64"):
+            rc |= self.sh([sys.executable, "-m", "clickpaca.activations.cost", "--slots", "--seqs", seqs,
+                           "--steps", "32", "--rounds", "7"], f, budget)
+        return rc
+
     def bench(self, *args: str):
         def run(f, budget) -> int:
             return self.sh([sys.executable, "-m", "clickpaca", "bench", *args], f, budget)
@@ -191,6 +201,8 @@ class Run:
         self.step("pre-selection vs the host path at 8 and 64 sequences", 45, "batch",
                   self.bench("batch", "--seqs", "8,64", "--tokens", "32", "--prompt-tokens", "32", "--repeats", "2",
                              "--preselect", "--chain", CHAINS, "--out", str(r / "preselect")), needs_gpu=True)
+        self.step("steering slots: 8 and 64 sequences, plain and gated, vs none", 15, "batch",
+                  self.steering_cost, needs_gpu=True)
         return self.summary()
 
     def summary(self) -> dict:

@@ -170,6 +170,27 @@ def test_per_sequence_control_vectors_steer_on_the_gpu(tmp_path):
     assert [t[0] for t in on] != [t[0] for t in off] or shift > 0.5, (off, on)
 
 
+def test_each_requests_own_vector_steers_on_the_gpu_and_a_shut_gate_does_nothing():
+    """The K steering slots (`vector`, `steer`, `when`; docs/ACTIVATIONS.md) on the GPU: the
+    slot product and the gate's projection and step are ggml ops the CUDA backend runs. A
+    steered request moves its tokens or log-probabilities; a gate that never opens
+    (above 1e30) leaves the unsteered run, up to a near tie (no deterministic mode here)."""
+    rng = np.random.default_rng(57)
+    data = {str(il): rng.normal(scale=4.0, size=640).tolist() for il in range(1, 18)}
+    c = spawn(PATCHED)
+    try:
+        c.vector("v", data)
+        base = greedy(c, 0, PROMPTS[0])
+        on = greedy(c, 1, PROMPTS[0], steer=[{"vector": "v", "strength": 1.0}])
+        shut = greedy(c, 2, PROMPTS[0], steer=[{"vector": "v", "strength": 1.0,
+                                                "when": {"vector": "v", "layer": 6, "above": 1e30}}])
+    finally:
+        c.close()
+    assert same_up_to_a_near_tie(base, shut), (base, shut)
+    shift = max(abs(a[1] - b[1]) for a, b in zip(base, on))
+    assert [t[0] for t in on] != [t[0] for t in base] or shift > 0.5, (base, on)
+
+
 def test_sequences_together_agree_with_each_alone_up_to_a_near_tie():
     c = spawn()
     try:

@@ -104,7 +104,8 @@ def test_the_run_passes_every_step_without_a_gpu_and_skips_the_gpu_ones_by_name(
     assert {"tests marked gpu", "bench decode vs llama-bench", "bench batch 1,8,64 vs llama-batched-bench",
             "bench peer: 64 mixed JSON-schema requests vs llama-server",
             "bench sampler: the host's share of the tick",
-            "pre-selection vs the host path at 8 and 64 sequences"} <= set(steps)
+            "pre-selection vs the host path at 8 and 64 sequences",
+            "steering slots: 8 and 64 sequences, plain and gated, vs none"} <= set(steps)
     assert summary["budget_seconds"] <= gpurun.GOAL_S
     assert summary["model"]["twin_of"] == "gemma-3-270m-q4_k_m.gguf"
     made = json.loads((stand_in["pack"] / "pack.json").read_text())["model"]["twin_sha256"]
