@@ -44,8 +44,10 @@ CHAINS = "greedy,default,temperature_only,n_probs_5,top_p_only,bias_penalties"
 
 
 class Run:
-    def __init__(self, pack: Path, out: Path, work: Path) -> None:
+    def __init__(self, pack: Path, out: Path, work: Path, only: set[str] | None = None,
+                 stop_at: float = STOP_AT_S) -> None:
         self.pack, self.out, self.work = pack, out, work
+        self.only, self.stop_at = only, stop_at
         self.manifest = json.loads((pack / "pack.json").read_text())
         self.site, self.builds, self.model = work / "site", work / "builds", work / "twin.gguf"
         self.results = work / "results"
@@ -63,13 +65,16 @@ class Run:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [self.cuda_lib, env.get("LD_LIBRARY_PATH")]))
         return env
 
-    def step(self, name: str, budget: int, log: str, action, needs_gpu: bool = False) -> None:
+    def step(self, name: str, budget: int, log: str, action, needs_gpu: bool = False, key: str | None = None) -> None:
+        """`key`: the step's name for --only (the set-up steps have none: they always run)."""
         s0 = time.monotonic()
-        row = {"step": name, "budget_s": budget, "log": f"{log}.log", "needs_gpu": needs_gpu}
+        row = {"step": name, "budget_s": budget, "log": f"{log}.log", "needs_gpu": needs_gpu, "key": key}
         if needs_gpu and not self.gpu:
             row.update(status="skipped", reason="needs a GPU: nvidia-smi lists none here", exit=None, seconds=0.0)
-        elif time.monotonic() - self.t0 > STOP_AT_S:
-            row.update(status="skipped", reason=f"out of time ({STOP_AT_S} s spent)", exit=None, seconds=0.0)
+        elif key is not None and self.only is not None and key not in self.only:
+            row.update(status="skipped", reason="not asked for (--only)", exit=None, seconds=0.0)
+        elif time.monotonic() - self.t0 > self.stop_at:
+            row.update(status="skipped", reason=f"out of time ({self.stop_at:.0f} s spent)", exit=None, seconds=0.0)
         else:
             with open(self.out / f"{log}.log", "a") as f:
                 f.write(f"\n=== {name} (budget {budget} s)\n")
@@ -128,6 +133,11 @@ class Run:
         for sub in ("bin", "lib"):
             (peer / sub).symlink_to(build / sub)
         (peer / "build-info.json").write_text(json.dumps({"flavor": "peer", "mainline": str(build)}) + "\n")
+        # the texts' sdist where clickpaca's corpus module looks for it (it checks the sha256)
+        downloads = Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca")) / "downloads"
+        downloads.mkdir(parents=True, exist_ok=True)
+        for item in sorted((self.pack / "files").glob("*")):
+            shutil.copy2(item, downloads / item.name)
         f.write(f"{build}: {', '.join(sorted(p.name for p in (build / 'bin').iterdir()))}; builds {names} + peer\n")
         return 0
 
@@ -182,27 +192,29 @@ class Run:
     def run(self) -> dict:
         r = self.results
         self.step("preflight: driver against the toolkit, cuBLAS", 5, "setup", self.preflight, needs_gpu=True)
-        self.step("unpack the build", 15, "setup", self.unpack)
-        self.step("install the wheels into a target folder", 10, "setup", self.wheels)
-        self.step("make the twin model (sha256 as the recipe says)", 15, "setup", self.twin)
-        self.step("load the bindings", 10, "setup", self.bindings)
-        self.step("agree with the CPU reference (8 prompts, greedy)", 30, "setup", self.agree)
-        self.step("tests marked gpu", 75, "tests", self.tests, needs_gpu=True)
-        self.step("bench decode vs llama-bench", 30, "decode",
-                  self.bench("decode", "--tokens", "128", "--repeats", "3", "--out", str(r / "decode")), needs_gpu=True)
-        self.step("bench batch 1,8,64 vs llama-batched-bench", 40, "batch",
+        self.step("unpack the build", 5, "setup", self.unpack)
+        self.step("install the wheels into a target folder", 5, "setup", self.wheels)
+        self.step("make the twin model (sha256 as the recipe says)", 5, "setup", self.twin)
+        self.step("load the bindings", 5, "setup", self.bindings)
+        self.step("agree with the CPU reference (8 prompts, greedy)", 15, "setup", self.agree, key="agree")
+        self.step("tests marked gpu", 50, "tests", self.tests, needs_gpu=True, key="tests")
+        self.step("bench decode vs llama-bench", 15, "decode",
+                  self.bench("decode", "--tokens", "128", "--repeats", "3", "--out", str(r / "decode")),
+                  needs_gpu=True, key="decode")
+        self.step("bench batch 1,8,64 vs llama-batched-bench", 25, "batch",
                   self.bench("batch", "--seqs", "1,8,64", "--tokens", "64", "--repeats", "2",
-                             "--out", str(r / "batch")), needs_gpu=True)
-        self.step("bench peer: 64 mixed JSON-schema requests vs llama-server", 45, "peer",
-                  self.bench("peer", "--loads", "mixed", "--mixed", "64", "--tokens-schema", "64", "--repeats", "1",
-                             "--out", str(r / "peer")), needs_gpu=True)
-        self.step("bench sampler: the host's share of the tick", 25, "sampler",
-                  self.bench("sampler", "--seqs", "1,8,64", "--out", str(r / "sampler")), needs_gpu=True)
-        self.step("pre-selection vs the host path at 8 and 64 sequences", 45, "batch",
-                  self.bench("batch", "--seqs", "8,64", "--tokens", "32", "--prompt-tokens", "32", "--repeats", "2",
-                             "--preselect", "--chain", CHAINS, "--out", str(r / "preselect")), needs_gpu=True)
-        self.step("steering slots: 8 and 64 sequences, plain and gated, vs none", 15, "batch",
-                  self.steering_cost, needs_gpu=True)
+                             "--out", str(r / "batch")), needs_gpu=True, key="batch")
+        self.step("bench peer: 64 mixed JSON-schema requests vs llama-server", 100, "peer",
+                  self.bench("peer", "--loads", "mixed", "--mixed", "64", "--tokens-schema", "16", "--repeats", "1",
+                             "--out", str(r / "peer")), needs_gpu=True, key="peer")
+        self.step("bench sampler: the host's share of the tick", 15, "sampler",
+                  self.bench("sampler", "--seqs", "1,8,64", "--out", str(r / "sampler")), needs_gpu=True, key="sampler")
+        self.step("pre-selection vs the host path at 8 and 64 sequences", 75, "batch",
+                  self.bench("batch", "--seqs", "8,64", "--tokens", "32", "--prompt-tokens", "32", "--repeats", "1",
+                             "--preselect", "--chain", CHAINS, "--out", str(r / "preselect")),
+                  needs_gpu=True, key="preselect")
+        self.step("steering slots: 8 and 64 sequences, plain and gated, vs none", 20, "batch",
+                  self.steering_cost, needs_gpu=True, key="steering")
         return self.summary()
 
     def summary(self) -> dict:
@@ -295,12 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True, help="summary.json, summary.md and the six logs")
     ap.add_argument("--work", type=Path, help="where the build, wheels and model go (default: a folder beside --out)")
+    ap.add_argument("--only", help="run only these steps after the set-up (comma list of agree, tests, decode, batch, "
+                                   "peer, sampler, preselect, steering): a rerun of the ones that failed")
+    ap.add_argument("--stop-at", type=float, default=STOP_AT_S,
+                    help=f"seconds after which the steps left are skipped (default {STOP_AT_S})")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out.parent / (args.out.name + "-work")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    s = Run(args.pack.resolve(), args.out.resolve(), work.resolve()).run()
+    only = set(args.only.split(",")) if args.only else None
+    s = Run(args.pack.resolve(), args.out.resolve(), work.resolve(), only, args.stop_at).run()
     print(render(s))
     return 1 if s["failed"] else 0
 
