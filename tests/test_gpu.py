@@ -132,7 +132,8 @@ def test_capture_copies_rows_from_the_device_and_they_agree_with_the_cpu(model_p
     results, device_calls = {}, []
     for layers in (-1, 0):
         m = core.Model(model_path, n_gpu_layers=layers, nat=nat)
-        toks = toks or m.tokenize("The quick brown fox jumps over")
+        if toks is None:
+            toks = m.tokenize("The quick brown fox jumps over")
         cap = C.Capture(nat)
         real = cap._device_rows
         monkeypatch.setattr(cap, "_device_rows", lambda *a, _r=real: device_calls.append(layers) or _r(*a))

@@ -329,9 +329,12 @@ class Context(_Owned):
                  n_ubatch: int | None = None, n_seq_max: int = 64, type_k: str = cachetypes.DEFAULT,
                  type_v: str = cachetypes.DEFAULT, n_threads: int | None = None, flash_attn: str = "auto",
                  kv_unified: bool = True, swa_full: bool = True, eval_callback: Any = None,
-                 presampler: Any = None) -> None:
+                 presampler: Any = None, offload: bool = True) -> None:
         """`eval_callback`: a cffi callback of type ggml_backend_sched_eval_callback that sees
         every graph node's output (opdump.py); kept alive as long as the context.
+        `offload` False: no op runs on a GPU, not even with the model on the host (llama.cpp
+        moves a big batch's products and the KV ops there by default): for hooks that read
+        rows in host memory.
         `presampler`: a presample.Presampler attached to every slot (its rows are read
         from llama.cpp's sampled-logits block then: `logits`); the context frees it."""
         self.model = model
@@ -371,6 +374,10 @@ class Context(_Owned):
         if features.available(nat, "swa-small"):
             p.swa_full = swa_full
         p.no_perf = True
+        if not offload:
+            p.offload_kqv = False
+            if "op_offload" in dict(ffi.typeof("struct llama_context_params").fields):
+                p.op_offload = False
         if eval_callback is not None:
             p.cb_eval = eval_callback
         self._eval_callback = eval_callback

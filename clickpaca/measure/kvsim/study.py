@@ -100,14 +100,16 @@ def calibrate(model: str, tokens: np.ndarray, threads: int | None,
               build: str = MAINLINE) -> tuple[dict, Any]:
     """Mean and RMS of K and V per layer and head over one window (Recorder). On the CPU
     whatever the build (the hook reads the rows in host memory; a GPU build's CPU backend
-    computes them), so a GPU machine calibrates too."""
+    computes them: no layer and no op offloaded, as llama.cpp sends a big batch's ops to a GPU
+    even with every layer on the host),
+    so a GPU machine calibrates too."""
     m = core.Model(model, build=build, n_gpu_layers=0)
     try:
         rec = hk.Recorder(m.nat)
         n = len(tokens)
         ctx = core.Context(m, n_ctx=-(-n // 256) * 256, n_batch=64, n_ubatch=64, n_seq_max=2,
                            type_k=DEFAULT, type_v=DEFAULT, n_threads=threads, flash_attn="on",
-                           eval_callback=rec.callback)
+                           eval_callback=rec.callback, offload=False)
         b = core.Batch(m.nat, 64)
         for s in range(0, n, 64):
             b.clear()
