@@ -376,7 +376,7 @@ class Context(_Owned):
         p.no_perf = True
         if not offload:
             p.offload_kqv = False
-            if "op_offload" in dict(ffi.typeof("struct llama_context_params").fields):
+            if features.available(nat, "op-offload"):
                 p.op_offload = False
         if eval_callback is not None:
             p.cb_eval = eval_callback
