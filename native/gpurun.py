@@ -36,6 +36,7 @@ NATIVE = Path(__file__).resolve().parent
 ROOT = NATIVE.parent
 sys.path.insert(0, str(NATIVE))
 import cudakit  # noqa: E402  (native/cudakit.py: the driver against the toolkit)
+from build import cache_dir  # noqa: E402  (native/build.py: the cache clickpaca reads too)
 
 GOAL_S = 360       # the run's goal: 6 minutes of a 15-minute loan, its start and a rerun kept
 STOP_AT_S = 540    # after this, the steps left are skipped so the summary is written inside a 10-minute call
@@ -134,7 +135,7 @@ class Run:
             (peer / sub).symlink_to(build / sub)
         (peer / "build-info.json").write_text(json.dumps({"flavor": "peer", "mainline": str(build)}) + "\n")
         # the texts' sdist where clickpaca's corpus module looks for it (it checks the sha256)
-        downloads = Path(os.environ.get("CLICKPACA_CACHE", Path.home() / ".cache" / "clickpaca")) / "downloads"
+        downloads = cache_dir() / "downloads"
         downloads.mkdir(parents=True, exist_ok=True)
         for item in sorted((self.pack / "files").glob("*")):
             shutil.copy2(item, downloads / item.name)

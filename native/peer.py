@@ -93,7 +93,8 @@ def make_peer(main: Path, out: Path, key: str, main_key: str, jobs: int) -> None
     out.mkdir(parents=True)
     logfile = out / "build.log"
     env = dict(os.environ)
-    toolkit = (json.loads((main / "build-info.json").read_text()).get("cuda") or {}).get("root")
+    main_info = json.loads((main / "build-info.json").read_text())
+    toolkit = (main_info.get("cuda") or {}).get("root")
     if toolkit:
         build.link_driver_stub(env, Path(toolkit), out)
     before = cache_values(cmake_dir, list(SERVER_OPTIONS))
@@ -110,7 +111,7 @@ def make_peer(main: Path, out: Path, key: str, main_key: str, jobs: int) -> None
     cbin = cmake_dir / "bin"
     # The server must run on the very library clickpaca loads: turning the server on may
     # not have rebuilt it.
-    want = json.loads((main / "build-info.json").read_text())["libllama_sha256"]
+    want = main_info["libllama_sha256"]
     got = build.sha256_file(cbin / "libllama.so")
     if got != want:
         raise build.BuildError(f"building {TARGET} changed libllama.so in {cbin} "

@@ -100,9 +100,8 @@ def calibrate(model: str, tokens: np.ndarray, threads: int | None,
               build: str = MAINLINE) -> tuple[dict, Any]:
     """Mean and RMS of K and V per layer and head over one window (Recorder). On the CPU
     whatever the build (the hook reads the rows in host memory; a GPU build's CPU backend
-    computes them: no layer and no op offloaded, as llama.cpp sends a big batch's ops to a GPU
-    even with every layer on the host),
-    so a GPU machine calibrates too."""
+    computes them, with no layer and no op offloaded: llama.cpp sends a big batch's ops to
+    a GPU even with every layer on the host), so a GPU machine calibrates too."""
     m = core.Model(model, build=build, n_gpu_layers=0)
     try:
         rec = hk.Recorder(m.nat)
