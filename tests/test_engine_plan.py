@@ -202,21 +202,72 @@ def test_a_deterministic_prompt_tick_never_leaves_a_lone_token():
 
 
 @settings(max_examples=300, deadline=None)
-@given(tick_cases())
-def test_deterministic_prompt_ticks_feed_prompts_in_chunks_of_two_or_more(case):
+@given(tick_cases(), st.integers(3, 80))
+def test_deterministic_prompt_ticks_feed_prompts_in_chunks_of_two_or_more(case, n_ubatch):
     """Fed to the end tick after tick, every prompt goes in chunks that never leave a single
-    token (one token only when it had one token left to start with); nBatch >= 3."""
+    token (one token only when it had one token left to start with), nor does llama.cpp's
+    cut of a chunk into micro-batches of n_ubatch rows; nBatch and nUbatch >= 3."""
     wants, n_batch, _ = case
     n_batch = max(3, n_batch)
+    n_ubatch = min(n_ubatch, n_batch)
     for w in wants:
         if w.generating or w.waiting:
             continue
         cur, chunks = w, []
         while cur.n_past < cur.n_tokens:
-            (f,) = plan_tick([cur], n_batch, one_prompt=True)
+            (f,) = plan_tick([cur], n_batch, one_prompt=True, n_ubatch=n_ubatch)
             assert f.key == w.key and f.pos == cur.n_past and 1 <= f.count <= n_batch
             chunks.append(f.count)
             cur = Want(w.key, False, cur.n_past + f.count, w.n_tokens, w.out_from, w.out_to,
                        w.samples_at_end)
         assert sum(chunks) == w.n_tokens - w.n_past
-        assert all(c >= 2 for c in chunks) or chunks == [1]
+        assert all(c >= 2 and c % n_ubatch != 1 for c in chunks) or chunks == [1]
+
+
+# ------------------------------------------------------------------ deterministic mode's pairs
+
+
+def pair(key, n_past):
+    """A generating sequence in deterministic mode: its new token (at n_past) with the one
+    before it fed again (InferJob.want)."""
+    return Want(key, True, n_past - 1, n_past + 1, n_past, n_past, True, refed=1)
+
+
+def test_a_generated_token_is_fed_beside_the_one_before_it():
+    """Both tokens in one entry, the first fed again into its cell (`refed`: the scheduler
+    removes the cell first); one row, the new token's, which samples."""
+    (f,) = plan_tick([pair("g", 9)], 16, pair_rows=8)
+    assert (f.pos, f.count, f.refed, list(f.rows), f.row_pos, f.ends, f.samples) == (8, 2, 1, [0], 9, True, True)
+
+
+def test_a_tick_pairs_no_more_than_half_a_micro_batch_and_the_first_place_goes_round():
+    """llama.cpp cuts a micro-batch of several streams into equal columns: at most
+    n_ubatch // 2 pairs, or some token would be its stream's only row. The others wait,
+    and the pairs fed move on tick by tick (kept in batch order), so none waits two
+    ticks running."""
+    wants = [pair(k, 5) for k in "abcde"]
+    seen = []
+    for turn in range(5):
+        plan = plan_tick(wants, 64, pair_rows=2, turn=turn)
+        assert all(f.count == 2 and f.refed == 1 for f in plan)
+        seen.append([f.key for f in plan])
+    assert seen == [["a", "b"], ["c", "d"], ["a", "e"], ["b", "c"], ["d", "e"]]
+    assert [f.key for f in plan_tick(wants, 5, pair_rows=8)] == ["a", "b"]  # the batch holds 2 pairs
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_gen=st.integers(1, 40), n_batch=st.integers(3, 128), pair_rows=st.integers(1, 64),
+       turn=st.integers(0, 1000))
+def test_pairs_fit_and_every_sequence_gets_its_turn(n_gen, n_batch, pair_rows, turn):
+    """Every entry a whole pair, within the batch and the micro-batch's pairs; as many
+    pairs as both allow; over `room` consecutive ticks of the same wants, each has fed."""
+    n_batch = max(n_batch, n_gen)  # nBatch >= nSeqMax
+    wants = [pair(i, 3 + i) for i in range(n_gen)]
+    plan = plan_tick(wants, n_batch, pair_rows=pair_rows, turn=turn)
+    room = min(n_gen, pair_rows, n_batch // 2)
+    assert len(plan) == room and sum(f.count for f in plan) <= n_batch
+    assert all((f.pos, f.count, f.refed) == (f.key + 2, 2, 1) for f in plan)
+    fed = set()
+    for t in range(turn, turn + -(-n_gen // room)):
+        fed |= {f.key for f in plan_tick(wants, n_batch, pair_rows=pair_rows, turn=t)}
+    assert fed == set(range(n_gen))

@@ -647,6 +647,7 @@ def test_truncated_or_corrupted_json(obj, cut, junk):
     ({"flashAttn": "on"}, "flashAttn", 'needs "off"'), ({"flashAttn": "auto"}, "flashAttn", 'needs "off"'),
     ({"kvUnified": True}, "kvUnified", "needs false"), ({"cacheTypeV": "q8_0"}, "cacheTypeV", "flash attention"),
     ({"cacheTypeK": "q4_0"}, "cacheTypeK", "f32, f16, bf16"), ({"nBatch": 2, "nSeqMax": 2}, "nBatch", ">= 3"),
+    ({"nUbatch": 2}, "nUbatch", ">= 3"),
     ({"cacheTypeK": "turbo3", "cacheTypeV": "turbo3", "flashAttn": "off"}, "flashAttn", 'needs "on"'),
     ({"cacheTypeV": "turbo3"}, "cacheTypeK", "both K and V"),
     ({"cacheTypeK": "turbo4", "cacheTypeV": "q8_0"}, "cacheTypeV", "both K and V")])

@@ -203,6 +203,7 @@ class InferJob(Job):
     jump: bool = False
     jump_rows: bool = False  # the sampler runs on each forced token's row (jump.needs_rows)
     jump_alone: bool = False  # deterministic mode: a forced chunk is decoded alone, as a prompt chunk
+    pairs: bool = False  # deterministic mode: each sampled token is fed beside the one before it (plan.py)
     ahead: list = field(default_factory=list)
     n_forced: int = 0
 
@@ -224,6 +225,8 @@ class InferJob(Job):
             if self.jump_alone:
                 return self.reads(Want(seq, False, seq.n_past, n, first, n - 1, True, seq.kv_wait))
             return self.reads(Want(seq, True, seq.n_past, n, first, n - 1, True))
+        if self.generating and self.pairs and seq.n_past > 0:  # with the token before it, fed again (plan.py)
+            return self.reads(Want(seq, True, seq.n_past - 1, n, n - 1, n - 1, True, refed=1))
         if self.generating:  # its last sampled token, then a row to sample the next
             return self.reads(Want(seq, True, seq.n_past, n, seq.n_past, seq.n_past, True))
         samples = self.max_tokens > 0

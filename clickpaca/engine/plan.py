@@ -14,6 +14,15 @@ after tick while a one-token request behind it waited for all of it (114.6 s beh
 40,000-character score); fewest-left-first lets short prompts through within a tick and
 gives the long one the rest of the batch. A sequence waiting for KV room, or every prompt when the
 scheduler defers them, is left out.
+
+Deterministic mode (`pair_rows`): a generated token is decoded beside the token before
+it, fed again into the same cell (its Want starts there, `refed`; the scheduler removes
+that cell before it fills the batch), so that no
+sequence is ever its stream's only row in a decode: a lone row takes other kernels than
+two or more (docs/DETERMINISM.md), and with pairs a generated token's bits are those of
+the same text fed as a prompt, forced chunk or not (docs/GRAMMARS.md, "Jump-forward").
+llama.cpp cuts a micro-batch of several streams into equal columns, so a tick pairs at
+most n_ubatch // 2 sequences; the others wait a tick, taking turns (`turn`).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ class Want:
     out_to: int
     samples_at_end: bool  # it samples from the row of its last known token
     waiting: bool = False  # waits for KV room (a decode found none)
+    refed: int = 0  # its first `refed` tokens (from n_past) are in the KV cells already: fed again
 
 
 @dataclass(slots=True)
@@ -51,19 +61,24 @@ class Feed:
     rows: range  # its logits rows in the tick's output, in position order
     ends: bool  # after this decode, every known token is in the KV cells
     samples: bool  # it samples from its last row after the decode
+    refed: int = 0  # its first `refed` tokens are in the KV cells already: fed again (Want.refed)
 
 
 def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
-              one_prompt: bool = False) -> list[Feed]:
+              one_prompt: bool = False, pair_rows: int = 0, turn: int = 0,
+              n_ubatch: int | None = None) -> list[Feed]:
     """The tick's feeds, in batch order: generating sequences, then prompt chunks.
 
     `one_prompt` is deterministic mode's prompt tick (docs/DETERMINISM.md): no generating
     sequence, one prompt chunk, and never a chunk of one token where the prompt has more
     (llama.cpp's attention takes another kernel path for a sequence's lone token, so a
     prompt token must always be decoded with at least one other of its sequence; a
-    generated token always alone)."""
+    generated token always with the one before it: `pair_rows`, the most sequences a
+    tick may pair, and `turn`, which of them go first when there are more; `n_ubatch`,
+    the rows of llama.cpp's micro-batch, so that its cut of a chunk leaves no lone row
+    either)."""
     if one_prompt:
-        return _one_prompt(wants, n_batch)
+        return _one_prompt(wants, n_batch, n_ubatch)
     plan: list[Feed] = []
     used = row = 0
 
@@ -73,13 +88,18 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
         ends = w.n_past + count == w.n_tokens
         plan.append(Feed(w.key, w.generating, w.n_past, count, used, row_pos,
                          range(row, row + n_rows), ends,
-                         samples=ends and w.samples_at_end and n_rows > 0))
+                         samples=ends and w.samples_at_end and n_rows > 0, refed=w.refed))
         used += count
         row += n_rows
 
     gens = [w for w in wants if w.generating]
+    pairs, later = _pairs(gens, n_batch, pair_rows, turn)
+    gens = [w for w in gens if id(w) not in later]
     for i, w in enumerate(gens):  # a forced chunk (jump.py) leaves one token for each after it
-        add(w, max(1, min(w.n_tokens - w.n_past, n_batch - used - (len(gens) - i - 1))))
+        if id(w) in pairs:
+            add(w, w.n_tokens - w.n_past)
+        else:
+            add(w, max(1, min(w.n_tokens - w.n_past, n_batch - used - (len(gens) - i - 1))))
     prompts = sorted((w for w in wants if not w.generating), key=lambda w: w.n_tokens - w.n_past)
     for w in prompts:
         if used == n_batch or defer_prompts or w.waiting:
@@ -88,16 +108,37 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
     return plan
 
 
-def _one_prompt(wants: Sequence[Want], n_batch: int) -> list[Feed]:
+def _pairable(w: Want) -> bool:
+    """A generating sequence whose one new token is to be fed beside the one before it."""
+    return w.generating and w.refed == 1 and w.n_tokens - w.n_past == 2
+
+
+def _pairs(gens: list[Want], n_batch: int, pair_rows: int, turn: int) -> tuple[set[int], set[int]]:
+    """The ids of the pairable wants this tick feeds as pairs, and of those that wait for
+    a later tick: at most `pair_rows` pairs (none when it is 0: no pairing), and no more
+    than the batch holds beside the other generating sequences' tokens; which go first
+    moves on by that many each `turn` (kept in batch order)."""
+    able = [w for w in gens if _pairable(w)] if pair_rows > 0 else []
+    if not able:
+        return set(), set()
+    room = min(pair_rows, len(able), (n_batch - (len(gens) - len(able))) // 2)
+    start = turn * room % len(able)  # tick after tick, the next `room` of them
+    ids = [id(w) for w in able[start:] + able[:start]]
+    return set(ids[:room]), set(ids[room:])
+
+
+def _one_prompt(wants: Sequence[Want], n_batch: int, n_ubatch: int | None = None) -> list[Feed]:
     """The chunk of the prompt with the fewest tokens left (ties: arrival order): as many
-    tokens as the batch holds, but never leaving exactly one for a later chunk."""
+    tokens as the batch holds, but never leaving exactly one for a later chunk, nor for
+    the last micro-batch llama.cpp cuts it into (every n_ubatch rows)."""
     prompts = [w for w in wants if not w.generating and not w.waiting and w.n_tokens > w.n_past]
     if not prompts:
         return []
     w = min(prompts, key=lambda w: w.n_tokens - w.n_past)
     left = w.n_tokens - w.n_past
     count = min(n_batch, left)
-    if left - count == 1:
+    u = n_ubatch or n_batch
+    while count > 2 and (left - count == 1 or (u > 1 and count % u == 1)):
         count -= 1  # n_batch >= 3 in deterministic mode: count stays >= 2
     row_pos, n_rows = chunk_rows(w.n_past, count, w.out_from, w.out_to)
     ends = count == left

@@ -219,8 +219,8 @@ class JobCapture:
         """The positions of this feed it captures: `all` every token fed; `last` the last
         token of a prompt (of each window, for a score), `generated` the row each
         generated token is sampled from (the prompt's last token for the first one)."""
-        if self.tokens == "all":
-            return list(range(f.pos, f.pos + f.count))
+        if self.tokens == "all":  # a token fed again (plan.py's pairs) was captured when first fed
+            return list(range(f.pos + f.refed, f.pos + f.count))
         if self.tokens == "last":
             return [f.pos + f.count - 1] if f.ends and not f.generating else []
         return [f.pos + f.count - 1] if f.samples else []

@@ -47,6 +47,7 @@ class Scheduler:
     def __init__(self, rt: Runtime, seqs: Sequences) -> None:
         self.rt, self.seqs = rt, seqs
         self._prompt_tick = False  # deterministic mode: this tick feeds one prompt chunk only
+        self._turn = 0  # deterministic mode: which paired sequence goes first (plan.py)
         # logits rows whose pages stay resident between requests (a generating tick uses
         # one per sequence); those past it are given back once no decode needs them
         self._keep_rows = max(64, rt.ctx.n_seq_max)
@@ -61,6 +62,7 @@ class Scheduler:
                 self.seqs.fail(seq, why)
         if self.rt.deterministic:
             self._prompt_tick = self._next_is_prompt_tick()
+            self._turn += 1
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
@@ -147,8 +149,10 @@ class Scheduler:
         batch = self.rt.batch
         wants = self._wants()
         if self.rt.deterministic:
-            plan = plan_tick(wants, batch.capacity, one_prompt=True) if self._prompt_tick \
-                else plan_tick(wants, batch.capacity, defer_prompts=True)
+            plan = plan_tick(wants, batch.capacity, one_prompt=True, n_ubatch=self.rt.ctx.n_ubatch) \
+                if self._prompt_tick \
+                else plan_tick(wants, batch.capacity, defer_prompts=True,
+                               pair_rows=max(1, self.rt.ctx.n_ubatch // 2), turn=self._turn)
         else:
             plan = plan_tick(wants, batch.capacity, defer_prompts)
         batch.clear()
@@ -168,6 +172,8 @@ class Scheduler:
     def _add(self, f: Feed, now: float) -> None:
         """One plan entry's tokens (and logits rows) into the batch."""
         batch, seq = self.rt.batch, f.key
+        if f.refed:  # a token fed again (deterministic mode's pairs, plan.py) goes back into its cell
+            self.rt.ctx.seq_rm(seq.slot, f.pos, -1)
         batch.add(seq.job.feed_tokens(seq)[f.pos:f.pos + f.count], f.pos, seq.slot, output_last=False)
         if f.rows:
             first = f.at + f.row_pos - f.pos
@@ -203,7 +209,7 @@ class Scheduler:
             seq = f.key
             if seq.job is None:  # ended earlier in this tick
                 continue
-            seq.n_past += f.count
+            seq.n_past = f.pos + f.count
             if self._guard(seq, "readout", seq.job.read, tick, seq) is True:
                 self._guard(seq, "feed", seq.job.fed, tick, seq, f)
         if tick.draws:

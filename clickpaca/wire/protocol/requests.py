@@ -81,6 +81,9 @@ def _deterministic_fits(obj: dict, values: dict) -> None:
     if values["nBatch"] < 3:
         raise ValueError(f"nBatch: deterministic mode needs >= 3 (a prompt is never split "
                          f"to leave a chunk of one token), got {values['nBatch']}")
+    if values["nUbatch"] is not None and values["nUbatch"] < 3:
+        raise ValueError(f"nUbatch: deterministic mode needs >= 3 (no micro-batch may hold a "
+                         f"sequence's lone token), got {values['nUbatch']}")
 
 
 def _sampler_params(obj: dict) -> SamplerParams:
