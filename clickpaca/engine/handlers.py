@@ -166,7 +166,7 @@ class Handlers(StateFileHandlers):
                                  paths=FastStats() if rt.ctx.presampler is not None else None,
                                  jump=req.jumpForward and compiled is not None,
                                  jump_rows=jump.needs_rows(req.params), jump_alone=rt.deterministic,
-                                 pairs=rt.deterministic))
+                                 pairs=jump.pairs(rt.deterministic, compiled)))
 
     def _check_jump(self, req: InferRequest) -> None:
         """jumpForward's limits (engine/jump.py): not with the decode's pre-selection (it

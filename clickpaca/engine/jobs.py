@@ -203,7 +203,7 @@ class InferJob(Job):
     jump: bool = False
     jump_rows: bool = False  # the sampler runs on each forced token's row (jump.needs_rows)
     jump_alone: bool = False  # deterministic mode: a forced chunk is decoded alone, as a prompt chunk
-    pairs: bool = False  # deterministic mode: each sampled token is fed beside the one before it (plan.py)
+    pairs: bool = False  # each sampled token fed beside the one before it (jump.pairs, plan.py)
     ahead: list = field(default_factory=list)
     n_forced: int = 0
 

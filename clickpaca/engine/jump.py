@@ -49,6 +49,16 @@ def user_steps(params: SamplerParams) -> list[str]:
     return [s.name for s in R.active(params, True) if getattr(s.run, "__module__", None) == usersteps.__name__]
 
 
+def pairs(deterministic: bool, grammar) -> bool:
+    """Whether a request's generated tokens are each decoded beside the token before it
+    (engine/plan.py): in deterministic mode, where it has a grammar. Its rows then take a
+    prompt's kernels, so its output is the same bits whether the grammar's forced tokens
+    come in chunks (`jumpForward`) or one a tick. It doubles the rows a generated token
+    costs (docs/DETERMINISM.md, "Cost"), so a request without a grammar, which never has
+    a forced chunk, keeps one row."""
+    return deterministic and grammar is not None
+
+
 def needs_rows(params: SamplerParams) -> bool:
     """True when the sampler must run on each forced token's own row: log-probabilities
     or a trace are asked for, or a stateful step would learn the token."""

@@ -15,8 +15,8 @@ after tick while a one-token request behind it waited for all of it (114.6 s beh
 gives the long one the rest of the batch. A sequence waiting for KV room, or every prompt when the
 scheduler defers them, is left out.
 
-Deterministic mode (`pair_rows`): a generated token is decoded beside the token before
-it, fed again into the same cell (its Want starts there, `refed`; the scheduler removes
+Deterministic mode (`pair_rows`): a generated token of a request with a grammar
+(engine/jump.py `pairs`) is decoded beside the token before it, fed again into the same cell (its Want starts there, `refed`; the scheduler removes
 that cell before it fills the batch), so that no
 sequence is ever its stream's only row in a decode: a lone row takes other kernels than
 two or more (docs/DETERMINISM.md), and with pairs a generated token's bits are those of
