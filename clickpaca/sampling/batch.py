@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import forms
 from . import registry as R
 from .chain import SampleResult, SequenceSampler, steps_to_run, greedy_tail
 from .cut import default_cols
@@ -43,17 +44,10 @@ def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
         return None
     if greedy_tail(p, has_hist, n_vocab) is not None:
         return ("greedy",)
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    names = [s.name for s in active]
-    if first != 0 or not names or names[0] != "top_k" or not 1 < p.top_k <= min(KMAX, default_cols(n_vocab)):
+    sh = forms.shape(p, has_hist, n_vocab)
+    if sh is None or sh.touch or sh.k is None or not 1 < sh.k <= min(KMAX, default_cols(n_vocab)):
         return None
-    rest = names[1:]
-    if rest not in ([], ["top_p"], ["temperature"], ["top_p", "temperature"]):
-        return None
-    if "temperature" in rest and p.temperature <= 0:
-        return None
-    return ("topk", p.top_k, p.top_p if "top_p" in rest else None,
-            p.temperature if "temperature" in rest else None)
+    return ("topk", sh.k, sh.mass, sh.divide)
 
 
 @functools.lru_cache(maxsize=1024)

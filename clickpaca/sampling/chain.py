@@ -101,7 +101,7 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
     if any(s.kind == ELEMENTWISE for s in prefix):
         return None
     head = tail[0]
-    if not ((head.name == "top_k" and p.top_k == 1) or (head is _TEMPERATURE and p.temperature <= 0)):
+    if not ((R.form(head) == R.KEEP_K and head.batched.value(p) == 1) or (head is _TEMPERATURE and p.temperature <= 0)):
         return None
     if any(not s.keeps_one or s.stateful for s in tail):
         return None

@@ -29,6 +29,7 @@ from .candidates import Candidates
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, steps_to_run
 from .fastpath_dense import dense_tick
+from . import registry as R
 from .registry import ELEMENTWISE, NO_HIST, StepContext
 from .route import (DENSE_TOUCHED, DRAW_OUTSIDE, HOST, N_PROBS_PAST_K, NO_MASS, NON_FINITE, NOTHING_ALLOWED,
                     OTHER_PLAN, PAST_K, Fallback, per_chain, route, tick_route)
@@ -100,11 +101,11 @@ def _order_plan(p, has_hist: bool, n_allowed: int, k: int, masked: bool) -> tupl
     tau = p.temperature if TEMPERATURE in prefix else 1.0
     touches = any(st.touches is not None for st in prefix)
     # one more than top_k (when it runs) and nProbs: their last value must lie above the K-th (sample)
-    top_k = p.top_k if any(st.name == "top_k" for st in active) else 0
+    top_k = next((st.batched.value(p) for st in active if R.form(st) == R.KEEP_K), 0)
     need = max(k, p.n_probs + 1, top_k + 1 if top_k > 0 else 0)
     raw = p.n_probs > 0 and (masked or tau != 1.0)
     # masses: for a draw over the whole set, top-p's mass left out, or nProbs' normaliser
-    mass = first is None or active[first].name == "top_p" or (p.n_probs > 0 and not raw)
+    mass = first is None or R.form(active[first]) == R.KEEP_MASS or (p.n_probs > 0 and not raw)
     greedy = p.n_probs <= 0 and greedy_tail(p, False, n_allowed) is not None
     ctx = StepContext()  # the touched ids of a preselected step other than penalties need no window
     own = [st.touches(p, ctx) for st in prefix if st.touches is not None and st is not PENALTIES]
@@ -279,14 +280,15 @@ def sample(s: SequenceSampler, pre: Preselected, words: np.ndarray | None) -> Sa
     u_ids = np.concatenate((untouched, t_ids)).astype(np.int32) if t_ids.size else untouched
     u_logits = np.concatenate((u_vals, t_logits)) if t_ids.size else u_vals
     head = tail[0]
-    if head.name == "top_k" and floor == -np.inf and u_ids.size < p.top_k:
+    keep_k = head.batched.value(p) if R.form(head) == R.KEEP_K else 0
+    if keep_k and floor == -np.inf and u_ids.size < keep_k:
         # Fewer finite values allowed than top-k keeps: the host's top-k keeps -inf tokens
         # too (the smallest allowed ids outside the candidates, in canonical order), and a
         # step after it may force one of them (or the set is empty only after the draw).
-        fill = _first_allowed(words, n, np.concatenate((u_ids, touched)), p.top_k - u_ids.size)
+        fill = _first_allowed(words, n, np.concatenate((u_ids, touched)), keep_k - u_ids.size)
         u_ids = np.concatenate((u_ids, fill))
         u_logits = np.concatenate((u_logits, np.full(fill.size, -np.inf)))
-    if head.name == "top_p":
+    if R.form(head) == R.KEEP_MASS:
         ctx.rest_mass = _rest_mass(pre, untouched, u_logits, tau, words, touched)
     ids1, logits1 = head.run(u_ids, u_logits, p, ctx)
     ctx.rest_mass = 0.0

@@ -2,11 +2,13 @@
 before a top-k [top-p] [temperature] chain, for a whole tick at once.
 
 A row qualifies (`plan`) when, without a grammar, nProbs or trace, its steps before the
-first truncation are only logit bias (no forced token) and penalties, and the rest is what
-``batch.topk_draw`` runs. `tick` then does what ``fastpath.sample`` does for such a row,
-for all of them together: the touched tokens' raw values get the prefix steps' own float64
-arithmetic (``steps.logit_bias``, ``steps.penalties``, with the counts the order kept), so
-the same bits as the host; top-k is exact when its k values all lie above the row's floor
+first truncation all have a TOUCH form that carries its params (no forced token), and the
+rest is what ``batch.topk_draw`` runs (forms.py decides both). `tick` then does what
+``fastpath.sample`` does for such a row, for all of them together: the touched tokens' raw
+values get each prefix step's batched form, declared on its row beside its scalar form
+(registry.Batched; for logit bias and penalties steps.py's ``*_touched``: the same float64
+arithmetic, with the counts the order kept), so the same bits as the host; top-k is exact
+when its k values all lie above the row's floor
 (the smallest untouched value handed back), else the row goes to ``fastpath.sample``
 (PAST_K); the values above the floor, their first k in canonical order, go to
 ``batch.topk_draw``, the draw the host's batched rows use. A row pre-selected for another
@@ -21,15 +23,12 @@ import functools
 
 import numpy as np
 
+from . import forms
 from . import registry as R
 from .batch import KMAX, topk_draw
-from .chain import SequenceSampler, steps_to_run
-from .steps import BAN, FORCE
+from .chain import SequenceSampler
 
 __all__ = ["plan", "plan_of", "tick"]
-
-_PREFIX = ("logit_bias", "penalties")
-_TAILS = ([], ["top_p"], ["temperature"], ["top_p", "temperature"])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -37,27 +36,17 @@ def plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
     """`plan` of params p (with a history or not): cached per params."""
     if p.trace or p.n_probs:
         return None
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    if not first:  # None (no truncation) or 0 (nothing before it: fastpath's own plans)
+    sh = forms.shape(p, has_hist, n_vocab)
+    if sh is None or not sh.touch or sh.k is None or not 1 < sh.k <= KMAX:
         return None
-    prefix = tuple(st.name for st in active[:first])
-    tail = [st.name for st in active[first:]]
-    if any(name not in _PREFIX for name in prefix):
-        return None
-    if "logit_bias" in prefix and bool((p.bias_arrays[1] >= FORCE).any()):
-        return None  # forcing: only the forced tokens remain (fastpath.sample, per row)
-    if tail[0] != "top_k" or not 1 < p.top_k <= KMAX or tail[1:] not in _TAILS:
-        return None
-    if "temperature" in tail and p.temperature <= 0:
-        return None
-    return prefix, p.top_k, p.top_p if "top_p" in tail else None, p.temperature if "temperature" in tail else None
+    return sh.touch, sh.k, sh.mass, sh.divide
 
 
 R.on_change(plan_of.cache_clear)
 
 
 def plan(s: SequenceSampler) -> tuple | None:
-    """(prefix step names, k, top_p or None, temperature or None) when the sequence's
+    """(the touching steps, k, top_p or None, temperature or None) when the sequence's
     row (without a grammar) can go through `tick`; None otherwise."""
     p = s.params
     return plan_of(p, s.penalizes, s.n_vocab)
@@ -79,7 +68,8 @@ def tick(samplers, pres, groups: dict[tuple, list[int]], out: list, fallback) ->
 
 def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     prefix, k, top_p, temp = pl
-    if "penalties" in prefix:  # the window's counts of the touched ids, kept by the order
+    wc = None
+    if any(st.batched.counts for st in prefix):  # the window's counts of the touched ids, kept by the order
         wc = [samplers[j].order_counts(pres[j].order.touched) for j in js]
         if any(c is None for c in wc):  # the window changed since the order (or another made it): per row
             for j, c in zip(js, wc):
@@ -101,23 +91,13 @@ def _group(samplers, pres, js, p, pl, V, out, fallback) -> None:
     v = np.fmax(raw, -np.inf, dtype=np.float64)  # as candidates.gather
     alive = np.ones(v.size, bool)
     ok = np.fromiter((pr.order.inv_tau == 1.0 for pr in ps), bool, m)
-    for name in prefix:
-        if name == "logit_bias":  # steps.logit_bias
-            b_ids, bias = p.bias_arrays
-            at = np.searchsorted(b_ids, t_ids)
-            at[at == b_ids.size] = 0
-            hit = np.flatnonzero(b_ids[at] == t_ids)
-            ok &= _segments(t_row[hit], m) == b_ids.size  # every biased id was touched
-            b = bias[at[hit]]
-            v[hit] += b
-            alive[hit[b <= BAN]] = False
-        else:  # steps.penalties, on the ids with a count (the order's: every token of the window)
-            counts = np.concatenate(wc)
-            hit = np.flatnonzero(counts)
-            x = v[hit]
-            if p.penalty_repeat != 1.0:
-                x = np.where(x > 0, x / p.penalty_repeat, x * p.penalty_repeat)
-            v[hit] = x - (counts[hit] * p.penalty_freq + p.penalty_present)
+    counts = None if wc is None else np.concatenate(wc)
+    for st in prefix:  # each touching step's batched form (registry.Batched, steps.py)
+        rows_ok, removed = st.batched.touch(v, t_ids, t_row, m, p, counts)
+        if rows_ok is not None:
+            ok &= rows_ok
+        if removed is not None:
+            alive[removed] = False
     # The K best handed back. Without a grammar they are the raw row's, so a touched token
     # is among them when its raw value lies above the K-th value, may be when it equals it
     # (a tie: the graph picks), and is not when below: only the first two are looked up.

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["Param", "Step", "StepContext", "SamplerParamError", "register", "unregister", "register_chain_param", "on_change", "steps", "step", "by_name", "version", "docs_table",
            "chain_params", "all_params", "aliases", "empty_reasons", "real", "integer", "boolean", "choice_strings",
            "show", "is_int", "is_real", "to_float",
-           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS", "NO_HIST"]
+           "CONSTRAINT", "ELEMENTWISE", "TRUNCATION", "SCALE", "GENERAL", "KINDS", "NO_HIST",
+           "Batched", "form", "KEEP_K", "KEEP_MASS", "DIVIDE", "TOUCH"]
 
 CONSTRAINT, ELEMENTWISE, TRUNCATION, SCALE, GENERAL = (
     "constraint", "elementwise", "truncation", "scale", "general")
@@ -126,6 +127,41 @@ def _never(p: "SamplerParams", n_allowed: int) -> bool:
     return False
 
 
+#: The forms a step may take in the batched passes (the host's batch.sample_tick, the
+#: pre-selection's passes in fastpath.py and fastpath_touched.py); which passes a chain
+#: of them takes is decided in one place, sampling/forms.py.
+KEEP_K, KEEP_MASS, DIVIDE, TOUCH = "keep_k", "keep_mass", "divide", "touch"
+
+
+@dataclass(frozen=True)
+class Batched:
+    """A step's batched form, declared on its row beside its scalar ``run``.
+
+    form: KEEP_K (keep the k best in canonical order: ``value`` is k), KEEP_MASS (keep the
+      shortest canonical prefix holding a share of the mass: ``value`` is the share),
+      DIVIDE (divide every logit: ``value`` is the divisor), or TOUCH (change the values of
+      a few known ids: ``touch``).
+    touch(v, ids, rows, m, p, counts): the TOUCH form's arithmetic over the touched ids of
+      m rows side by side (float64 values ``v``, changed in place; ``ids`` and ``rows``
+      their token ids and row numbers; ``counts`` their counts in the penalty window when
+      ``counts`` is set, else None); returns (bool[m]: the rows whose result it can give,
+      indices of ``v`` it removes), either None for all / none.
+    counts: the TOUCH form reads the penalty window's counts of the touched ids.
+    carries(p): False where these params need more than the form (a forcing logit bias).
+    tests/test_sampling_forms.py holds each form against its row's ``run``."""
+
+    form: str
+    value: Callable[["SamplerParams"], Any] | None = None
+    touch: Callable | None = None
+    counts: bool = False
+    carries: Callable[["SamplerParams"], bool] = lambda p: True
+
+
+def form(step: "Step") -> str | None:
+    """The step's batched form (None: it has none, so a chain holding it goes per row)."""
+    return None if step.batched is None else step.batched.form
+
+
 @dataclass(frozen=True, eq=False)
 class Step:
     """One sampler step (see the module docstring for kinds).
@@ -167,6 +203,7 @@ class Step:
       candidates at or above some value, found from the K best and the block masses).
       A chain holding any other active step takes the host path.
       tests/test_sampling_fastpath.py checks every such row against the host path.
+    batched: its form in the batched passes (``Batched``), None: per row only.
     """
 
     name: str
@@ -185,6 +222,7 @@ class Step:
     shared_state: bool = False
     keeps_one: bool = False
     preselected: bool = False
+    batched: "Batched | None" = None
 
     @property
     def stateful(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from . import registry
+from . import forms, registry
 from . import fastpath_touched as T
 from .batch import batch_plan
 from .chain import SequenceSampler, steps_to_run
@@ -165,13 +165,10 @@ def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
     """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
     temperature before it), then at most a positive temperature (the caller has ruled
     out nProbs and trace); None otherwise."""
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    names = [st.name for st in active]
-    if first != 0 or names not in (["top_p"], ["top_p", "temperature"]):
+    sh = forms.shape(p, has_hist, n_vocab)
+    if sh is None or sh.touch or sh.k is not None:
         return None
-    if "temperature" in names and p.temperature <= 0:
-        return None
-    return ("topk", None, p.top_p, p.temperature if "temperature" in names else None)
+    return ("topk", None, sh.mass, sh.divide)
 
 
 registry.on_change(_nucleus_plan_of.cache_clear)

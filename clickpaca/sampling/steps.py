@@ -94,11 +94,39 @@ def penalties(ids: np.ndarray, logits: np.ndarray, hist_ids: np.ndarray, hist_co
     if pos.size == 0:
         return ids, logits
     out = logits.copy()
-    x = out[pos]
+    out[pos] = _penalized(out[pos], hist_counts[k], repeat, freq, present)
+    return ids, out
+
+
+def _penalized(x: np.ndarray, counts: np.ndarray, repeat: float, freq: float, present: float) -> np.ndarray:
+    """The penalties' arithmetic on the values of ids seen ``counts`` times (> 0)."""
     if repeat != 1.0:
         x = np.where(x > 0, x / repeat, x * repeat)
-    out[pos] = x - (hist_counts[k] * freq + present)
-    return ids, out
+    return x - (counts * freq + present)
+
+
+# ------------------------------------------------------------------ batched forms
+# The TOUCH forms (registry.Batched) of the elementwise steps above: the same arithmetic
+# over the touched ids of several rows side by side (fastpath_touched.py).
+
+
+def logit_bias_touched(v, ids, rows, m, bias_ids, bias):
+    """logit_bias on the touched ids of m rows: a row's result is given only where every
+    biased id is among its touched ones; a ban removes the token. Forcing is not carried
+    (the row's Batched.carries)."""
+    at = np.searchsorted(bias_ids, ids)
+    at[at == bias_ids.size] = 0
+    hit = np.flatnonzero(bias_ids[at] == ids)
+    b = bias[at[hit]]
+    v[hit] += b
+    return np.bincount(rows[hit], minlength=m) == bias_ids.size, hit[b <= BAN]
+
+
+def penalties_touched(v, counts, repeat, freq, present):
+    """penalties on the touched ids with a count (every token of the window is touched)."""
+    hit = np.flatnonzero(counts)
+    v[hit] = _penalized(v[hit], counts[hit], repeat, freq, present)
+    return None, None
 
 
 def canonical_order(ids: np.ndarray, logits: np.ndarray) -> np.ndarray:

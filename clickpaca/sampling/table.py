@@ -6,8 +6,10 @@ it truncates, how it runs from the params (``steps`` holds the definitions), whi
 tokens it touches when elementwise, how the chain finds a superset of what it keeps
 without scanning the row when it is the first truncation, and what an empty candidate
 set after it means, whether it reads state shared between sequences (``shared_state``:
-DRY, through the vocabulary) and whether it keeps a one-token set (``keeps_one``).
-Adding a step is one definition in ``steps`` and one ``register(Step(...))`` here (or
+DRY, through the vocabulary), whether it keeps a one-token set (``keeps_one``), and its
+form in the batched passes (``batched``: keep k, keep a mass share, divide, or touch a
+few ids, with the touched form's arithmetic in ``steps`` beside the scalar one; which
+passes a chain of forms takes is forms.py's one decision). Adding a step is one definition in ``steps`` and one ``register(Step(...))`` here (or
 anywhere: see ``registry``). The rows live in the registry only: read them with
 ``registry.steps()`` / ``registry.by_name()``; the names bound here (``TEMPERATURE``, ...)
 are the rows other modules refer to by identity.
@@ -25,8 +27,8 @@ from . import steps as S
 from .bitmask import allows
 from .candidates import dense_exp, gather
 from .cut import RowView, isin_sorted, upper_ids
-from .registry import (CONSTRAINT, ELEMENTWISE, GENERAL, SCALE, TRUNCATION, Param, SamplerParamError, Step,
-                       aliases, choice_strings, integer, is_int, is_real, real, register, register_chain_param, show,
+from .registry import (CONSTRAINT, DIVIDE, ELEMENTWISE, GENERAL, KEEP_K, KEEP_MASS, SCALE, TOUCH, TRUNCATION,
+                       Batched, Param, SamplerParamError, Step, aliases, choice_strings, integer, is_int, is_real, real, register, register_chain_param, show,
                        to_float)
 from . import registry as R
 
@@ -206,7 +208,10 @@ LOGIT_BIAS = register(Step(
     run=lambda ids, logits, p, ctx: S.logit_bias(ids, logits, *p.bias_arrays),
     off=lambda p, has_hist: not p.logit_bias,
     touches=lambda p, ctx: p.bias_arrays[0],
-    empty="logit_bias bans every token still allowed", preselected=True))
+    empty="logit_bias bans every token still allowed", preselected=True,
+    batched=Batched(TOUCH, touch=lambda v, ids, rows, m, p, counts: S.logit_bias_touched(v, ids, rows, m,
+                                                                                         *p.bias_arrays),
+                    carries=lambda p: not bool((p.bias_arrays[1] >= S.FORCE).any()))))
 PENALTIES = register(Step(
     "penalties", ELEMENTWISE,
     params=(Param("penalty_repeat", "penaltyRepeat", 1.0, real(0.0, None, lo_open=True),
@@ -222,7 +227,10 @@ PENALTIES = register(Step(
     run=lambda ids, logits, p, ctx: S.penalties(ids, logits, *ctx.hist, p.penalty_repeat,
                                                 p.penalty_freq, p.penalty_present),
     off=lambda p, has_hist: not has_hist or not p.penalties_active,
-    touches=lambda p, ctx: ctx.hist[0], preselected=True))
+    touches=lambda p, ctx: ctx.hist[0], preselected=True,
+    batched=Batched(TOUCH, counts=True,
+                    touch=lambda v, ids, rows, m, p, counts: S.penalties_touched(
+                        v, counts, p.penalty_repeat, p.penalty_freq, p.penalty_present))))
 register(Step(
     "dry", ELEMENTWISE,
     params=(Param("dry_multiplier", "dryMultiplier", 0.0, real(0.0), ("dry_multiplier",),
@@ -255,7 +263,8 @@ register(Step(
     run=lambda ids, logits, p, ctx: S.top_k(ids, logits, p.top_k),
     off=lambda p, has_hist: p.top_k <= 0,
     truncates=lambda p, n_allowed: 0 < p.top_k < n_allowed,
-    cut=_upper_k(lambda p: p.top_k), keeps_one=True, preselected=True))
+    cut=_upper_k(lambda p: p.top_k), keeps_one=True, preselected=True,
+    batched=Batched(KEEP_K, value=lambda p: p.top_k)))
 register(Step(
     "typical_p", GENERAL, alias="typicalP",
     params=(Param("typical_p", "typicalP", 1.0, real(0.0, 1.0), ("typical_p", "typ_p"),
@@ -277,7 +286,8 @@ register(Step(
     run=lambda ids, logits, p, ctx: S.top_p(ids, logits, p.top_p, ctx.rest_mass),
     off=lambda p, has_hist: p.top_p >= 1,
     truncates=lambda p, n_allowed: p.top_p < 1,
-    cut=_nucleus_cut, keeps_one=True, preselected=True))
+    cut=_nucleus_cut, keeps_one=True, preselected=True,
+    batched=Batched(KEEP_MASS, value=lambda p: p.top_p)))
 XTC = register(Step(
     "xtc", GENERAL,
     params=(Param("xtc_probability", "xtcProbability", 0.0, real(0.0, 1.0), ("xtc_probability",),
@@ -299,7 +309,8 @@ TEMPERATURE = register(Step(
                                      else (ids, logits)),
     off=lambda p, has_hist: p.temperature == 1.0 or p.dynatemp_range > 0,
     truncates=lambda p, n_allowed: p.temperature <= 0,
-    cut=_upper_k(lambda p: 1), keeps_one=True, preselected=True))  # greedy: the canonical first candidate
+    cut=_upper_k(lambda p: 1), keeps_one=True, preselected=True,  # greedy: the canonical first candidate
+    batched=Batched(DIVIDE, value=lambda p: p.temperature)))
 register(Step(
     "dynatemp", GENERAL, alias="dynaTemp",
     params=(Param("dynatemp_range", "dynatempRange", 0.0, real(0.0), ("dynatemp_range",),
