@@ -84,6 +84,18 @@ def steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tupl
     return tuple(active), first
 
 
+def prefix_and_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[Step, ...], tuple[Step, ...]] | None:
+    """A chain's active steps split at its first truncation (`steps_to_run`): the steps
+    the implicit fast path carries, and the rest; None with a trace (kept step by step)
+    or without a truncation. What the shortcuts (`greedy_tail`, forms.shape) start from."""
+    if p.trace:
+        return None
+    active, first = steps_to_run(p, has_hist, n_vocab)
+    if first is None:
+        return None
+    return active[:first], active[first:]
+
+
 @functools.lru_cache(maxsize=1024)
 def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[Step, ...], float] | None:
     """(steps from the first truncation on, tau before it) when the chain without a
@@ -92,12 +104,10 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
     touched), the first truncation keeps one token (top-k 1 or greedy temperature), and
     only stateless steps whose rows say they keep a one-token set (``keeps_one``) follow it. ``apply_chain``
     would give the same candidates (its cut is the same argmax); this skips its set-up."""
-    if p.trace:
+    split = prefix_and_tail(p, has_hist, n_vocab)
+    if split is None:
         return None
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    if first is None:
-        return None
-    prefix, tail = active[:first], active[first:]
+    prefix, tail = split
     if any(s.kind == ELEMENTWISE for s in prefix):
         return None
     head = tail[0]

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from . import registry as R
-from .chain import steps_to_run
+from .chain import prefix_and_tail
 from .registry import DIVIDE, KEEP_K, KEEP_MASS, TOUCH, Step
 
 __all__ = ["Shape", "shape"]
@@ -48,12 +48,10 @@ def shape(p, has_hist: bool, n_vocab: int) -> Shape | None:
     None where a pass cannot compute it: a trace (kept step by step), an active step
     without a form or with a form a pass does not take at its place, params its form does
     not carry (a forcing bias), or a temperature that is greedy."""
-    if p.trace:
+    split = prefix_and_tail(p, has_hist, n_vocab)
+    if split is None:
         return None
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    if first is None:
-        return None
-    prefix, tail = active[:first], active[first:]
+    prefix, tail = split
     if any(R.form(st) != TOUCH or not st.batched.carries(p) for st in prefix):
         return None
     forms = tuple(R.form(st) for st in tail)
