@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clickpaca.engine.plan import Feed, Want, plan_tick
+from clickpaca.engine.plan import LONE, PAIRS, PROMPT, Feed, Want, next_kind, plan_tick
 from clickpaca.wire.scoring import chunk_rows
 
 
@@ -271,3 +271,21 @@ def test_pairs_fit_and_every_sequence_gets_its_turn(n_gen, n_batch, pair_rows, t
     for t in range(turn, turn + -(-n_gen // room)):
         fed |= {f.key for f in plan_tick(wants, n_batch, pair_rows=pair_rows, turn=t)}
     assert fed == set(range(n_gen))
+
+
+def test_deterministic_kinds_of_tick_never_mix_and_take_turns():
+    """A prompt chunk, lone generated tokens and pairs never share a decode (llama.cpp's
+    equal columns would leave a prompt's or a pair's token alone in a micro-batch);
+    with several kinds waiting they take turns, none skipped."""
+    p, g, q = prompt("p", 0, 5), gen("g", 7), pair("q", 9)
+    wants = [p, g, q, prompt("w", 0, 4, waiting=True)]
+    kinds, last = [], None
+    for _ in range(6):
+        last = next_kind(wants, last)
+        kinds.append(last)
+    assert kinds == [PROMPT, LONE, PAIRS] * 2
+    assert next_kind([g, q], PAIRS) == LONE and next_kind([q], PAIRS) == PAIRS
+    assert next_kind([prompt("w", 0, 4, waiting=True)], None) is None
+    assert [f.key for f in plan_tick(wants, 16, defer_prompts=True, only=LONE, pair_rows=8)] == ["g"]
+    (f,) = plan_tick(wants, 16, defer_prompts=True, only=PAIRS, pair_rows=8)
+    assert (f.key, f.count, f.refed) == ("q", 2, 1)

@@ -175,16 +175,22 @@ def test_more_sequences_than_a_micro_batch_pairs():
 
 
 def test_a_run_beside_other_sequences_is_the_same_bits(det):
-    """Deterministic mode's promise holds for forced chunks: the same events alone and
-    while three other sequences generate (a chunk is decoded alone, as a prompt chunk)."""
+    """Deterministic mode's promise holds for forced chunks and pairs: the same events
+    alone and while three other sequences generate, two with a grammar (pairs, chunks)
+    and one without (lone tokens, in ticks of their own: plan.next_kind), whose events
+    are its own alone's too."""
     args = dict(**job("nested"), maxTokens=MAX_TOKENS, temperature=0.8, seed=5, nProbs=2, jumpForward=True)
+    plain = dict(prompt=chat("Name three rivers."), maxTokens=MAX_TOKENS, temperature=0.8, seed=3, nProbs=2)
     alone, _ = run(det, **args)
-    for sid, name in ((1, "person"), (2, "order"), (3, "optional")):
+    plain_alone, _ = run(det, 3, **plain)
+    for sid, name in ((1, "person"), (2, "order")):
         det.infer(sid, **job(name), maxTokens=MAX_TOKENS, temperature=0.8, seed=sid, jumpForward=sid != 2)
+    det.infer(3, **plain)
     beside, _ = run(det, 0, **args)
-    for sid in (1, 2, 3):
+    for sid in (1, 2):
         det.collect(sid)
     assert beside == alone
+    assert det.collect(3)[0] == plain_alone
 
 
 def test_max_tokens_cuts_a_forced_run(det):

@@ -64,9 +64,32 @@ class Feed:
     refed: int = 0  # its first `refed` tokens are in the KV cells already: fed again (Want.refed)
 
 
+#: deterministic mode's kinds of tick (`next_kind`): one prompt chunk, generated tokens
+#: each its sequence's only row, generated tokens each beside the one before it
+PROMPT, LONE, PAIRS = "prompt", "lone", "pairs"
+_KINDS = (PROMPT, LONE, PAIRS)
+
+
+def kind_of(w: Want) -> str | None:
+    """The kind of tick that feeds this want in deterministic mode (None: it waits)."""
+    if w.generating:
+        return PAIRS if w.refed else LONE
+    return PROMPT if not w.waiting and w.n_tokens > w.n_past else None
+
+
+def next_kind(wants: Sequence[Want], last: str | None) -> str | None:
+    """Deterministic mode's next kind of tick: it never mixes prompt chunks, lone
+    generated tokens and pairs in one decode, since llama.cpp cuts a batch of several
+    streams into micro-batches of equal columns, which would leave a prompt's or a
+    pair's token alone in one; with several kinds waiting they take turns."""
+    present = {kind_of(w) for w in wants}
+    start = _KINDS.index(last) + 1 if last in _KINDS else 0
+    return next((k for i in range(len(_KINDS)) if (k := _KINDS[(start + i) % len(_KINDS)]) in present), None)
+
+
 def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
               one_prompt: bool = False, pair_rows: int = 0, turn: int = 0,
-              n_ubatch: int | None = None) -> list[Feed]:
+              n_ubatch: int | None = None, only: str | None = None) -> list[Feed]:
     """The tick's feeds, in batch order: generating sequences, then prompt chunks.
 
     `one_prompt` is deterministic mode's prompt tick (docs/DETERMINISM.md): no generating
@@ -76,9 +99,11 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
     generated token always with the one before it: `pair_rows`, the most sequences a
     tick may pair, and `turn`, which of them go first when there are more; `n_ubatch`,
     the rows of llama.cpp's micro-batch, so that its cut of a chunk leaves no lone row
-    either)."""
+    either; `only`, LONE or PAIRS: deterministic mode's tick of one kind, `next_kind`)."""
     if one_prompt:
         return _one_prompt(wants, n_batch, n_ubatch)
+    if only is not None:
+        wants = [w for w in wants if kind_of(w) == only]
     plan: list[Feed] = []
     used = row = 0
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from . import faults
 from .jobs import Tick
 from .mask_ahead import MaskJob
+from . import plan as plan_mod
 from .plan import Feed, plan_tick
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
@@ -46,7 +47,7 @@ _FAILED = object()  # what `_guard` returns for a stage that failed
 class Scheduler:
     def __init__(self, rt: Runtime, seqs: Sequences) -> None:
         self.rt, self.seqs = rt, seqs
-        self._prompt_tick = False  # deterministic mode: this tick feeds one prompt chunk only
+        self._kind: str | None = None  # deterministic mode: this tick's kind (plan.next_kind)
         self._turn = 0  # deterministic mode: which paired sequence goes first (plan.py)
         # logits rows whose pages stay resident between requests (a generating tick uses
         # one per sequence); those past it are given back once no decode needs them
@@ -61,7 +62,7 @@ class Scheduler:
             if why is not None and why is not _FAILED:
                 self.seqs.fail(seq, why)
         if self.rt.deterministic:
-            self._prompt_tick = self._next_is_prompt_tick()
+            self._kind = plan_mod.next_kind(self._wants(), self._kind)
             self._turn += 1
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
@@ -123,16 +124,6 @@ class Scheduler:
                     pairs.append((f.key, matcher))
         return self.rt.masks.start(pairs)
 
-    def _next_is_prompt_tick(self) -> bool:
-        """Deterministic mode never mixes generated tokens and prompt chunks in one decode
-        (llama.cpp's split of such a batch can leave a prompt token alone in a micro-batch):
-        with both waiting, prompt and generation ticks alternate."""
-        wants = self._wants()
-        kinds = {w.generating for w in wants if w.generating or not w.waiting}
-        if kinds == {True, False}:
-            return not self._prompt_tick
-        return kinds == {False}
-
     def _plan(self, defer_prompts: bool) -> list[Feed]:
         """Plan the tick (plan.py) and fill the batch from it. A sequence that ends while
         the batch is filled (its entry, its capture's rows or its row's order failed)
@@ -149,10 +140,11 @@ class Scheduler:
         batch = self.rt.batch
         wants = self._wants()
         if self.rt.deterministic:
-            plan = plan_tick(wants, batch.capacity, one_prompt=True, n_ubatch=self.rt.ctx.n_ubatch) \
-                if self._prompt_tick \
-                else plan_tick(wants, batch.capacity, defer_prompts=True,
-                               pair_rows=max(1, self.rt.ctx.n_ubatch // 2), turn=self._turn)
+            n_ubatch = self.rt.ctx.n_ubatch
+            plan = plan_tick(wants, batch.capacity, one_prompt=True, n_ubatch=n_ubatch) \
+                if self._kind == plan_mod.PROMPT \
+                else plan_tick(wants, batch.capacity, defer_prompts=True, only=self._kind,
+                               pair_rows=max(1, n_ubatch // 2), turn=self._turn)
         else:
             plan = plan_tick(wants, batch.capacity, defer_prompts)
         batch.clear()
