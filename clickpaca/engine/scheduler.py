@@ -35,8 +35,7 @@ from typing import Any, Callable
 from . import faults
 from .jobs import Tick
 from .mask_ahead import MaskJob
-from . import plan as plan_mod
-from .plan import Feed, plan_tick
+from .plan import PROMPT, Feed, next_kind, plan_tick
 from .runtime import Runtime
 from .sequences import Sequence, Sequences
 from .tick_sampling import TickSampler
@@ -62,7 +61,7 @@ class Scheduler:
             if why is not None and why is not _FAILED:
                 self.seqs.fail(seq, why)
         if self.rt.deterministic:
-            self._kind = plan_mod.next_kind(self._wants(), self._kind)
+            self._kind = next_kind(self._wants(), self._kind)
             self._turn += 1
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
@@ -142,7 +141,7 @@ class Scheduler:
         if self.rt.deterministic:
             n_ubatch = self.rt.ctx.n_ubatch
             plan = plan_tick(wants, batch.capacity, one_prompt=True, n_ubatch=n_ubatch) \
-                if self._kind == plan_mod.PROMPT \
+                if self._kind == PROMPT \
                 else plan_tick(wants, batch.capacity, defer_prompts=True, only=self._kind,
                                pair_rows=max(1, n_ubatch // 2), turn=self._turn)
         else:
