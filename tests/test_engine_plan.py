@@ -227,10 +227,24 @@ def test_deterministic_prompt_ticks_feed_prompts_in_chunks_of_two_or_more(case, 
 # ------------------------------------------------------------------ deterministic mode's pairs
 
 
-def pair(key, n_past):
+def pair(key, n_past, last_tick=-1):
     """A generating sequence in deterministic mode: its new token (at n_past) with the one
-    before it fed again (InferJob.want)."""
-    return Want(key, True, n_past - 1, n_past + 1, n_past, n_past, True, refed=1)
+    before it fed again (InferJob.want), last fed at `last_tick`."""
+    return Want(key, True, n_past - 1, n_past + 1, n_past, n_past, True, refed=1, last_tick=last_tick)
+
+
+def ticks_of_pairs(keys, n_ticks, n_batch, pair_rows):
+    """The keys each of `n_ticks` pair ticks feeds, each want's last_tick set as the
+    scheduler's jobs set it (the tick of its last token)."""
+    last = {k: -1 for k in keys}
+    seen = []
+    for t in range(n_ticks):
+        plan = plan_tick([pair(k, 5, last[k]) for k in keys], n_batch, pair_rows=pair_rows)
+        assert all(f.count == 2 and f.refed == 1 for f in plan)
+        for f in plan:
+            last[f.key] = t
+        seen.append([f.key for f in plan])
+    return seen
 
 
 def test_a_generated_token_is_fed_beside_the_one_before_it():
@@ -240,37 +254,32 @@ def test_a_generated_token_is_fed_beside_the_one_before_it():
     assert (f.pos, f.count, f.refed, list(f.rows), f.row_pos, f.ends, f.samples) == (8, 2, 1, [0], 9, True, True)
 
 
-def test_a_tick_pairs_no_more_than_half_a_micro_batch_and_the_first_place_goes_round():
+def test_a_tick_pairs_no_more_than_half_a_micro_batch_the_least_recently_fed_first():
     """llama.cpp cuts a micro-batch of several streams into equal columns: at most
     n_ubatch // 2 pairs, or some token would be its stream's only row. The others wait,
-    and the pairs fed move on tick by tick (kept in batch order), so none waits two
-    ticks running."""
-    wants = [pair(k, 5) for k in "abcde"]
-    seen = []
-    for turn in range(5):
-        plan = plan_tick(wants, 64, pair_rows=2, turn=turn)
-        assert all(f.count == 2 and f.refed == 1 for f in plan)
-        seen.append([f.key for f in plan])
-    assert seen == [["a", "b"], ["c", "d"], ["a", "e"], ["b", "c"], ["d", "e"]]
-    assert [f.key for f in plan_tick(wants, 5, pair_rows=8)] == ["a", "b"]  # the batch holds 2 pairs
+    the least recently fed going first (ties: batch order), and each tick's feeds keep
+    batch order."""
+    seen = ticks_of_pairs("abcde", 5, 64, 2)
+    assert seen == [["a", "b"], ["c", "d"], ["a", "e"], ["b", "c"], ["a", "d"]]
+    assert [f.key for f in plan_tick([pair(k, 5) for k in "abcde"], 5, pair_rows=8)] == ["a", "b"]  # 2 fit
 
 
 @settings(max_examples=200, deadline=None)
-@given(n_gen=st.integers(1, 40), n_batch=st.integers(3, 128), pair_rows=st.integers(1, 64),
-       turn=st.integers(0, 1000))
-def test_pairs_fit_and_every_sequence_gets_its_turn(n_gen, n_batch, pair_rows, turn):
+@given(n_gen=st.integers(1, 40), n_batch=st.integers(3, 128), pair_rows=st.integers(1, 64))
+def test_pairs_fit_and_none_waits_longer_than_a_round(n_gen, n_batch, pair_rows):
     """Every entry a whole pair, within the batch and the micro-batch's pairs; as many
-    pairs as both allow; over `room` consecutive ticks of the same wants, each has fed."""
+    pairs as both allow; tick after tick, every sequence is fed within its first round
+    of ceil(n / pairs a tick) ticks and then at least once a round."""
     n_batch = max(n_batch, n_gen)  # nBatch >= nSeqMax
-    wants = [pair(i, 3 + i) for i in range(n_gen)]
-    plan = plan_tick(wants, n_batch, pair_rows=pair_rows, turn=turn)
+    plan = plan_tick([pair(i, 3 + i) for i in range(n_gen)], n_batch, pair_rows=pair_rows)
     room = min(n_gen, pair_rows, n_batch // 2)
     assert len(plan) == room and sum(f.count for f in plan) <= n_batch
     assert all((f.pos, f.count, f.refed) == (f.key + 2, 2, 1) for f in plan)
-    fed = set()
-    for t in range(turn, turn + -(-n_gen // room)):
-        fed |= {f.key for f in plan_tick(wants, n_batch, pair_rows=pair_rows, turn=t)}
-    assert fed == set(range(n_gen))
+    round_ = -(-n_gen // room)
+    seen = ticks_of_pairs(list(range(n_gen)), 3 * round_, n_batch, pair_rows)
+    for k in range(n_gen):
+        fed_at = [-1] + [t for t, keys in enumerate(seen) if k in keys]
+        assert max(b - a for a, b in zip(fed_at, fed_at[1:] + [3 * round_])) <= round_, (k, fed_at)
 
 
 def test_deterministic_kinds_of_tick_never_mix_and_take_turns():

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.model
 #: schemas of the test corpora: tests/test_server_grammars.py's, and two real ones enforced whole
 CORPUS = [("check-jsonschema", "github-issue-config.json"), ("schemastore", ".clasp.json")]
 MAX_TOKENS = 48
+#: Gemma's end-of-generation tokens banned: a request without a grammar runs to maxTokens
+EOG_BANS = [{"token": t, "bias": -1e9} for t in (1, 106, 212)]
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +174,27 @@ def test_more_sequences_than_a_micro_batch_pairs():
         finally:
             c.close()
     assert outs[6] == outs[None]
+
+
+def test_pairs_over_the_micro_batch_take_turns_beside_other_kinds():
+    """nUbatch 4 pairs two sequences a tick; four grammar requests beside one without a
+    grammar: the least recently fed pairs go first, so no grammar request waits more than
+    a round of two pair ticks, and with prompt, lone and pair ticks taking turns a pair
+    tick comes at least every third tick: at most 6 ticks between two of its tokens
+    (before pairs went least recently fed first, one waited 23)."""
+    c = spawn_server(deterministic=True, nSeqMax=5, nUbatch=4)
+    try:
+        names = ["person", "nested", "order", "anyof_refs"]
+        for name in names:
+            c.grammar(f"s-{name}", schema_text(SCHEMAS[name][0]))
+        c.infer(4, prompt=chat("Name three rivers."), maxTokens=40, temperature=0, logit_bias=EOG_BANS)
+        for sid, name in enumerate(names):
+            c.infer(sid, **job(name), maxTokens=12, temperature=0)
+        gaps = {name: c.collect(sid)[1].get("max_gap_ticks", 1) for sid, name in enumerate(names)}
+        c.collect(4)
+    finally:
+        c.close()
+    assert max(gaps.values()) <= 6, gaps
 
 
 def test_a_run_beside_other_sequences_is_the_same_bits(det):

@@ -226,7 +226,8 @@ class InferJob(Job):
                 return self.reads(Want(seq, False, seq.n_past, n, first, n - 1, True, seq.kv_wait))
             return self.reads(Want(seq, True, seq.n_past, n, first, n - 1, True))
         if self.generating and self.pairs and seq.n_past > 0:  # with the token before it, fed again (plan.py)
-            return self.reads(Want(seq, True, seq.n_past - 1, n, n - 1, n - 1, True, refed=1))
+            return self.reads(Want(seq, True, seq.n_past - 1, n, n - 1, n - 1, True, refed=1,
+                                   last_tick=-1 if self.tick_last is None else self.tick_last))
         if self.generating:  # its last sampled token, then a row to sample the next
             return self.reads(Want(seq, True, seq.n_past, n, seq.n_past, seq.n_past, True))
         samples = self.max_tokens > 0

@@ -16,13 +16,14 @@ gives the long one the rest of the batch. A sequence waiting for KV room, or eve
 scheduler defers them, is left out.
 
 Deterministic mode (`pair_rows`): a generated token of a request with a grammar
-(engine/jump.py `pairs`) is decoded beside the token before it, fed again into the same cell (its Want starts there, `refed`; the scheduler removes
-that cell before it fills the batch), so that no
-sequence is ever its stream's only row in a decode: a lone row takes other kernels than
-two or more (docs/DETERMINISM.md), and with pairs a generated token's bits are those of
-the same text fed as a prompt, forced chunk or not (docs/GRAMMARS.md, "Jump-forward").
-llama.cpp cuts a micro-batch of several streams into equal columns, so a tick pairs at
-most n_ubatch // 2 sequences; the others wait a tick, taking turns (`turn`).
+(engine/jump.py `pairs`) is decoded beside the token before it, fed again into the same
+cell (its Want starts there, `refed`; the scheduler removes that cell before it fills the
+batch), so that no sequence is ever its stream's only row in a decode: a lone row takes
+other kernels than two or more (docs/DETERMINISM.md), and with pairs a generated token's
+bits are those of the same text fed as a prompt, forced chunk or not (docs/GRAMMARS.md,
+"Jump-forward"). llama.cpp cuts a micro-batch of several streams into equal columns, so
+a tick pairs at most n_ubatch // 2 sequences; the others wait, the least recently fed
+going first (`Want.last_tick`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Want:
     samples_at_end: bool  # it samples from the row of its last known token
     waiting: bool = False  # waits for KV room (a decode found none)
     refed: int = 0  # its first `refed` tokens (from n_past) are in the KV cells already: fed again
+    last_tick: int = -1  # the tick of its last token (pairs that wait: the least recent go first)
 
 
 @dataclass(slots=True)
@@ -88,8 +90,8 @@ def next_kind(wants: Sequence[Want], last: str | None) -> str | None:
 
 
 def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
-              one_prompt: bool = False, pair_rows: int = 0, turn: int = 0,
-              n_ubatch: int | None = None, only: str | None = None) -> list[Feed]:
+              one_prompt: bool = False, pair_rows: int = 0, n_ubatch: int | None = None,
+              only: str | None = None) -> list[Feed]:
     """The tick's feeds, in batch order: generating sequences, then prompt chunks.
 
     `one_prompt` is deterministic mode's prompt tick (docs/DETERMINISM.md): no generating
@@ -97,7 +99,7 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
     (llama.cpp's attention takes another kernel path for a sequence's lone token, so a
     prompt token must always be decoded with at least one other of its sequence; a
     generated token always with the one before it: `pair_rows`, the most sequences a
-    tick may pair, and `turn`, which of them go first when there are more; `n_ubatch`,
+    tick may pair, the least recently fed first when there are more; `n_ubatch`,
     the rows of llama.cpp's micro-batch, so that its cut of a chunk leaves no lone row
     either; `only`, LONE or PAIRS: deterministic mode's tick of one kind, `next_kind`)."""
     if one_prompt:
@@ -118,7 +120,7 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
         row += n_rows
 
     gens = [w for w in wants if w.generating]
-    pairs, later = _pairs(gens, n_batch, pair_rows, turn)
+    pairs, later = _pairs(gens, n_batch, pair_rows)
     gens = [w for w in gens if id(w) not in later]
     for i, w in enumerate(gens):  # a forced chunk (jump.py) leaves one token for each after it
         if id(w) in pairs:
@@ -133,22 +135,17 @@ def plan_tick(wants: Sequence[Want], n_batch: int, defer_prompts: bool = False,
     return plan
 
 
-def _pairable(w: Want) -> bool:
-    """A generating sequence whose one new token is to be fed beside the one before it."""
-    return w.generating and w.refed == 1 and w.n_tokens - w.n_past == 2
-
-
-def _pairs(gens: list[Want], n_batch: int, pair_rows: int, turn: int) -> tuple[set[int], set[int]]:
-    """The ids of the pairable wants this tick feeds as pairs, and of those that wait for
-    a later tick: at most `pair_rows` pairs (none when it is 0: no pairing), and no more
-    than the batch holds beside the other generating sequences' tokens; which go first
-    moves on by that many each `turn` (kept in batch order)."""
-    able = [w for w in gens if _pairable(w)] if pair_rows > 0 else []
+def _pairs(gens: list[Want], n_batch: int, pair_rows: int) -> tuple[set[int], set[int]]:
+    """The ids of the pairing wants this tick feeds, and of those that wait for a later
+    tick: at most `pair_rows` pairs (none when it is 0: no pairing), and no more than the
+    batch holds beside the other generating sequences' tokens; the least recently fed
+    first (ties: batch order), so none waits while another is fed twice. The feeds keep
+    batch order."""
+    able = [w for w in gens if kind_of(w) == PAIRS] if pair_rows > 0 else []
     if not able:
         return set(), set()
     room = min(pair_rows, len(able), (n_batch - (len(gens) - len(able))) // 2)
-    start = turn * room % len(able)  # tick after tick, the next `room` of them
-    ids = [id(w) for w in able[start:] + able[:start]]
+    ids = [id(w) for w in sorted(able, key=lambda w: w.last_tick)]
     return set(ids[:room]), set(ids[room:])
 
 

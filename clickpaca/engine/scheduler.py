@@ -47,7 +47,6 @@ class Scheduler:
     def __init__(self, rt: Runtime, seqs: Sequences) -> None:
         self.rt, self.seqs = rt, seqs
         self._kind: str | None = None  # deterministic mode: this tick's kind (plan.next_kind)
-        self._turn = 0  # deterministic mode: which paired sequence goes first (plan.py)
         # logits rows whose pages stay resident between requests (a generating tick uses
         # one per sequence); those past it are given back once no decode needs them
         self._keep_rows = max(64, rt.ctx.n_seq_max)
@@ -62,7 +61,6 @@ class Scheduler:
                 self.seqs.fail(seq, why)
         if self.rt.deterministic:
             self._kind = next_kind(self._wants(), self._kind)
-            self._turn += 1
         plan = self._plan(defer_prompts=False)
         job = self._start_masks(plan)  # runs while the decode does (mask_ahead.py)
         try:
@@ -143,7 +141,7 @@ class Scheduler:
             plan = plan_tick(wants, batch.capacity, one_prompt=True, n_ubatch=n_ubatch) \
                 if self._kind == PROMPT \
                 else plan_tick(wants, batch.capacity, defer_prompts=True, only=self._kind,
-                               pair_rows=max(1, n_ubatch // 2), turn=self._turn)
+                               pair_rows=max(1, n_ubatch // 2))
         else:
             plan = plan_tick(wants, batch.capacity, defer_prompts)
         batch.clear()
