@@ -84,7 +84,8 @@ def steps_to_run(p: SamplerParams, has_hist: bool, n_allowed: int) -> tuple[tupl
     return tuple(active), first
 
 
-def prefix_and_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[Step, ...], tuple[Step, ...]] | None:
+def prefix_and_tail(p: SamplerParams, has_hist: bool,
+                    n_vocab: int) -> tuple[tuple[Step, ...], tuple[Step, ...]] | None:
     """A chain's active steps split at its first truncation (`steps_to_run`): the steps
     the implicit fast path carries, and the rest; None with a trace (kept step by step)
     or without a truncation. What the shortcuts (`greedy_tail`, forms.shape) start from."""
@@ -111,7 +112,8 @@ def greedy_tail(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple[tuple[S
     if any(s.kind == ELEMENTWISE for s in prefix):
         return None
     head = tail[0]
-    if not ((R.form(head) == R.KEEP_K and head.batched.value(p) == 1) or (head is _TEMPERATURE and p.temperature <= 0)):
+    keeps_one_k = R.form(head) == R.KEEP_K and head.batched.value(p) == 1
+    if not (keeps_one_k or (head is _TEMPERATURE and p.temperature <= 0)):
         return None
     if any(not s.keeps_one or s.stateful for s in tail):
         return None

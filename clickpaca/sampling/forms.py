@@ -36,11 +36,6 @@ class Shape:
     mass: float | None
     divide: float | None
 
-    @property
-    def counts(self) -> bool:
-        """Whether a touching step reads the penalty window's counts of the touched ids."""
-        return any(st.batched.counts for st in self.touch)
-
 
 @functools.lru_cache(maxsize=1024)
 def shape(p, has_hist: bool, n_vocab: int) -> Shape | None:

@@ -9,8 +9,9 @@ set after it means, whether it reads state shared between sequences (``shared_st
 DRY, through the vocabulary), whether it keeps a one-token set (``keeps_one``), and its
 form in the batched passes (``batched``: keep k, keep a mass share, divide, or touch a
 few ids, with the touched form's arithmetic in ``steps`` beside the scalar one; which
-passes a chain of forms takes is forms.py's one decision). Adding a step is one definition in ``steps`` and one ``register(Step(...))`` here (or
-anywhere: see ``registry``). The rows live in the registry only: read them with
+passes a chain of forms takes is forms.py's one decision). Adding a step is one
+definition in ``steps`` and one ``register(Step(...))`` here (or anywhere: see
+``registry``). The rows live in the registry only: read them with
 ``registry.steps()`` / ``registry.by_name()``; the names bound here (``TEMPERATURE``, ...)
 are the rows other modules refer to by identity.
 """
@@ -28,8 +29,8 @@ from .bitmask import allows
 from .candidates import dense_exp, gather
 from .cut import RowView, isin_sorted, upper_ids
 from .registry import (CONSTRAINT, DIVIDE, ELEMENTWISE, GENERAL, KEEP_K, KEEP_MASS, SCALE, TOUCH, TRUNCATION,
-                       Batched, Param, SamplerParamError, Step, aliases, choice_strings, integer, is_int, is_real, real, register, register_chain_param, show,
-                       to_float)
+                       Batched, Param, SamplerParamError, Step, aliases, choice_strings, integer, is_int,
+                       is_real, real, register, register_chain_param, show, to_float)
 from . import registry as R
 
 if TYPE_CHECKING:
