@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from clickpaca.llama import native
 from clickpaca.sampling import SamplerParams, SequenceSampler, apply_chain
-from clickpaca.sampling.batch import batch_plan, sample_tick
+from clickpaca.sampling.batch import sample_tick
+from clickpaca.sampling.route import plan
 from clickpaca.sampling.candidates import raw_logprobs
 from clickpaca.sampling.chain import greedy_tail
 from clickpaca.sampling.cut import RowView, upper_ids
@@ -177,6 +178,10 @@ def test_sample_tick_equals_per_sequence_calls(case):
 
 def test_the_plans_that_run_batched():
     V = 262_144
+
+    def batch_plan(p, has_hist, V):  # route.py's decision for the host's batched pass
+        return plan(p, has_hist, V).host
+
     assert batch_plan(SamplerParams(top_k=1), False, V) == ("greedy",)
     assert batch_plan(SamplerParams(temperature=0), False, V) == ("greedy",)
     assert batch_plan(SamplerParams(), False, V) == ("topk", 40, 0.95, 0.7)
@@ -266,15 +271,14 @@ def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
     leave it. The row decides, not the step's name or origin."""
     from clickpaca.sampling import usersteps
     from clickpaca.sampling import registry as R
-    from clickpaca.sampling.batch import thread_safe
 
     seen = []
 
     V = 512
     block = np.random.default_rng(1).standard_normal((8, V)).astype(np.float32)
     built_in = SamplerParams(top_k=0, top_p=0.9)  # made before the registration: without it
-    assert thread_safe(built_in, False, V)
-    assert not thread_safe(SamplerParams(dry_multiplier=0.8, dry_sequence_breakers=()), True, V)
+    assert plan(built_in, False, V).thread_safe
+    assert not plan(SamplerParams(dry_multiplier=0.8, dry_sequence_breakers=()), True, V).thread_safe
 
     @usersteps.step("where_29", off=lambda p, h: False)
     def where(ids, logits, p, ctx):
@@ -284,7 +288,7 @@ def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
     try:
         assert where.step.shared_state and R.step("where_29") is where.step
         user = SamplerParams(samplers=["where_29", "top_k"], seed=0)
-        assert not thread_safe(user, False, V)
+        assert not plan(user, False, V).thread_safe
         samplers = [SequenceSampler(user.replace(seed=i), V) for i in range(8)]
         sample_tick(samplers, block, list(range(8)), threads=2)
         assert seen and all(t is threading.current_thread() for t in seen)
@@ -293,8 +297,8 @@ def test_user_steps_run_on_the_calling_thread_and_built_ins_may_not():
     R.register(R.Step("plain_29", R.GENERAL, run=lambda ids, logits, p, ctx: (ids, logits),
                       off=lambda p, h: False))  # a row that does not say it: may leave the thread
     try:
-        assert thread_safe(SamplerParams(samplers=["plain_29", "top_k"]), False, V)
-        assert not thread_safe(SamplerParams(samplers=["plain_29", "dry"], dry_multiplier=0.8,
-                                             dry_sequence_breakers=()), True, V)
+        assert plan(SamplerParams(samplers=["plain_29", "top_k"]), False, V).thread_safe
+        assert not plan(SamplerParams(samplers=["plain_29", "dry"], dry_multiplier=0.8,
+                                      dry_sequence_breakers=()), True, V).thread_safe
     finally:
         R.unregister("plain_29")

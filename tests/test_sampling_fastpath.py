@@ -44,12 +44,12 @@ from hypothesis import strategies as st
 from clickpaca.llama.presample import BLOCK, Preselected, RowOrder, reference
 from clickpaca.sampling import SamplerParams, SequenceSampler, apply_chain
 from clickpaca.sampling import fastpath as F
-from clickpaca.sampling import fastpath_touched as T
 from clickpaca.sampling import registry as R
 from clickpaca.sampling.bench import random_mask, synthetic_row
 from clickpaca.sampling.bitmask import as_words, count_allowed
 from clickpaca.sampling.chain import empty_reason, steps_to_run
 from clickpaca.sampling.registry import NO_HIST
+from clickpaca.sampling.route import plan as chain_plan
 
 #: the steps whose rows say ``preselected`` (test_preselected_rows_are_the_ones_tested)
 PRESELECTED = ("logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature")
@@ -94,6 +94,11 @@ def near_boundary_is_rare(request):
         assert got[what] <= NEAR_LIMIT * got["answers"], (
             f"{request.node.name}: {got[what]} {what} in {got['answers']} answers, over the "
             f"{NEAR_LIMIT * 100:g}% limit ({got})")
+
+
+def _touched_plan(s: SequenceSampler):
+    """route.py's decision that the sequence's row goes through fastpath_touched's pass."""
+    return chain_plan(s.params, s.penalizes, s.n_vocab).touched
 
 
 def note(what: str) -> None:
@@ -682,7 +687,7 @@ def touched_tick(V: int, rows: list[np.ndarray], chains: list[dict], ks: list[in
     alone = [f.fork() for f in fast]
     single = [f.fork() for f in fast]
     for f in fast:  # the chains the test is for: every one goes through the batch
-        assert T.plan(f) is not None, f.params
+        assert _touched_plan(f) is not None, f.params
     us = [h.peek() for h in host]
     pres = preselect(rows, [F.order(f, None, k) for f, k in zip(fast, ks)])
     got = F.sample_tick(fast, pres, [None] * len(fast))
@@ -752,7 +757,7 @@ def test_a_touched_value_that_ties_an_untouched_one_keeps_the_canonical_order(in
     for seed in range(40):
         q = p.replace(seed=seed)
         fast, host = SequenceSampler(q, V), SequenceSampler(q, V)
-        assert T.plan(fast) is not None
+        assert _touched_plan(fast) is not None
         got = F.sample_tick([fast], [reference(row, F.order(fast, None, 8))], [None])[0]
         want = host.sample(row)
         assert not isinstance(got, str) and got.token == want.token, (seed, got, want)
@@ -889,7 +894,7 @@ def test_a_tick_with_touched_tokens_refuses_a_top_k_reaching_the_floor():
              (base.replace(top_k=2, penalty_present=2.0, penalty_last_n=64), [12], F.PAST_K),
              (base.replace(top_k=2, penalty_present=0.5, penalty_last_n=64), [12], None)]
     ss = [SequenceSampler(p, V, prompt_tokens=h) for p, h, _ in cases]
-    assert all(T.plan(s) is not None for s in ss)
+    assert all(_touched_plan(s) is not None for s in ss)
     pres = [reference(row, F.order(s, None), k=4) for s in ss]  # K 4 (the order asks for more)
     assert all(pre.ids.tolist() == [10, 11, 12, 13] for pre in pres)
     alone = [s.fork() for s in ss]
@@ -1073,7 +1078,7 @@ def test_a_tick_refuses_touched_values_pre_selected_for_another_plan():
     no_bias = SequenceSampler(p.replace(logit_bias={13: 1.0}), V, prompt_tokens=[11])
     pres = [reference(row, F.order(s, None)) for s in [no_bias] + ss[1:]]
     ss[2].accept(10)  # the window now holds 10, which the order did not ask for
-    assert all(T.plan(s) is not None for s in ss)
+    assert all(_touched_plan(s) is not None for s in ss)
     fresh = [s.fork() for s in ss]
     got = F.sample_tick(ss, pres, [None] * 4)
     assert got[0] == got[2] == "pre-selected for another plan"

@@ -105,8 +105,8 @@ def test_the_protocol_reads_the_live_registry():
 
 def test_no_plan_outlives_the_rows_it_was_made_from():
     """The chain caches its plans by params; a step removed and registered again under
-    its name with another row is run as the new row (and says so to the batch plan)."""
-    from clickpaca.sampling.batch import thread_safe
+    its name with another row is run as the new row (and says so to the chain's route plan)."""
+    from clickpaca.sampling.route import plan
 
     V = 64
     row = np.zeros(V, np.float32)
@@ -116,6 +116,6 @@ def test_no_plan_outlives_the_rows_it_was_made_from():
         try:  # equal params both times: the same cache keys
             p = SamplerParams(samplers=["again_38"], temperature=1.0, top_k=0, top_p=1.0, seed=1)
             assert SequenceSampler(p, V).sample(row).token == keep
-            assert thread_safe(p, False, V) is not shared
+            assert plan(p, False, V).thread_safe is not shared
         finally:
             R.unregister("again_38")

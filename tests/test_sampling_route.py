@@ -70,17 +70,17 @@ def test_an_order_is_what_route_allowed():
 
 
 def test_a_pre_selected_rows_pass_is_one_object_per_chain():
-    """tick_route: the batched pass of fastpath.sample_tick a row takes (greedy, top-k, a
+    """Plan.tick: the batched pass of fastpath.sample_tick a row takes (greedy, top-k, a
     dense draw; None: per row), the same object for every sequence of a chain (a tick
-    groups its rows by it), whatever the seed. Arguments: params, has history, vocabulary,
-    then what the order asked: masked, touched, mass, raw, dense."""
+    groups its rows by it), whatever the seed. `plan` takes params, has history and the
+    vocabulary; `tick` what the order asked: masked, touched, mass, raw, dense."""
     greedy = [SequenceSampler(SamplerParams(temperature=0.0, seed=i), V) for i in range(2)]
-    a, b = (R.tick_route(s.params, s.penalizes, V, False, False, False, False, False) for s in greedy)
+    a, b = (R.plan(s.params, s.penalizes, V).tick(False, False, False, False, False) for s in greedy)
     assert a is b and tuple(a) == ("greedy",)
     topk = SequenceSampler(SamplerParams(top_k=5, top_p=0.95, min_p=0.0, temperature=0.7), V)
-    t = R.tick_route(topk.params, topk.penalizes, V, False, False, True, False, False)
+    t = R.plan(topk.params, topk.penalizes, V).tick(False, False, True, False, False)
     assert t is not None and t[0] == "topk" and t is not a
     dense = SequenceSampler(SamplerParams(top_k=0, top_p=1.0, temperature=0.9), V)
-    d = R.tick_route(dense.params, dense.penalizes, V, False, False, True, False, True)
+    d = R.plan(dense.params, dense.penalizes, V).tick(False, False, True, False, True)
     assert d is not None and d[0] == "dense"
-    assert R.tick_route(dense.params, dense.penalizes, V, True, False, True, False, True) is None  # masked
+    assert R.plan(dense.params, dense.penalizes, V).tick(True, False, True, False, True) is None  # masked

@@ -2,14 +2,15 @@
 
 ``sample_tick(samplers, logits, rows, masks)`` returns what
 ``[s.sample(logits[r], m) for s, r, m in ...]`` returns, bit for bit, in the same order,
-drawing the same random numbers. Two plans run batched: greedy (one argmax per row) and
-top-k (1 < k <= KMAX), then optionally top-p and a temperature > 0, with nothing else
-active (the default chain: the k best from column maxima, then top-p and the draw on an
-[n, k] matrix in the per-sequence steps' element order, so every float64 reduction is the
-same). Every other row, and a row whose top is not finite, takes the per-sequence path.
+drawing the same random numbers. Which rows run batched is route.py's decision
+(``Plan.host``): greedy (one argmax per row) and top-k, then optionally top-p and a
+temperature > 0 (the default chain: the k best from column maxima, then top-p and the
+draw on an [n, k] matrix in the per-sequence steps' element order, so every float64
+reduction is the same). Every other row, and a row whose top is not finite, takes the
+per-sequence path.
 With ``threads`` > 1 the row passes are spread over threads (``workers.run_all``) without
-changing any result; chains with a step that reads shared state (``Step.shared_state``)
-stay on the calling thread. Costs: docs/BENCHMARKS.md, "Sampler host cost per token".
+changing any result; chains with a step that reads shared state (``Plan.thread_safe``) stay on the
+calling thread. Costs: docs/BENCHMARKS.md, "Sampler host cost per token".
 """
 
 from __future__ import annotations
@@ -20,47 +21,16 @@ from typing import Sequence
 
 import numpy as np
 
-from . import forms
-from . import registry as R
-from .chain import SampleResult, SequenceSampler, steps_to_run, greedy_tail
+from .chain import SampleResult, SequenceSampler
 from .cut import default_cols
+from .route import plan as chain_plan
 from ..base.order import canonical_keys, is_canonical
 from .params import SamplerParams
 from .workers import run_all
 
-__all__ = ["sample_tick", "batch_plan", "thread_safe", "topk_draw", "KMAX"]
-
-#: The largest top-k run batched (the [n, k] matrices stay small).
-KMAX = 256
+__all__ = ["sample_tick", "topk_draw"]
 
 _NEG_INF = -np.inf
-
-
-@functools.lru_cache(maxsize=1024)
-def batch_plan(p: SamplerParams, has_hist: bool, n_vocab: int) -> tuple | None:
-    """("greedy",) or ("topk", k, top_p or None, temperature or None) when the params
-    (without a grammar) can run batched; None otherwise."""
-    if p.trace or p.n_probs:
-        return None
-    if greedy_tail(p, has_hist, n_vocab) is not None:
-        return ("greedy",)
-    sh = forms.shape(p, has_hist, n_vocab)
-    if sh is None or sh.touch or sh.k is None or not 1 < sh.k <= min(KMAX, default_cols(n_vocab)):
-        return None
-    return ("topk", sh.k, sh.mass, sh.divide)
-
-
-@functools.lru_cache(maxsize=1024)
-def thread_safe(p: SamplerParams, has_hist: bool, n_vocab: int) -> bool:
-    """True when no active step of the chain reads shared state (its row's
-    ``shared_state``), so the row may be sampled on a worker thread. User-defined steps
-    say they do (they were written for the engine thread: usersteps)."""
-    active, _ = steps_to_run(p, has_hist, n_vocab)  # the same steps whatever the grammar allows
-    return not any(s.shared_state for s in active)
-
-
-R.on_change(batch_plan.cache_clear)  # plans made from the registry's rows: dropped when they change
-R.on_change(thread_safe.cache_clear)
 
 
 def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: Sequence[int],
@@ -85,11 +55,12 @@ def sample_tick(samplers: Sequence[SequenceSampler], logits: np.ndarray, rows: S
         mask = masks[j] if masks is not None else None
         p = s.params
         has_hist = s.penalizes
+        decided = chain_plan(p, has_hist, s.n_vocab)
         plan = None
         if mask is None and logits.ndim == 2 and logits.shape[1] == s.n_vocab:
-            plan = batch_plan(p, has_hist, s.n_vocab)
+            plan = decided.host
         if plan is None:
-            (anywhere if threads > 1 and thread_safe(p, has_hist, s.n_vocab) else here).append(j)
+            (anywhere if threads > 1 and decided.thread_safe else here).append(j)
         elif plan[0] == "greedy":
             greedy.append(j)
         else:

@@ -32,7 +32,7 @@ from .fastpath_dense import dense_tick
 from . import registry as R
 from .registry import ELEMENTWISE, NO_HIST, StepContext
 from .route import (DENSE_TOUCHED, DRAW_OUTSIDE, HOST, N_PROBS_PAST_K, NO_MASS, NON_FINITE, NOTHING_ALLOWED,
-                    OTHER_PLAN, PAST_K, Fallback, per_chain, route, tick_route)
+                    OTHER_PLAN, PAST_K, Fallback, per_chain, plan, route)
 from .steps import FORCE
 from .table import LOGIT_BIAS, PENALTIES, TEMPERATURE
 from . import steps as S
@@ -480,8 +480,8 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | Fallback]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
-    greedy and top-k chains on [m, K] matrices at once (``batch.batch_plan``'s two
-    plans, the same arithmetic as the host path's batched rows), the top-p-first ones
+    greedy and top-k chains on [m, K] matrices at once (route.py's ``Plan.tick``, the
+    same arithmetic as the host path's batched rows), the top-p-first ones
     (`_nucleus_tick`) and the draws over the whole vocabulary (fastpath_dense) too: a
     reason string where the values cannot decide, as ``sample`` gives (a nucleus that
     reaches the K-th value: PAST_K). Every row's result is what it gets alone in a tick
@@ -495,9 +495,8 @@ def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
             rest.append(j)  # a NaN (or all -inf) row: sample() gives the reason
             continue
         p, o = s.params, pre.order
-        route = tick_route(p, s.penalizes, s.n_vocab,
-                          mask is not None, o.touched.size > 0, pre.blocks is not None,
-                          pre.raw_max is not None, pre.dense is not None)
+        route = plan(p, s.penalizes, s.n_vocab).tick(mask is not None, o.touched.size > 0, pre.blocks is not None,
+                                                     pre.raw_max is not None, pre.dense is not None)
         # a grammar's mask is in the values already (the graph applied it): with all K
         # values finite, more than K tokens are allowed, so top-k and greedy cut as
         # without it (else: per row)

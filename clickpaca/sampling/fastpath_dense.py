@@ -19,32 +19,12 @@ lookup of the block handed back, the result, and, with nProbs, ``fastpath._dense
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from . import registry as R
-from .chain import SampleResult, SequenceSampler, steps_to_run
-from .table import TEMPERATURE
+from .chain import SampleResult, SequenceSampler
 from ..llama.presample import BLOCK
 
-__all__ = ["dense_plan", "dense_tick"]
-
-
-@functools.lru_cache(maxsize=1024)
-def dense_plan(p, has_hist: bool, n_vocab: int) -> float | None:
-    """The temperature (1.0 when none applies) of a chain that draws over the whole
-    vocabulary without a grammar: no truncation, every active step pre-selectable and
-    touching nothing (no bias, no penalties), no trace; None otherwise."""
-    if p.trace:
-        return None
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    if first is not None or any(not st.preselected or st.touches is not None for st in active):
-        return None
-    return p.temperature if TEMPERATURE in active else 1.0
-
-
-R.on_change(dense_plan.cache_clear)
+__all__ = ["dense_tick"]
 
 
 def _keep(ok: np.ndarray, js: list[int], out: list, fallback) -> np.ndarray:
@@ -56,7 +36,7 @@ def _keep(ok: np.ndarray, js: list[int], out: list, fallback) -> np.ndarray:
 
 def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: list, fallback,
                finish) -> None:
-    """The dense draw of rows js (``dense_plan`` said yes, the order's temperature is the
+    """The dense draw of rows js (route.py's ``Plan.dense`` said yes, the order's temperature is the
     chain's, nothing touched, no grammar, finite top and blocks, blocks of one length).
     A row the matrices cannot decide (no mass, a draw outside the blocks handed back)
     gets ``fallback(j)`` (``fastpath.sample``: the reason, nothing drawn); a row with

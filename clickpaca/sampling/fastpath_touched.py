@@ -1,9 +1,9 @@
 """fastpath.sample_tick's batched rows with touched tokens: logit bias and penalties
 before a top-k [top-p] [temperature] chain, for a whole tick at once.
 
-A row qualifies (`plan`) when, without a grammar, nProbs or trace, its steps before the
-first truncation all have a TOUCH form that carries its params (no forced token), and the
-rest is what ``batch.topk_draw`` runs (forms.py decides both). `tick` then does what
+A row qualifies (route.py's ``Plan.touched``) when, without a grammar, nProbs or trace,
+its steps before the first truncation all have a TOUCH form that carries its params (no
+forced token), and the rest is what ``batch.topk_draw`` runs. `tick` then does what
 ``fastpath.sample`` does for such a row, for all of them together: the touched tokens' raw
 values get each prefix step's batched form, declared on its row beside its scalar form
 (registry.Batched; for logit bias and penalties steps.py's ``*_touched``: the same float64
@@ -19,37 +19,12 @@ answer does not depend on the other rows of its tick.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from . import forms
-from . import registry as R
-from .batch import KMAX, topk_draw
+from .batch import topk_draw
 from .chain import SequenceSampler
 
-__all__ = ["plan", "plan_of", "tick"]
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """`plan` of params p (with a history or not): cached per params."""
-    if p.trace or p.n_probs:
-        return None
-    sh = forms.shape(p, has_hist, n_vocab)
-    if sh is None or not sh.touch or sh.k is None or not 1 < sh.k <= KMAX:
-        return None
-    return sh.touch, sh.k, sh.mass, sh.divide
-
-
-R.on_change(plan_of.cache_clear)
-
-
-def plan(s: SequenceSampler) -> tuple | None:
-    """(the touching steps, k, top_p or None, temperature or None) when the sequence's
-    row (without a grammar) can go through `tick`; None otherwise."""
-    p = s.params
-    return plan_of(p, s.penalizes, s.n_vocab)
+__all__ = ["tick"]
 
 
 def _segments(row: np.ndarray, m: int) -> np.ndarray:

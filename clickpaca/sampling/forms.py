@@ -2,16 +2,15 @@
 
 Each step's row declares its batched form beside its scalar `run` (registry.Batched): keep
 the k best, keep a share of the mass, divide, or touch a few ids. This module is the one
-place that says which batched arithmetic a chain's active steps add up to; the passes
-(batch.py on the host, fastpath_touched.py on the pre-selected values) and the route that
-picks among them (route.py) read its `Shape` and compare no step's name. So a step joins
+place that says which batched arithmetic a chain's active steps add up to; route.py reads
+its `Shape` once per chain to pick the batched pass (batch.py on the host,
+fastpath_touched.py on the pre-selected values), and nothing compares a step's name. So a step joins
 a batched pass by declaring a form on its row, and tests/test_sampling_forms.py holds
 every declared form against the row's own `run`.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from . import registry as R
@@ -37,9 +36,8 @@ class Shape:
     divide: float | None
 
 
-@functools.lru_cache(maxsize=1024)
 def shape(p, has_hist: bool, n_vocab: int) -> Shape | None:
-    """The chain's Shape (params p, with a penalty history or not), cached per params;
+    """The chain's Shape (params p, with a penalty history or not; route.plan keeps it);
     None where a pass cannot compute it: a trace (kept step by step), an active step
     without a form or with a form a pass does not take at its place, params its form does
     not carry (a forcing bias), or a temperature that is greedy."""
@@ -57,5 +55,3 @@ def shape(p, has_hist: bool, n_vocab: int) -> Shape | None:
         return None
     return Shape(tuple(prefix), values.get(KEEP_K), values.get(KEEP_MASS), values.get(DIVIDE))
 
-
-R.on_change(shape.cache_clear)  # made from the registry's rows: dropped when they change

@@ -1,22 +1,30 @@
-"""Which path samples a row, and why a row takes the host path: the one place that
-decides it. `route` says, from the registry rows of a chain's active steps, whether the
-chain can run on the values the decode pre-selects (None) or needs the whole row (a
-`Fallback`); the pre-selection's own refusals after the decode are `Fallback`s too, as is
-every other reason a row comes back whole. `path` is what a result's ``path`` says.
-`tick_route` says which of fastpath.sample_tick's batched passes takes a pre-selected row
-(or none: per row). Each is kept per chain (`per_chain`, the cache the fast path's plans
-use too).
+"""Which path samples a row: the one place that decides it, once per chain.
+
+`plan(p, has_hist, n_vocab)` is a chain's `Plan`, made once per chain (every parameter but
+the seed), penalty history or not, and vocabulary, from the registry rows of its active
+steps (forms.shape reads their declared batched forms): whether the chain runs on the
+values the decode pre-selects (`Plan.fallback` None) or why not, which batched pass takes
+its row on the host (`Plan.host`) and on the pre-selected values (`Plan.tick`), and
+whether it may run on a worker thread. The passes (batch.py, fastpath.py,
+fastpath_touched.py, fastpath_dense.py) carry out what it says and decide nothing.
+A row that takes the host path says why with a `Fallback`, the typed reason a done's
+``samplingPath`` counts; the pre-selection's refusals after the decode are `Fallback`s too.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 from . import forms, registry
-from . import fastpath_touched as T
-from .batch import batch_plan
-from .chain import SequenceSampler, steps_to_run
-from .fastpath_dense import dense_plan
+from .chain import SequenceSampler, greedy_tail, steps_to_run
+from .cut import default_cols
+from .table import TEMPERATURE
+
+__all__ = ["Fallback", "KMAX", "Plan", "path", "per_chain", "plan", "route"]
+
+#: The largest top-k run batched (the [n, k] matrices stay small).
+KMAX = 256
 
 
 class Fallback(str):
@@ -72,40 +80,10 @@ def per_chain(make):
     return functools.wraps(make)(lookup)
 
 
-def route(s: SequenceSampler, grammar: bool, rows: int = 1) -> Fallback | None:
-    """None when the sequence's chain runs on pre-selected values, else why not.
-    ``rows``: the logits rows the sequence's job asked of this decode."""
-    if rows != 1:
-        return MORE_THAN_ONE_ROW
-    return _route(s.params, s.penalizes, s.n_vocab)
-
-
-@per_chain
-def _route(p, has_hist: bool, n_vocab: int) -> Fallback | None:
-    """`route` for a chain: from the registry rows of its active steps."""
-    if p.trace:
-        return TRACE
-    active, first = steps_to_run(p, has_hist, n_vocab)
-    for step in active:
-        if not step.preselected:
-            return Fallback.step(step.name)
-    if first is None and any(st.touches is not None for st in active):
-        return DENSE_TOUCHED
-    return None
-
-
-def path(fallback: Fallback | None) -> str:
-    """A result's ``path``: "graph" (decided on pre-selected values) or "host: <why>"."""
-    return "graph" if fallback is None else f"host: {fallback}"
-
-
-# ------------------------------------------------------------------ a pre-selected row's pass
-
-
 class _Route(tuple):
-    """A route of `_tick_route`, compared and hashed by identity: there is one per chain
-    and order shape (`tick_route`), so a tick groups its rows by the object itself (a
-    tuple's hash is recomputed at every lookup)."""
+    """A pass of `Plan.tick`, compared and hashed by identity: there is one per chain and
+    order shape, so a tick groups its rows by the object itself (a tuple's hash is
+    recomputed at every lookup)."""
 
     __slots__ = ()
     __hash__ = object.__hash__
@@ -117,58 +95,112 @@ class _Route(tuple):
         return self is not other
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """What is decided about one chain (`plan`). The passes, as tuples their modules read:
+
+    - ``fallback``: None when the chain runs on pre-selected values, else why not;
+    - ``host``: the host's batched pass (batch.sample_tick) of a row without a grammar:
+      ("greedy",) or ("topk", k, top_p or None, temperature or None); None: per row;
+    - ``thread_safe``: no active step reads shared state (its row's ``shared_state``), so
+      the row may be sampled on a worker thread (user steps say they do);
+    - ``touched``: (the touching steps, k, top_p, temperature) for fastpath_touched;
+    - ``probs``: ``host`` of the same chain without nProbs (the candidates do not depend on
+      it), nProbs appended, where nProbs stay within its k;
+    - ``nucleus``: ("topk", None, top_p, temperature or None) for a chain that is top-p
+      first, then at most a positive temperature;
+    - ``dense``: the temperature (1.0: none) of a draw over the whole vocabulary.
+    """
+
+    fallback: Fallback | None
+    host: tuple | None
+    thread_safe: bool
+    touched: tuple | None
+    probs: tuple | None
+    nucleus: tuple | None
+    dense: float | None
+    _ticks: dict = field(default_factory=dict, repr=False)
+
+    def tick(self, masked: bool, touched: bool, mass: bool, raw: bool, dense: bool) -> _Route | None:
+        """Which of fastpath.sample_tick's batched passes takes a pre-selected row, from
+        what its order asked of the graph (a grammar mask, touched ids, the block masses,
+        the raw normaliser, a dense draw): ("greedy",), ("topk", k, top_p, temperature[,
+        n_probs]) (k None: top-p first), ("touched", `touched`), ("dense", 1 / tau), or
+        None (per row). One object per order shape. A masked row's pass holds only while
+        its K values are all finite (the caller checks)."""
+        key = (masked, touched, mass, raw, dense)
+        r = self._ticks.get(key, _UNKEPT)
+        if r is _UNKEPT:
+            got = self._tick(*key)
+            r = self._ticks[key] = None if got is None else _Route(got)
+        return r
+
+    def _tick(self, masked: bool, touched: bool, mass: bool, raw: bool, dense: bool) -> tuple | None:
+        if touched:
+            return None if masked or self.touched is None else ("touched", self.touched)
+        got = self.host  # None with nProbs
+        if got is None and self.probs is not None and not masked and mass and not raw:
+            got = self.probs  # nProbs from the same candidates (the raw normaliser from the masses)
+        if got is not None or masked or not mass:
+            return got
+        if self.nucleus is not None:
+            return self.nucleus
+        return ("dense", 1.0 / self.dense) if dense and self.dense is not None else None
+
+
+def route(s: SequenceSampler, grammar: bool, rows: int = 1) -> Fallback | None:
+    """None when the sequence's chain runs on pre-selected values, else why not.
+    ``rows``: the logits rows the sequence's job asked of this decode."""
+    if rows != 1:
+        return MORE_THAN_ONE_ROW
+    return plan(s.params, s.penalizes, s.n_vocab).fallback
+
+
+def path(fallback: Fallback | None) -> str:
+    """A result's ``path``: "graph" (decided on pre-selected values) or "host: <why>"."""
+    return "graph" if fallback is None else f"host: {fallback}"
+
+
 @per_chain
-def tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
-               dense: bool) -> _Route | None:
-    """Which batched pass of fastpath.sample_tick takes a pre-selected row (`_tick_route`),
-    as a `_Route`: one object per chain and order shape; None: per row."""
-    plan = _tick_route(p, has_hist, n_vocab, masked, touched, mass, raw, dense)
-    return None if plan is None else _Route(plan)
-
-
-def _tick_route(p, has_hist: bool, n_vocab: int, masked: bool, touched: bool, mass: bool, raw: bool,
-                dense: bool) -> tuple | None:
-    """Which of sample_tick's batched passes takes a row, from its params and what its
-    order asked of the graph (`tick_route` keeps it: one lookup per row and tick): ("greedy",),
-    ("topk", k, top_p, temperature[, n_probs]) (k None: top-p first, `_nucleus_tick`),
-    ("touched", fastpath_touched's plan) (bias / penalties), ("dense", 1 / tau) (a draw over
-    the whole vocabulary: fastpath_dense), or None (per row: ``sample``). A masked
-    row's route holds only while its K values are all finite (the caller checks)."""
-    if touched:
-        pl = None if masked else T.plan_of(p, has_hist, n_vocab)
-        return None if pl is None else ("touched", pl)
-    plan = None
-    if not p.n_probs:
-        plan = batch_plan(p, has_hist, n_vocab)
-    elif not masked and mass and not raw:  # nProbs from the same candidates (the raw normaliser from the masses)
-        plan = _without_probs(p, has_hist, n_vocab)
-        plan = plan + (p.n_probs,) if plan is not None and plan[0] == "topk" and p.n_probs <= plan[1] else None
-    if plan is not None or masked or not mass:
-        return plan
-    if not (p.trace or p.n_probs) and (plan := _nucleus_plan_of(p, has_hist, n_vocab)) is not None:
-        return plan
-    tau = dense_plan(p, has_hist, n_vocab) if dense else None
-    return None if tau is None else ("dense", 1.0 / tau)
-
-
-@functools.lru_cache(maxsize=1024)
-def _without_probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """batch_plan of the same chain without nProbs (the candidates do not depend on it)."""
-    return batch_plan(p.replace(n_probs=0), has_hist, n_vocab)
-
-
-registry.on_change(_without_probs.cache_clear)
-
-
-@functools.lru_cache(maxsize=1024)
-def _nucleus_plan_of(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """("topk", None, top_p, temperature or None) for a chain that is top-p first (no
-    temperature before it), then at most a positive temperature (the caller has ruled
-    out nProbs and trace); None otherwise."""
+def plan(p, has_hist: bool, n_vocab: int) -> Plan:
+    """The chain's `Plan` (params p, with a penalty history or not), kept per chain."""
+    active, first = steps_to_run(p, has_hist, n_vocab)
     sh = forms.shape(p, has_hist, n_vocab)
-    if sh is None or sh.touch or sh.k is not None:
+    probs = _host(p.replace(n_probs=0), has_hist, n_vocab) if p.n_probs and not p.trace else None
+    return Plan(
+        fallback=_fallback(p, active, first),
+        host=_host(p, has_hist, n_vocab),
+        thread_safe=not any(st.shared_state for st in active),  # the same steps whatever the grammar allows
+        touched=None if p.trace or p.n_probs or sh is None or not sh.touch or sh.k is None
+        or not 1 < sh.k <= KMAX else (sh.touch, sh.k, sh.mass, sh.divide),
+        probs=probs + (p.n_probs,) if probs is not None and probs[0] == "topk" and p.n_probs <= probs[1] else None,
+        nucleus=None if p.trace or p.n_probs or sh is None or sh.touch or sh.k is not None
+        else ("topk", None, sh.mass, sh.divide),
+        dense=None if p.trace or first is not None or any(not st.preselected or st.touches is not None
+                                                          for st in active)
+        else (p.temperature if TEMPERATURE in active else 1.0),
+    )
+
+
+def _fallback(p, active, first) -> Fallback | None:
+    """Plan.fallback: from the registry rows of the chain's active steps."""
+    if p.trace:
+        return TRACE
+    for step in active:
+        if not step.preselected:
+            return Fallback.step(step.name)
+    if first is None and any(st.touches is not None for st in active):
+        return DENSE_TOUCHED
+    return None
+
+
+def _host(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    """Plan.host."""
+    if p.trace or p.n_probs:
         return None
-    return ("topk", None, sh.mass, sh.divide)
-
-
-registry.on_change(_nucleus_plan_of.cache_clear)
+    if greedy_tail(p, has_hist, n_vocab) is not None:
+        return ("greedy",)
+    sh = forms.shape(p, has_hist, n_vocab)
+    if sh is None or sh.touch or sh.k is None or not 1 < sh.k <= min(KMAX, default_cols(n_vocab)):
+        return None
+    return ("topk", sh.k, sh.mass, sh.divide)
