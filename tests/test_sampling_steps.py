@@ -262,3 +262,37 @@ def test_canonical_order_of_a_big_set_is_lexsorts(seed, decimals, n):
     logits = np.round(rng.standard_normal(n) * 3, decimals)
     logits[rng.integers(0, n, 20)] = -np.inf
     assert np.array_equal(S.canonical_order(ids, logits), np.lexsort((ids, -logits)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(1, 6), n=st.integers(1, 40), p=st.floats(0.01, 0.999), seed=st.integers(0, 2**32 - 1),
+       ties=st.booleans(), rest=st.sampled_from([0.0, 0.5, 3.0]))
+def test_top_p_cut_of_rows_is_each_rows_own_and_a_left_search(m, n, p, seed, ties, rest):
+    """top_p_target and top_p_cut, the one arithmetic of top-p's cut: on an [m, n]
+    matrix (the batched rows) each row gets what it gets alone (the scalar step), and the
+    cut is the left-sided search of the running mass, kept within the row."""
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((m, n))
+    if ties:
+        v = np.round(v)
+    ids = np.stack([rng.permutation(n) for _ in range(m)]).astype(np.int32)
+    e = np.exp(v - v.max(axis=1, keepdims=True))
+    e_can = np.stack([e[a][S.canonical_order(ids[a], v[a])] for a in range(m)])
+    rests = np.full(m, rest)
+    cut = S.top_p_cut(S.top_p_target(e, p, rests), e_can)
+    for a in range(m):
+        target = S.top_p_target(e[a], p, rest)
+        alone = int(S.top_p_cut(target, e_can[a]))
+        assert int(cut[a]) == alone
+        assert alone == min(int(np.searchsorted(np.cumsum(e_can[a]), target, side="left")), n - 1)
+        kept, _ = S.top_p(ids[a], v[a], p, rest)
+        assert kept.size == alone + 1
+
+
+def test_top_p_cut_keeps_the_token_whose_running_mass_reaches_the_target_exactly():
+    """A running mass equal to the target is reached: that token is the last kept (the
+    host step's left-sided search), and one token at least is kept."""
+    e = np.ones(4)
+    assert int(S.top_p_cut(S.top_p_target(e, 0.5), e)) == 1  # running masses 1, 2 (= 0.5 x 4), 3, 4
+    assert int(S.top_p_cut(S.top_p_target(e, 0.01), e)) == 0
+    assert int(S.top_p_cut(S.top_p_target(e, 0.9, 10.0), e)) == 3  # the target beyond the row: all kept

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import steps as S
 from .chain import SampleResult, SequenceSampler
 from .cut import default_cols
 from .route import plan as chain_plan
@@ -261,9 +262,7 @@ def topk_draw(samplers, js, k, top_p, temp, parts, out, fallback, path: str = "h
         with np.errstate(invalid="ignore"):  # rows with a non-finite top go per sequence
             e = np.exp(top_v - vmax[:, None])
             e_can = np.exp(can_v - vmax[:, None])  # the same values in canonical order
-        target = top_p * (np.add.reduce(e, axis=1) + (0.0 if rest is None else rest))
-        cum = np.add.accumulate(e_can, axis=1)
-        cut = np.minimum(np.add.reduce(cum < target[:, None], axis=1), k - 1)  # searchsorted left
+        cut = S.top_p_cut(S.top_p_target(e, top_p, 0.0 if rest is None else rest), e_can)  # the step's own
         keep = o <= cut[:, None]
     past_k = np.zeros(m, bool)
     if floor is not None:  # what top-p keeps must lie above every token left out

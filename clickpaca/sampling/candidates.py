@@ -16,9 +16,31 @@ from . import steps as S
 from .bitmask import allowed_ids, allows
 from .cut import RowView, isin_sorted, scratch, upper_ids
 
-__all__ = ["Candidates", "Dense", "dense_exp", "dense_terms", "gather", "raw_logprobs"]
+__all__ = ["Candidates", "Dense", "block_of", "dense_exp", "dense_terms", "gather", "index_in_block", "raw_logprobs"]
 
 _BLOCK = 1024
+
+
+def block_of(blocks: np.ndarray, cb: np.ndarray, target: float) -> int:
+    """A dense draw's first half: the block where ``target`` (u x the total) lands among
+    the float64 block masses ``blocks`` (``cb``: their running sum), the last with mass
+    at or before it. The host's dense draw (`Candidates`) and the pre-selected one
+    (fastpath.py) both take it from here; fastpath_dense.py does the same on matrices."""
+    b = min(int(np.searchsorted(cb, target, side="right")), cb.size - 1)
+    while blocks[b] <= 0:  # rounding at the very end: step back to a block with mass
+        b -= 1
+    return b
+
+
+def index_in_block(chunk: np.ndarray, cb: np.ndarray, b: int, target: float) -> int:
+    """A dense draw's second half: the index in block b (its masses ``chunk``) where
+    ``target`` lands, the running sum taken on from the blocks before it."""
+    within = np.add.accumulate(chunk, dtype=np.float64)
+    within += float(cb[b - 1]) if b else 0.0
+    j = int(np.searchsorted(within, target, side="right"))
+    if j >= chunk.size:
+        j = int(np.flatnonzero(chunk > 0)[-1])
+    return j
 
 
 def gather(row: np.ndarray, ids: np.ndarray, tau: float = 1.0) -> np.ndarray:
@@ -142,17 +164,9 @@ class Candidates:
             return -1
         self._lse = ref + math.log(total)
         target = u * total
-        b = min(int(np.searchsorted(cb, target, side="right")), cb.size - 1)
-        while blocks[b] <= 0:  # rounding at the very end: step back to a block with mass
-            b -= 1
+        b = block_of(blocks, cb, target)
         lo = b * _BLOCK
-        chunk = buf[lo: lo + _BLOCK]
-        within = np.add.accumulate(chunk, dtype=np.float64)
-        within += float(cb[b - 1]) if b else 0.0
-        j = int(np.searchsorted(within, target, side="right"))
-        if j >= chunk.size:
-            j = int(np.flatnonzero(chunk > 0)[-1])
-        return lo + j
+        return lo + index_in_block(buf[lo: lo + _BLOCK], cb, b, target)
 
     def _log_norm(self) -> float:
         if self._lse is None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .batch import topk_draw
 from .bitmask import allowed_ids, allows, as_words, count_allowed
-from .candidates import Candidates
+from .candidates import Candidates, block_of, index_in_block
 from .cut import isin_sorted
 from .chain import SampleResult, SequenceSampler, empty_reason, greedy_tail, steps_to_run
 from .fastpath_dense import dense_tick
@@ -401,17 +401,11 @@ def _dense(s: SequenceSampler, pre: Preselected, words, n_allowed: int, tau: flo
         return NO_MASS
     u = s.peek()
     target = u * total
-    b = min(int(np.searchsorted(cb, target, side="right")), cb.size - 1)
-    while blocks[b] <= 0:
-        b -= 1
+    b = block_of(blocks, cb, target)
     chunk = None if pre.dense is None else pre.dense.get(b)
     if chunk is None:
         return DRAW_OUTSIDE
-    within = np.add.accumulate(chunk, dtype=np.float64)
-    within += float(cb[b - 1]) if b else 0.0
-    j = int(np.searchsorted(within, target, side="right"))
-    if j >= chunk.size:
-        j = int(np.flatnonzero(chunk > 0)[-1])
+    j = index_in_block(chunk, cb, b, target)
     return _dense_result(s, pre, b * BLOCK + j, float(chunk[j]), total, n_allowed)
 
 

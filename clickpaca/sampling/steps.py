@@ -21,7 +21,7 @@ from .bitmask import allows
 
 __all__ = [
     "BAN", "FORCE", "grammar", "logit_bias", "penalties", "top_k", "min_p", "top_p", "temperature",
-    "sample", "canonical_order", "top_n", "log_softmax",
+    "sample", "canonical_order", "top_n", "log_softmax", "top_p_target", "top_p_cut",
 ]
 
 _EMPTY_I = np.empty(0, np.int32)
@@ -191,7 +191,7 @@ def top_p(ids: np.ndarray, logits: np.ndarray, p: float, rest_mass: float = 0.0)
     if not np.isfinite(m):
         return ids, logits
     e = np.exp(logits - m)
-    target = p * (float(_sum(e)) + rest_mass)
+    target = top_p_target(e, p, rest_mass)
     head = None
     if n <= 2048:
         order = canonical_order(ids, logits)
@@ -209,14 +209,30 @@ def top_p(ids: np.ndarray, logits: np.ndarray, p: float, rest_mass: float = 0.0)
         head = np.flatnonzero(b < cross)
         sub = np.flatnonzero(b == cross)
         order = sub[canonical_order(ids[sub], logits[sub])]
-    cum = _cumsum(e[order])
-    if before:
-        cum += before
-    cut = int(np.searchsorted(cum, target, side="left"))
-    keep = order[: min(cut, order.size - 1) + 1]
+    keep = order[: int(top_p_cut(target, e[order], before)) + 1]
     if head is not None:
         keep = np.concatenate((head, keep))
     return ids[keep], logits[keep]
+
+
+def top_p_target(e: np.ndarray, p: float, rest_mass=0.0):
+    """Top-p's target along the last axis: ``p`` of the total mass, ``e`` (exp(v - max),
+    in any order) summed with ``rest_mass`` (per row: the mass of tokens not passed in).
+    The scalar step (`top_p`) and the batched rows (batch.topk_draw) both take it from
+    here, so their bits agree."""
+    return p * (_sum(e, axis=-1) + rest_mass)
+
+
+def top_p_cut(target, e_canonical: np.ndarray, before=0.0):
+    """Along the last axis: the position of the last token top-p keeps among
+    ``e_canonical`` (the masses in canonical order, after ``before`` mass of tokens kept
+    ahead of them): the first whose cumulative mass reaches ``target`` (a left-sided
+    search: the count of cumulative masses below it), at most the last (one token is
+    always kept)."""
+    cum = _cumsum(e_canonical, axis=-1)
+    if before:
+        cum += before
+    return np.minimum(_sum(cum < np.expand_dims(target, -1), axis=-1), e_canonical.shape[-1] - 1)
 
 
 def temperature(ids: np.ndarray, logits: np.ndarray, t: float):

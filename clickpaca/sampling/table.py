@@ -188,7 +188,7 @@ def _nucleus_cut(view: RowView, p: "SamplerParams", tau: float, words, frac: flo
         return upper_ids(view, view.n, words, frac, touched), 0.0
     buf, z_out = dense_exp(view, tau, words, touched, ref)
     t_e = np.exp(t_logits - ref)
-    target = p.top_p * (z_out + float(t_e.sum())) * (1 + 1e-5)
+    target = float(S.top_p_target(t_e, p.top_p, z_out)) * (1 + 1e-5)  # the step's target, with room
     for delta in (6.0, 12.0, 24.0, 48.0):
         t_v = ref - delta
         ids = _allowed_ge(view, t_v * tau, words, touched)
