@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a comma list runs each on the same servers in the same alternating rounds")
     p.add_argument("--against", default=None, metavar="REV",
                    help="sampler, batch: an earlier commit (anything git names) beside this tree, in the same "
-                        "alternating rounds: sampler imports REV's clickpaca/sampling, batch runs REV's server")
+                        "alternating rounds: sampler imports REV's clickpaca/sampling, batch runs REV's server "
+                        "(with --preselect, also REV's pre-selecting server)")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_bench)

@@ -577,6 +577,22 @@ def test_bench_batch_against_an_earlier_commit_is_a_side_of_the_same_rounds(tmp_
 
 @pytest.mark.model
 @pytest.mark.slow
+def test_bench_batch_against_an_earlier_commit_with_preselect_holds_its_preselect_to_ours(tmp_path):
+    """--against REV --preselect: REV's pre-selecting server is one more side, and each
+    row gives its tok/s over this tree's pre-selecting server's, per round."""
+    from clickpaca.measure.bench import batch
+
+    out = batch.run(_args(tmp_path, what="batch", seqs="2", tokens=4, prompt_tokens=8, against="HEAD",
+                          preselect=True))
+    [row] = out["rows"]
+    assert row["oldpre_tokens"] == [[4, 4]] and row["pre_tokens"] == [[4, 4]] and row["old_tokens"] == [[4, 4]]
+    assert len(row["oldpre_paired_ratios_to_pre"]) == 1 and row["oldpre_ratio_to_pre"] > 0
+    text = batch.table(out)
+    assert "against-preselect / preselect" in text and "against-preselect tok/s" in text
+
+
+@pytest.mark.model
+@pytest.mark.slow
 def test_bench_sampler_against_an_earlier_commit_per_tick(tmp_path, monkeypatch):
     """--against REV --seqs: REV's sampling sides beside this tree's on the same logits of
     each tick (the bench checks every side's results equal the first's)."""

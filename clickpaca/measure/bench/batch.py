@@ -66,6 +66,8 @@ SIDES = (
 )
 #: --against REV: REV's default server, its rows' key prefix
 AGAINST = ("against", "old")
+#: --against REV with --preselect: REV's pre-selecting server too, held to this tree's
+AGAINST_PRESELECT = ("against-preselect", "oldpre")
 
 
 def side_servers(args: Any) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -103,6 +105,9 @@ def measure(args: Any) -> dict[str, Any]:
             det = {"deterministic": True} if "deterministic" in others else {}
             others[AGAINST[0]] = (AGAINST[1], Server(server_init(model, args.build, t, max(seqs), p, g, **det),
                                                      env=env))
+            if "preselect" in others:
+                others[AGAINST_PRESELECT[0]] = (AGAINST_PRESELECT[1], Server(
+                    server_init(model, args.build, t, max(seqs), p, g, **det, preselect=True), env=env))
     except BaseException:
         for _, s in others.values():
             s.close()
@@ -145,7 +150,9 @@ def measure(args: Any) -> dict[str, Any]:
         notes.append(f"against: {rev}'s server (its clickpaca/ from git archive, on this checkout's builds) "
                      "in the same alternating rounds; against / default = its tok/s over this tree's"
                      + ("; both in deterministic mode, old_same_tokens_as_det: per round, whether its "
-                        "tokens equal this tree's deterministic server's" if "deterministic" in others else ""))
+                        "tokens equal this tree's deterministic server's" if "deterministic" in others else "")
+                     + ("; against-preselect: its server with init preselect, oldpre_ratio_to_pre = its tok/s "
+                        "over this tree's preselect server's" if "preselect" in others else ""))
     if len(chains) > 1:
         notes.append(f"chains {', '.join(chains)} ran on the same servers in the same rounds; vs_first = the "
                      f"median of the per-round ratios of a chain's tok/s to {chains[0]}'s on the same server")
@@ -202,6 +209,10 @@ def _row(n: int, chain: str, runs: dict[str, list[dict]], nat: list[dict], other
         row["old_same_tokens_as_det"] = [a["tokens_digest"] == b["tokens_digest"]
                                          for a, b in zip(runs[AGAINST[0]], runs["deterministic"])]
         row["old_ratio_to_det"] = ratio(median(_wall(runs[AGAINST[0]])), median(_wall(runs["deterministic"])))
+    if AGAINST_PRESELECT[0] in others:  # REV's pre-selection against this tree's, round by round
+        old, new = _wall(runs[AGAINST_PRESELECT[0]]), _wall(runs["preselect"])
+        row["oldpre_ratio_to_pre"] = ratio(median(old), median(new))
+        row["oldpre_paired_ratios_to_pre"] = [round(a / b, 4) for a, b in zip(old, new) if a and b]
     if len(chains) > 1:
         for name, key in [("server", "server"), *((name, k) for name, (k, _) in others.items())]:
             first = _wall(res[_side(name, chains[0], chains)])
@@ -223,7 +234,7 @@ def table(out: dict[str, Any]) -> str:
     text = markdown(head + ["server tok/s", "server span tok/s", "server sum eval_tps", "batched-bench S_TG",
                             "ratio", "goal", "server ms/token/seq", "native ms/token/seq"]
                     + (["server / first chain"] if multi else []), rows)
-    for name, key in [*((name, key) for name, key, _ in SIDES), AGAINST]:
+    for name, key in [*((name, key) for name, key, _ in SIDES), AGAINST, AGAINST_PRESELECT]:
         side = [(*lead(r), r[f"{key}_wall_tps"]["median"], r["server_wall_tps"]["median"], r["native_s_tg"]["median"],
                  r[f"{key}_ratio_to_default"], r.get(f"{key}_ratio_to_native"),
                  ", ".join(f"{x:.3f}" for x in r[f"{key}_paired_ratios"]))
@@ -239,6 +250,10 @@ def table(out: dict[str, Any]) -> str:
     if same:
         text += "\n\n" + markdown(head + ["against / deterministic (both deterministic)", "same tokens, per round"],
                                    same)
+    pre = [(*lead(r), r["oldpre_ratio_to_pre"], ", ".join(f"{x:.3f}" for x in r["oldpre_paired_ratios_to_pre"]))
+           for r in out["rows"] if "oldpre_ratio_to_pre" in r]
+    if pre:
+        text += "\n\n" + markdown(head + ["against-preselect / preselect", "per-round ratios"], pre)
     return text
 
 
