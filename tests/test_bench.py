@@ -419,6 +419,31 @@ def test_group_stats_counts_errors():
     assert st["ok"] == 0 and st["errors"] == ["KV cache full"] and st["wall_tps"] is None
 
 
+def test_sampler_ticks_compare_the_fields_every_sides_result_has():
+    """An earlier commit's SampleResult may lack a field added since (``fallback``): the
+    sides are compared on the fields all have, and a difference there still shows."""
+    import dataclasses
+
+    from clickpaca.measure.bench.sampler_ticks import _seen, _shared_fields
+
+    @dataclasses.dataclass
+    class Old:
+        token: int
+        logprob: float
+
+    @dataclasses.dataclass
+    class New:
+        token: int
+        logprob: float
+        fallback: str | None = None
+
+    old, new = [Old(3, float("nan"))], [New(3, float("nan"), "why")]
+    shared = _shared_fields(old + new)
+    assert shared == ("token", "logprob") and _seen(old, shared) == _seen(new, shared)
+    assert _seen([Old(4, float("nan"))], shared) != _seen(new, shared)
+    assert _shared_fields(new) == ("token", "logprob", "fallback")
+
+
 def test_group_stats_counts_whole_ticks():
     from clickpaca.measure.bench.serve import SeqRun, group_stats
 

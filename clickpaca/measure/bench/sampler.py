@@ -239,7 +239,8 @@ def run_against(args: Any) -> dict[str, Any]:
         ticks = A.ticks(rev, [int(x) for x in str(seqs).split(",")], t)
         out = {"params": params, "machine_start": machine(), "ticks": ticks,
                "notes": [f"old = {rev}'s clickpaca/sampling, new = this tree's, each side on samplers of its "
-                         "own over the same logits of every tick, results checked equal"]}
+                         "own over the same logits of every tick, results checked equal (the fields both "
+                         "result types have)"]}
         emit(out_dir(args), "sampler-against", out, sampler_ticks.table(ticks),
              f"Sampler host time per tick, {rev} (old) against this tree (new)")
         return out

@@ -10,7 +10,8 @@ and wall, and this tree's on T threads (wall: the other threads' CPU is not this
 
 With ``--seqs 1,8,64``: instead, ``bench sampler --seqs``'s ticks (sampler_ticks) with REV's
 sides (per sequence, batched) beside this tree's (per sequence, batched, on T threads),
-each on samplers of its own, on the same logits of every tick, results checked equal.
+each on samplers of its own, on the same logits of every tick, results checked equal
+(the fields both result types have).
 """
 
 from __future__ import annotations
