@@ -474,7 +474,7 @@ def _nucleus_tick(samplers, pres, js, top_p, temp, out) -> None:
 def sample_tick(samplers: list[SequenceSampler], pres: list[Preselected],
                 masks: list[np.ndarray | None]) -> list[SampleResult | Fallback]:
     """``[sample(s, pre, mask) ...]`` for a tick's pre-selected rows, with the plain
-    greedy and top-k chains on [m, K] matrices at once (route.py's ``Plan.tick``, the
+    greedy and top-k chains on [m, K] matrices at once (route.py's ``ChainPlan.tick``, the
     same arithmetic as the host path's batched rows), the top-p-first ones
     (`_nucleus_tick`) and the draws over the whole vocabulary (fastpath_dense) too: a
     reason string where the values cannot decide, as ``sample`` gives (a nucleus that

@@ -36,7 +36,7 @@ def _keep(ok: np.ndarray, js: list[int], out: list, fallback) -> np.ndarray:
 
 def dense_tick(samplers: list[SequenceSampler], pres: list, js: list[int], out: list, fallback,
                finish) -> None:
-    """The dense draw of rows js (route.py's ``Plan.dense`` said yes, the order's temperature is the
+    """The dense draw of rows js (route.py's ``ChainPlan.dense`` said yes, the order's temperature is the
     chain's, nothing touched, no grammar, finite top and blocks, blocks of one length).
     A row the matrices cannot decide (no mass, a draw outside the blocks handed back)
     gets ``fallback(j)`` (``fastpath.sample``: the reason, nothing drawn); a row with

@@ -1,7 +1,7 @@
 """fastpath.sample_tick's batched rows with touched tokens: logit bias and penalties
 before a top-k [top-p] [temperature] chain, for a whole tick at once.
 
-A row qualifies (route.py's ``Plan.touched``) when, without a grammar, nProbs or trace,
+A row qualifies (route.py's ``ChainPlan.touched``) when, without a grammar, nProbs or trace,
 its steps before the first truncation all have a TOUCH form that carries its params (no
 forced token), and the rest is what ``batch.topk_draw`` runs. `tick` then does what
 ``fastpath.sample`` does for such a row, for all of them together: the touched tokens' raw

@@ -1,10 +1,10 @@
 """Which path samples a row: the one place that decides it, once per chain.
 
-`plan(p, has_hist, n_vocab)` is a chain's `Plan`, made once per chain (every parameter but
-the seed), penalty history or not, and vocabulary, from the registry rows of its active
-steps (forms.shape reads their declared batched forms): whether the chain runs on the
-values the decode pre-selects (`Plan.fallback` None) or why not, which batched pass takes
-its row on the host (`Plan.host`) and on the pre-selected values (`Plan.tick`), and
+`plan(p, has_hist, n_vocab)` is a chain's `ChainPlan`, made once per chain (every
+parameter but the seed), penalty history or not, and vocabulary, from the registry rows
+of its active steps (forms.shape reads their declared batched forms): whether the chain
+runs on the values the decode pre-selects (``fallback`` None) or why not, which batched
+pass takes its row on the host (``host``) and on the pre-selected values (``tick``), and
 whether it may run on a worker thread. The passes (batch.py, fastpath.py,
 fastpath_touched.py, fastpath_dense.py) carry out what it says and decide nothing.
 A row that takes the host path says why with a `Fallback`, the typed reason a done's
@@ -21,7 +21,7 @@ from .chain import SequenceSampler, greedy_tail, steps_to_run
 from .cut import default_cols
 from .table import TEMPERATURE
 
-__all__ = ["Fallback", "KMAX", "Plan", "path", "per_chain", "plan", "route"]
+__all__ = ["ChainPlan", "Fallback", "KMAX", "path", "per_chain", "plan", "route"]
 
 #: The largest top-k run batched (the [n, k] matrices stay small).
 KMAX = 256
@@ -81,7 +81,7 @@ def per_chain(make):
 
 
 class _Route(tuple):
-    """A pass of `Plan.tick`, compared and hashed by identity: there is one per chain and
+    """A pass of `ChainPlan.tick`, compared and hashed by identity: there is one per chain and
     order shape, so a tick groups its rows by the object itself (a tuple's hash is
     recomputed at every lookup)."""
 
@@ -96,7 +96,7 @@ class _Route(tuple):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Plan:
+class ChainPlan:
     """What is decided about one chain (`plan`). The passes, as tuples their modules read:
 
     - ``fallback``: None when the chain runs on pre-selected values, else why not;
@@ -162,12 +162,12 @@ def path(fallback: Fallback | None) -> str:
 
 
 @per_chain
-def plan(p, has_hist: bool, n_vocab: int) -> Plan:
-    """The chain's `Plan` (params p, with a penalty history or not), kept per chain."""
+def plan(p, has_hist: bool, n_vocab: int) -> ChainPlan:
+    """The chain's `ChainPlan` (params p, with a penalty history or not), kept per chain."""
     active, first = steps_to_run(p, has_hist, n_vocab)
     sh = forms.shape(p, has_hist, n_vocab)
     probs = _host(p.replace(n_probs=0), has_hist, n_vocab) if p.n_probs and not p.trace else None
-    return Plan(
+    return ChainPlan(
         fallback=_fallback(p, active, first),
         host=_host(p, has_hist, n_vocab),
         thread_safe=not any(st.shared_state for st in active),  # the same steps whatever the grammar allows
@@ -183,7 +183,7 @@ def plan(p, has_hist: bool, n_vocab: int) -> Plan:
 
 
 def _fallback(p, active, first) -> Fallback | None:
-    """Plan.fallback: from the registry rows of the chain's active steps."""
+    """ChainPlan.fallback: from the registry rows of the chain's active steps."""
     if p.trace:
         return TRACE
     for step in active:
@@ -195,7 +195,7 @@ def _fallback(p, active, first) -> Fallback | None:
 
 
 def _host(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """Plan.host."""
+    """ChainPlan.host."""
     if p.trace or p.n_probs:
         return None
     if greedy_tail(p, has_hist, n_vocab) is not None:
