@@ -16,7 +16,8 @@ The arenas themselves (one per thread that allocates, 8 per core, each keeping i
 freed pages) still let VmRSS creep, about 5 MiB a minute over a 10-minute soak with 16
 clients, each with a reader and a writer thread; with at most one arena per core
 (M_ARENA_MAX) the same soak stayed flat after its warm-up. Elsewhere (not glibc) this
-does nothing.
+does nothing. What it costs in speed: docs/BENCHMARKS.md, "The server's allocator
+settings".
 """
 
 from __future__ import annotations
