@@ -12,7 +12,8 @@ typical-p -> min-p -> top-p -> XTC -> temperature -> dynamic temperature -> miro
 1.0 / 2.0 -> sample (llama.cpp's steps off unless asked for). ``registry`` holds one row
 per step (its wire parameters, kind, state, superset hook, shared state, keep-one, batched
 form; how to add a step), ``forms`` which batched passes a chain's forms add up to,
-``table`` the built-in rows, ``params`` the frozen SamplerParams derived from the rows, ``steps`` and ``dry`` the definitions, ``cut`` the exact shortcuts,
+``table`` the built-in rows, ``params`` the frozen SamplerParams derived from the rows,
+``steps`` and ``dry`` the definitions, ``cut`` the exact shortcuts,
 ``bitmask`` the grammar's allowed-token words, ``candidates`` a candidate set (explicit
 or implicit) and its draw, ``chain`` the composition and per-sequence state, ``trace`` what each step
 did to a token, ``oracle`` llama.cpp's C samplers through the bindings (tests, bench),

@@ -7,10 +7,9 @@ drawing the same random numbers. Which rows run batched is route.py's decision
 temperature > 0 (the default chain: the k best from column maxima, then top-p and the
 draw on an [n, k] matrix in the per-sequence steps' element order, so every float64
 reduction is the same). Every other row, and a row whose top is not finite, takes the
-per-sequence path.
-With ``threads`` > 1 the row passes are spread over threads (``workers.run_all``) without
-changing any result; chains with a step that reads shared state (``ChainPlan.thread_safe``) stay on the
-calling thread. Costs: docs/BENCHMARKS.md, "Sampler host cost per token".
+per-sequence path. With ``threads`` > 1 the row passes are spread over threads
+(``workers.run_all``) without changing any result; chains with a step that reads shared
+state (``ChainPlan.thread_safe``) stay on the calling thread. Costs: docs/BENCHMARKS.md, "Sampler host cost per token".
 """
 
 from __future__ import annotations

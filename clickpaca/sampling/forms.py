@@ -2,11 +2,11 @@
 
 Each step's row declares its batched form beside its scalar `run` (registry.Batched): keep
 the k best, keep a share of the mass, divide, or touch a few ids. This module is the one
-place that says which batched arithmetic a chain's active steps add up to; route.py reads
-its `Shape` once per chain to pick the batched pass (batch.py on the host,
-fastpath_touched.py on the pre-selected values), and nothing compares a step's name. So a step joins
-a batched pass by declaring a form on its row, and tests/test_sampling_forms.py holds
-every declared form against the row's own `run`.
+place that says which batched arithmetic a chain's active steps add up to; route.py
+reads its `Shape` once per chain to pick the batched pass (batch.py on the host,
+fastpath_touched.py on the pre-selected values), and nothing compares a step's name. So
+a step joins a batched pass by declaring a form on its row, and
+tests/test_sampling_forms.py holds every declared form against the row's own `run`.
 """
 
 from __future__ import annotations

@@ -166,19 +166,17 @@ def plan(p, has_hist: bool, n_vocab: int) -> ChainPlan:
     """The chain's `ChainPlan` (params p, with a penalty history or not), kept per chain."""
     active, first = steps_to_run(p, has_hist, n_vocab)
     sh = forms.shape(p, has_hist, n_vocab)
-    probs = _host(p.replace(n_probs=0), has_hist, n_vocab) if p.n_probs and not p.trace else None
+    plain = not (p.trace or p.n_probs)  # no trace, no nProbs: what the batched passes take
     return ChainPlan(
         fallback=_fallback(p, active, first),
-        host=_host(p, has_hist, n_vocab),
+        host=_host(p, sh, has_hist, n_vocab),
         thread_safe=not any(st.shared_state for st in active),  # the same steps whatever the grammar allows
-        touched=None if p.trace or p.n_probs or sh is None or not sh.touch or sh.k is None
-        or not 1 < sh.k <= KMAX else (sh.touch, sh.k, sh.mass, sh.divide),
-        probs=probs + (p.n_probs,) if probs is not None and probs[0] == "topk" and p.n_probs <= probs[1] else None,
-        nucleus=None if p.trace or p.n_probs or sh is None or sh.touch or sh.k is not None
-        else ("topk", None, sh.mass, sh.divide),
-        dense=None if p.trace or first is not None or any(not st.preselected or st.touches is not None
-                                                          for st in active)
-        else (p.temperature if TEMPERATURE in active else 1.0),
+        touched=(sh.touch, sh.k, sh.mass, sh.divide)
+        if plain and sh is not None and sh.touch and sh.k is not None and 1 < sh.k <= KMAX else None,
+        probs=_probs(p, has_hist, n_vocab),
+        nucleus=("topk", None, sh.mass, sh.divide)
+        if plain and sh is not None and not sh.touch and sh.k is None else None,
+        dense=_dense(p, active, first),
     )
 
 
@@ -194,13 +192,30 @@ def _fallback(p, active, first) -> Fallback | None:
     return None
 
 
-def _host(p, has_hist: bool, n_vocab: int) -> tuple | None:
-    """ChainPlan.host."""
+def _host(p, sh: forms.Shape | None, has_hist: bool, n_vocab: int) -> tuple | None:
+    """ChainPlan.host (``sh``: the chain's forms.shape)."""
     if p.trace or p.n_probs:
         return None
     if greedy_tail(p, has_hist, n_vocab) is not None:
         return ("greedy",)
-    sh = forms.shape(p, has_hist, n_vocab)
     if sh is None or sh.touch or sh.k is None or not 1 < sh.k <= min(KMAX, default_cols(n_vocab)):
         return None
     return ("topk", sh.k, sh.mass, sh.divide)
+
+
+def _probs(p, has_hist: bool, n_vocab: int) -> tuple | None:
+    """ChainPlan.probs: the host pass of the chain without nProbs, nProbs appended, where
+    that pass is a top-k holding them."""
+    if not p.n_probs or p.trace:
+        return None
+    q = p.replace(n_probs=0)
+    got = _host(q, forms.shape(q, has_hist, n_vocab), has_hist, n_vocab)
+    return got + (p.n_probs,) if got is not None and got[0] == "topk" and p.n_probs <= got[1] else None
+
+
+def _dense(p, active, first) -> float | None:
+    """ChainPlan.dense: no trace, no truncation, and every active step pre-selectable and
+    touching nothing."""
+    if p.trace or first is not None or any(not st.preselected or st.touches is not None for st in active):
+        return None
+    return p.temperature if TEMPERATURE in active else 1.0

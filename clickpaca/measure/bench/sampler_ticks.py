@@ -7,8 +7,9 @@ scenario samples the tick's [n, n_vocab] logits block once per side: per sequenc
 ``SequenceSampler.sample`` per row), batched (``sampling.batch.sample_tick``) and
 batched on the decode's threads (``threads=``); ``bench sampler --against REV --seqs`` adds an
 earlier commit's sides. Each side has samplers of its own, and every side's results
-must equal the first side's (checked, on the fields all their result types have). The order of the sides turns round from tick to
-tick (the first side after a decode meets the coldest rows). Host ms per tick: wall,
+must equal the first side's (checked, on the fields all their result types have). The
+order of the sides turns round from tick to tick (the first side after a decode meets
+the coldest rows). Host ms per tick: wall,
 CPU of this thread, CPU of the process (all threads), and host / decode = wall over
 wall. The greedy tokens feed the next tick.
 """
