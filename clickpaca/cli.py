@@ -56,9 +56,9 @@ def load_steps(specs: list[str] | None) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     if not load_steps(args.steps):
         return 2
-    from .base.malloc import fix_mmap_threshold
+    from .base.malloc import cap_arenas
 
-    fix_mmap_threshold()  # large temporaries given back; one arena per core, not per thread
+    cap_arenas()  # one arena per core, not per thread: the soak's memory bound
     if args.socket:
         from .serve.socket_server import serve_socket
 

@@ -1,20 +1,22 @@
-"""base/malloc.py: the server fixes glibc's mmap threshold (the soak's VmRSS bound,
+"""base/malloc.py: the server caps glibc's arenas (the soak's VmRSS bound,
 tests/test_soak_socket.py, is what it is for)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from clickpaca.base import malloc
 
 
-def test_the_threshold_is_set_where_the_c_library_has_mallopt():
-    code = ("import ctypes, sys; from clickpaca.base.malloc import fix_mmap_threshold; "
-            "ok = fix_mmap_threshold(); has = hasattr(ctypes.CDLL(None), 'mallopt'); "
+def test_the_cap_is_set_where_the_c_library_has_mallopt():
+    code = ("import ctypes, sys; from clickpaca.base.malloc import cap_arenas; "
+            "ok = cap_arenas(); has = hasattr(ctypes.CDLL(None), 'mallopt'); "
             "sys.exit(0 if ok == has else 1)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_the_threshold_keeps_a_logits_row_in_the_arenas():
-    assert 1 << 20 < malloc.MMAP_THRESHOLD <= 32 << 20  # below glibc's ceiling for the threshold
+def test_one_arena_per_core_and_never_fewer_than_two():
+    cores = len(os.sched_getaffinity(0))
+    assert malloc.default_arenas() == max(2, cores)
