@@ -3,7 +3,6 @@ tests/test_soak_socket.py, is what it is for)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ def test_the_cap_is_set_where_the_c_library_has_mallopt():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_one_arena_per_core_and_never_fewer_than_two():
-    cores = len(os.sched_getaffinity(0))
-    assert malloc.default_arenas() == max(2, cores)
+def test_one_arena_per_core_and_never_fewer_than_two(monkeypatch):
+    for cores, arenas in ((1, 2), (2, 2), (16, 16)):
+        monkeypatch.setattr(malloc, "usable_cores", lambda: cores)
+        assert malloc.default_arenas() == arenas

@@ -14,15 +14,15 @@ server's allocator settings". Elsewhere (not glibc) this does nothing.
 from __future__ import annotations
 
 import ctypes
-import os
+
+from .cores import usable_cores
 
 M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def default_arenas() -> int:
     """One arena per core this process may run on, at least 2."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(2, cores)
+    return max(2, usable_cores())
 
 
 def cap_arenas(arenas: int | None = None) -> bool:

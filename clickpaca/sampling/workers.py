@@ -13,10 +13,11 @@ task in list order.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Callable, Sequence
+
+from ..base.cores import usable_cores
 
 __all__ = ["run_all"]
 
@@ -45,7 +46,7 @@ class _Pool:
 _POOL = _Pool()
 
 #: More threads than cores would only queue behind each other (nThreads may be up to 512).
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+CORES = usable_cores()
 
 
 def run_all(tasks: Sequence[Callable[[], object]], threads: int) -> None:
