@@ -266,13 +266,14 @@ def test_canonical_order_of_a_big_set_is_lexsorts(seed, decimals, n):
 
 @settings(max_examples=200, deadline=None)
 @given(m=st.integers(1, 6), n=st.integers(1, 40), p=st.floats(0.01, 0.999), seed=st.integers(0, 2**32 - 1),
-       ties=st.booleans(), rest=st.sampled_from([0.0, 0.5, 3.0]))
-def test_top_p_cut_of_rows_is_each_rows_own_and_a_left_search(m, n, p, seed, ties, rest):
+       ties=st.booleans(), rest=st.sampled_from([0.0, 0.5, 3.0]), dtype=st.sampled_from([np.float32, np.float64]))
+def test_top_p_cut_of_rows_is_each_rows_own_and_a_left_search(m, n, p, seed, ties, rest, dtype):
     """top_p_target and top_p_cut, the one arithmetic of top-p's cut: on an [m, n]
-    matrix (the batched rows) each row gets what it gets alone (the scalar step), and the
-    cut is the left-sided search of the running mass, kept within the row."""
+    matrix (the batched rows: a count of running masses below the target) each row gets
+    what it gets alone (the scalar step: a binary search), and the cut is the left-sided
+    search of the running mass, kept within the row; in float32 (the logits' type) too."""
     rng = np.random.default_rng(seed)
-    v = rng.standard_normal((m, n))
+    v = rng.standard_normal((m, n)).astype(dtype)
     if ties:
         v = np.round(v)
     ids = np.stack([rng.permutation(n) for _ in range(m)]).astype(np.int32)
