@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampler, batch: an earlier commit (anything git names) beside this tree, in the same "
                         "alternating rounds: sampler imports REV's clickpaca/sampling, batch runs REV's server "
                         "(with --preselect, also REV's pre-selecting server)")
+    p.add_argument("--fresh-servers", action="store_true",
+                   help="batch: a new server process for every side in every round, so the rounds' spread "
+                        "includes what differs from one process to the next (for A/B runs such as --against)")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG output")
     p.add_argument("--plot", action="store_true")
     p.set_defaults(func=cmd_bench)

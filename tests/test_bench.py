@@ -148,12 +148,15 @@ def test_summary_and_spread():
     assert s["samples"] == [2.0, None, 5.0, 1.0]
 
 
-def test_alternate_interleaves_sides():
+def test_alternate_interleaves_sides_and_turns_the_order():
     order = []
     res = stats.alternate({"a": lambda r: order.append(("a", r)) or r,
-                           "b": lambda r: order.append(("b", r)) or 10 * r}, 3)
-    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
-    assert res == {"a": [0, 1, 2], "b": [0, 10, 20]}
+                           "b": lambda r: order.append(("b", r)) or 10 * r,
+                           "c": lambda r: order.append(("c", r)) or 100 * r}, 4)
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
+                     ("c", 2), ("a", 2), ("b", 2), ("a", 3), ("b", 3), ("c", 3)]
+    assert res == {"a": [0, 1, 2, 3], "b": [0, 10, 20, 30], "c": [0, 100, 200, 300]}
+    assert stats.alternate({}, 3) == {}
 
 
 def test_parse_list():
@@ -315,6 +318,22 @@ def test_bench_batch_runs_several_chains_in_the_same_rounds(tmp_path):
     assert fields["greedy"]["temperature"] == 0 and "temperature" not in fields["default"]
     text = batch.table(out)
     assert "server / first chain" in text and "preselect / its first chain" in text
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_batch_fresh_servers_start_a_process_per_round(tmp_path):
+    """--fresh-servers: each side runs every round on a process of its own, each closed
+    cleanly (a problem at shutdown would be listed), and the rows are as without it."""
+    from clickpaca.measure.bench import batch
+
+    out = batch.run(_args(tmp_path, what="batch", seqs="1,2", tokens=4, prompt_tokens=8, repeats=2,
+                          fresh_servers=True))
+    assert out["server_processes"] == {"server": 4}  # 2 rounds at each of 2 N
+    assert out["server_problems"] == [] and out["params"]["fresh_servers"] is True
+    assert [r["seqs"] for r in out["rows"]] == [1, 2]
+    assert [r["server_tokens"] for r in out["rows"]] == [[[4]] * 2, [[4, 4]] * 2]
+    assert any("--fresh-servers" in n for n in out["notes"])
 
 
 @pytest.mark.model

@@ -39,16 +39,20 @@ def progress(msg: str) -> None:
 
 def alternate(sides: dict[str, Callable[[int], Any]], repeats: int,
               label: str = "") -> dict[str, list[Any]]:
-    """Run each side once per round, alternating (A B A B ...), `repeats` rounds.
+    """Run each side once per round, `repeats` rounds, the order turned by one each round
+    (A B C, B C A, C A B, ...). Returns the results per side, in round order.
 
     Alternation spreads slow phases of a shared machine over both sides instead of
-    penalising whichever ran during the busy minute. Returns the results per side.
+    penalising whichever ran during the busy minute; turning the order keeps a side from
+    always running first (cold caches) or always right after the same neighbour.
     """
-    out: dict[str, list[Any]] = {name: [] for name in sides}
+    names = list(sides)
+    out: dict[str, list[Any]] = {name: [] for name in names}
     for r in range(repeats):
-        for name, fn in sides.items():
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
             progress(f"{label} round {r + 1}/{repeats}: {name}")
-            out[name].append(fn(r))
+            out[name].append(sides[name](r))
     return out
 
 

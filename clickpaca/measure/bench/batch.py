@@ -13,6 +13,7 @@ only, as S_TG is; per-sequence latency = median time between its token events.
 
 --against REV: REV's whole server (measure/bench/against.py) is one more side of the same
 alternating rounds; with --deterministic its tokens are compared with this tree's per round.
+--fresh-servers: every server side is a new process each round (serve.Servers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from ..common import model_path, out_dir, png, threads, with_defaults
 from ...results.report import emit, machine, plot_lines
-from .serve import Server, exact_prompt, group_stats, run_group
+from .serve import Server, Servers, exact_prompt, group_stats, run_group
 from ...results.stats import alternate, median, parse_list, progress, ratio, summary
 from ...results.table import markdown
 from .tools import batched_bench
@@ -89,44 +90,46 @@ def measure(args: Any) -> dict[str, Any]:
     seqs = parse_list(args.seqs)
     p, g, t, model = args.prompt_tokens, args.tokens, threads(args), model_path(args)
     m0 = machine()
-    progress(f"batch: starting the server (nSeqMax {max(seqs)})")
-    server = Server(server_init(model, args.build, t, max(seqs), p, g))
-    others: dict[str, tuple[str, Server]] = {}
+    fresh = bool(getattr(args, "fresh_servers", False))
+    progress(f"batch: starting the server (nSeqMax {max(seqs)})" + (", a new one every round" if fresh else ""))
+    servers = Servers(fresh)
+    others: dict[str, str] = {}  # side name -> its rows' key prefix
     rev = getattr(args, "against", None)
     old_tree = tempfile.TemporaryDirectory(prefix="clickpaca-against-") if rev else None
     try:
+        servers.add("server", server_init(model, args.build, t, max(seqs), p, g))
         for name, (key, init) in side_servers(args).items():
-            others[name] = (key, Server(server_init(model, args.build, t, max(seqs), p, g, **init)))
+            servers.add(name, server_init(model, args.build, t, max(seqs), p, g, **init))
+            others[name] = key
         if old_tree is not None:
             from . import against
 
             progress(f"batch: starting {rev}'s server")
             env = against.server_env(against.extract(rev, Path(old_tree.name)))
             det = {"deterministic": True} if "deterministic" in others else {}
-            others[AGAINST[0]] = (AGAINST[1], Server(server_init(model, args.build, t, max(seqs), p, g, **det),
-                                                     env=env))
+            servers.add(AGAINST[0], server_init(model, args.build, t, max(seqs), p, g, **det), env=env)
+            others[AGAINST[0]] = AGAINST[1]
             if "preselect" in others:
-                others[AGAINST_PRESELECT[0]] = (AGAINST_PRESELECT[1], Server(
-                    server_init(model, args.build, t, max(seqs), p, g, **det, preselect=True), env=env))
+                servers.add(AGAINST_PRESELECT[0],
+                            server_init(model, args.build, t, max(seqs), p, g, **det, preselect=True), env=env)
+                others[AGAINST_PRESELECT[0]] = AGAINST_PRESELECT[1]
     except BaseException:
-        for _, s in others.values():
-            s.close()
-        server.close()
+        servers.close()
         if old_tree is not None:
             old_tree.cleanup()
         raise
     chains = parse_list(getattr(args, "chain", None) or "greedy", str)
-    ban = server.ban_eog()
+    ban = servers.get("server", None).ban_eog()
     params_of = {c: chain_params(c, ban) for c in chains}
     rows = []
     try:
         for n in seqs:
             sides = {"llama-batched-bench": lambda r, n=n: batched_bench(model, p, g, n, t, args.build)}
             for c in chains:
-                sides[_side("server", c, chains)] = lambda r, n=n, c=c: run_server_group(server, n, p, g, params_of[c])
-                for name, (_, other) in others.items():
-                    sides[_side(name, c, chains)] = (lambda r, n=n, c=c, other=other:
-                                                     run_server_group(other, n, p, g, params_of[c]))
+                for name in ["server", *others]:
+                    sides[_side(name, c, chains)] = (lambda r, n=n, c=c, name=name:
+                                                     run_server_group(servers.get(name, (n, r)), n, p, g,
+                                                                      params_of[c]))
             res = alternate(sides, args.repeats, f"batch N={n}")
             nat = res["llama-batched-bench"]
             for c in chains:
@@ -136,9 +139,7 @@ def measure(args: Any) -> dict[str, Any]:
                                                   for r in rows[-len(chains):])
                      + f" tok/s, native {median([x['speed_tg'] for x in nat])} tok/s")
     finally:
-        server.close()
-        for _, other in others.values():
-            other.close()
+        servers.close()
         if old_tree is not None:
             old_tree.cleanup()
     notes = ["server tok/s = token events per second while all N sequences generate (wall clock); "
@@ -153,6 +154,9 @@ def measure(args: Any) -> dict[str, Any]:
                         "tokens equal this tree's deterministic server's" if "deterministic" in others else "")
                      + ("; against-preselect: its server with init preselect, oldpre_ratio_to_pre = its tok/s "
                         "over this tree's preselect server's" if "preselect" in others else ""))
+    if fresh:
+        notes.append("--fresh-servers: every server side started a new process for each round (and each N), "
+                     "so the rounds' spread includes process-to-process variation")
     if len(chains) > 1:
         notes.append(f"chains {', '.join(chains)} ran on the same servers in the same rounds; vs_first = the "
                      f"median of the per-round ratios of a chain's tok/s to {chains[0]}'s on the same server")
@@ -163,12 +167,12 @@ def measure(args: Any) -> dict[str, Any]:
         if row["server_prompt_tokens"] != [p]:
             notes.append(f"N={row['seqs']} {row['chain']}: prompt tokens {row['server_prompt_tokens']}, expected {p}")
     return {"params": {"seqs": seqs, "prompt_tokens": p, "tokens": g, "threads": t,
-                       "repeats": args.repeats, "build": args.build, "model": model,
+                       "repeats": args.repeats, "build": args.build, "model": model, "fresh_servers": fresh,
                        "deterministic": "deterministic" in others, "preselect": "preselect" in others,
                        "center": getattr(args, "center", None), "chain": ",".join(chains), "against": rev,
                        "infer_fields": params_of[chains[0]] if len(chains) == 1 else params_of},
-            "machine_start": m0, "server_init": server.ready, "rows": rows, "notes": notes,
-            "server_problems": server.problems}
+            "machine_start": m0, "server_init": servers.ready["server"], "rows": rows, "notes": notes,
+            "server_problems": servers.problems, "server_processes": servers.started}
 
 
 def _side(name: str, chain: str, chains: list[str]) -> str:
@@ -198,7 +202,7 @@ def _row(n: int, chain: str, runs: dict[str, list[dict]], nat: list[dict], other
            "server_tokens": [x["tokens"] for x in srv],
            "server_prompt_tokens": srv[-1]["prompt_tokens"],
            "server_stop_reasons": srv[-1]["stop_reasons"], "native_cmd": nat[0]["cmd"]}
-    for name, (key, _) in others.items():
+    for name, key in others.items():
         o_wall = _wall(runs[name])
         row.update({f"{key}_wall_tps": summary(o_wall),
                     f"{key}_ratio_to_default": ratio(median(o_wall), median(s_wall)),
@@ -214,7 +218,7 @@ def _row(n: int, chain: str, runs: dict[str, list[dict]], nat: list[dict], other
         row["oldpre_ratio_to_pre"] = ratio(median(old), median(new))
         row["oldpre_paired_ratios_to_pre"] = [round(a / b, 4) for a, b in zip(old, new) if a and b]
     if len(chains) > 1:
-        for name, key in [("server", "server"), *((name, k) for name, (k, _) in others.items())]:
+        for name, key in [("server", "server"), *others.items()]:
             first = _wall(res[_side(name, chains[0], chains)])
             per = [round(a / b, 4) for a, b in zip(_wall(runs[name]), first) if a and b]
             row[f"{key}_vs_first"] = {"median": median(per), "rounds": per}

@@ -94,6 +94,54 @@ class Server:
         self.close()
 
 
+class Servers:
+    """The servers of a bench's sides, by name. With ``fresh``, a side gets a new process
+    whenever the round changes (the old one closed first), so the rounds sample what
+    differs from one process to the next (heap layout, thread placement) as well as the
+    machine's slow phases; otherwise each side keeps one process for the whole run."""
+
+    def __init__(self, fresh: bool = False) -> None:
+        self.fresh = fresh
+        self.specs: dict[str, tuple[dict[str, Any], dict[str, str] | None]] = {}
+        self.live: dict[str, tuple[Server, Any]] = {}
+        #: the init answer of the first process of each side
+        self.ready: dict[str, dict] = {}
+        #: problems of every process so far, each with its side's name
+        self.problems: list[str] = []
+        #: processes started per side
+        self.started: dict[str, int] = {}
+
+    def add(self, name: str, init: dict[str, Any], env: dict[str, str] | None = None) -> Server:
+        """Declare a side and start its first process (so a bad init fails before any round)."""
+        self.specs[name] = (init, env)
+        return self.get(name, None)
+
+    def get(self, name: str, round_key: Any) -> Server:
+        """The side's server for this round (``round_key``: any value naming the round)."""
+        server, key = self.live.get(name, (None, None))
+        if server is not None and (key == round_key or not self.fresh or key is None):
+            self.live[name] = (server, round_key)
+            return server
+        if server is not None:
+            self._retire(name, server)
+        init, env = self.specs[name]
+        server = Server(init, env=env)
+        self.ready.setdefault(name, server.ready)
+        self.started[name] = self.started.get(name, 0) + 1
+        self.live[name] = (server, round_key)
+        return server
+
+    def close(self) -> None:
+        for name, (server, _) in list(self.live.items()):
+            self._retire(name, server)
+
+    def _retire(self, name: str, server: Server) -> None:
+        self.live.pop(name, None)
+        server.close()
+        self.problems += [f"{name}: {p}" for p in server.problems]
+
+
+
 def exact_prompt(n_tokens: int) -> str:
     """A prompt of exactly n_tokens tokens for the default model: BOS + " the" * (n-1)
     (" the" is one token; the server reports tokens_prompt, which the benches check)."""
