@@ -647,6 +647,42 @@ def test_bench_sampler_against_an_earlier_commit_per_tick(tmp_path, monkeypatch)
     [t] = out["ticks"]
     assert t["sides"][:2] == ["old_per_seq", "old_batched"] and "new_batched" in t["sides"]
     assert json.loads((tmp_path / "sampler-against.json").read_text())["params"]["against"] == "HEAD"
+    assert out["params"]["ticks"] == 1 and len(t["samples"]["greedy"]["new_batched_wall_ms"]) == 1
+    from clickpaca.measure.bench import sampler_against
+
+    [line] = [x for x in sampler_against.ticks_table(out["ticks"]).splitlines() if "| greedy" in x]
+    assert line.count("(") == 2  # new / old per tick for per_seq and batched
+
+
+def test_bench_sampler_against_summary_gives_each_rounds_ratio():
+    """Each side's median per measure, and new / old round by round with its spread;
+    a measure only one side took has no ratio."""
+    from clickpaca.measure.bench import sampler_against as A
+
+    res = {"default": {"old_synthetic": [10.0, 12.0, 11.0], "new_synthetic": [11.0, 12.0, 9.9],
+                       "new_threads_wall": [5.0, 6.0, 7.0]}}
+    d = A.summary(res)["default"]
+    assert d["old_synthetic"] == 11.0 and d["new_synthetic"] == 11.0 and d["new_threads_wall"] == 6.0
+    r = d["synthetic_ratio"]
+    assert r["rounds"] == [1.1, 1.0, 0.9] and (r["min"], r["max"]) == (0.9, 1.1) and r["median"] == 1.0
+    assert "real_ratio" not in d
+    text = A.table(res, {"row_max": 1.0, "row_exp": 2.0})
+    [line] = [x for x in text.splitlines() if x.startswith("| default")]
+    assert [c.strip() for c in line.split("|")[1:5]] == ["default", "11.00", "11.00", "1.000 (0.900-1.100)"]
+
+
+@pytest.mark.slow
+def test_bench_sampler_against_keeps_every_round_of_both_sides():
+    """compare() on the synthetic rows only (no model): REV (here HEAD) and this tree
+    each give one sample per round for every chain both know."""
+    from clickpaca.measure.bench import sampler_against as A
+
+    res, cal = A.compare("HEAD", None, rounds=2)
+    assert {"default", "greedy", "top_p_only"} <= set(res)
+    for d in res.values():
+        assert len(d["old_synthetic"]) == 2 and len(d["new_synthetic"]) == 2
+        assert all(v > 0 for v in d["old_synthetic"] + d["new_synthetic"])
+    assert cal["row_max"] > 0 and cal["row_exp"] > 0
 
 
 def test_group_stats_digests_every_sequences_tokens_in_order():

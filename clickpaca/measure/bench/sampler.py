@@ -236,19 +236,24 @@ def run_against(args: Any) -> dict[str, Any]:
     seqs = getattr(args, "seqs", None)
     params = {"against": rev, "threads": t, "rounds": int(args.repeats), "seqs": seqs}
     if seqs:
-        ticks = A.ticks(rev, [int(x) for x in str(seqs).split(",")], t)
-        out = {"params": params, "machine_start": machine(), "ticks": ticks,
+        n_ticks = max(sampler_ticks.TICKS, int(args.repeats))
+        ticks = A.ticks(rev, [int(x) for x in str(seqs).split(",")], t, n_ticks)
+        out = {"params": {**params, "ticks": n_ticks}, "machine_start": machine(), "ticks": ticks,
                "notes": [f"old = {rev}'s clickpaca/sampling, new = this tree's, each side on samplers of its "
                          "own over the same logits of every tick, results checked equal (the fields both "
-                         "result types have)"]}
-        emit(out_dir(args), "sampler-against", out, sampler_ticks.table(ticks),
+                         f"result types have); {n_ticks} ticks (--repeats, at least {sampler_ticks.TICKS}), the "
+                         "order of the sides turned each tick; host ms: wall, medians of the ticks; new / old: "
+                         "per tick, median (min-max)"]}
+        emit(out_dir(args), "sampler-against", out, A.ticks_table(ticks),
              f"Sampler host time per tick, {rev} (old) against this tree (new)")
         return out
     res, cal = A.compare(rev, real_rows(REAL_ROWS, getattr(args, "model", None)), int(args.repeats), t)
-    out = {"params": params, "machine_start": machine(), "chains": res, "calibration_us": cal,
-           "notes": [f"old = {rev}'s clickpaca/sampling, new = this tree's, alternating round by round; "
-                     "us per token per sequence, best round: synthetic rows (CPU), 64 real rows (CPU), one "
-                     f"sample_tick over them (CPU and wall; new also on {t} threads)"]}
+    out = {"params": params, "machine_start": machine(), "chains": A.summary(res), "samples": res,
+           "calibration_us": cal,
+           "notes": [f"old = {rev}'s clickpaca/sampling, new = this tree's, alternating round by round (the "
+                     "side that goes first turned each round); us per token per sequence, medians of the rounds: "
+                     "synthetic rows (CPU), 64 real rows (CPU), one sample_tick over them (CPU and wall; new also "
+                     f"on {t} threads); new / old: per round, median (min-max)"]}
     emit(out_dir(args), "sampler-against", out, A.table(res, cal),
          f"Sampler chain, {rev} (old) against this tree (new), us per token per sequence")
     return out

@@ -136,7 +136,8 @@ def _one(ctx, core, model, prompt, n, ticks, sides: Sides) -> dict[str, Any]:
             if name == "greedy":
                 tokens = [r.token for r in got[names[0]]]
     d = statistics.median(dec)
-    res = {"n_seq": n, "decode_ms": round(d, 2), "ticks": ticks, "sides": names, "scenarios": {}}
+    res = {"n_seq": n, "decode_ms": round(d, 2), "ticks": ticks, "sides": names, "scenarios": {},
+           "samples": per}
     for name, m in per.items():
         med = {k: statistics.median(v) for k, v in m.items()}
         row = {k: round(v, 3) for k, v in med.items()}
