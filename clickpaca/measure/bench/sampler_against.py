@@ -30,6 +30,7 @@ from ...sampling import SequenceSampler
 from ...sampling import bench as NB
 from ...sampling.batch import sample_tick
 from .against import extract
+from ...results.stats import median, spread
 from ...results.table import markdown
 
 #: The measures both sides take, each a column pair (old, new) and a ratio new / old
@@ -121,15 +122,25 @@ def summary(res: dict) -> dict:
     side's median per measure and new / old round by round."""
     out = {}
     for k, d in res.items():
-        row = {c: float(np.median(v)) for c, v in d.items()}
+        row = {c: median(v) for c, v in d.items()}
         for m in PAIRED:
             o, n = d.get(f"old_{m}"), d.get(f"new_{m}")
             if o and n:
-                per = [b / a for a, b in zip(o, n)]
-                row[f"{m}_ratio"] = {"median": float(np.median(per)), "min": min(per), "max": max(per),
-                                     "rounds": [round(x, 4) for x in per]}
+                row[f"{m}_ratio"] = _per_round(o, n)
         out[k] = row
     return out
+
+
+def _per_round(old: list[float], new: list[float]) -> dict:
+    """new / old round by round (or tick by tick): median, min, max and the ratios."""
+    per = [b / a for a, b in zip(old, new)]
+    lo, hi = spread(per)
+    return {"median": median(per), "min": lo, "max": hi, "rounds": [round(x, 4) for x in per]}
+
+
+def _fmt(r: dict | None) -> str | None:
+    """A _per_round result as the tables write it: median (min-max)."""
+    return None if r is None else f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
 
 
 def ticks(rev: str, seqs: list[int], threads: int, n_ticks: int | None = None) -> list[dict]:
@@ -157,13 +168,9 @@ def table(res: dict, cal: dict) -> str:
     """`compare`'s figures, one row per chain: per measure old and new (medians of the
     rounds) and new / old per round, median (min-max); the calibration below."""
     summ = summary(res)
-
-    def ratio(d: dict, m: str) -> str | None:
-        r = d.get(f"{m}_ratio")
-        return None if r is None else f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
-
     head = ["chain"] + [h for m in PAIRED for h in (f"old {m}", f"new {m}", f"new / old {m}")] + list(NEW_ONLY)
-    rows = [[k] + [x for m in PAIRED for x in (_r(d.get(f"old_{m}")), _r(d.get(f"new_{m}")), ratio(d, m))]
+    rows = [[k] + [x for m in PAIRED
+                   for x in (_r(d.get(f"old_{m}")), _r(d.get(f"new_{m}")), _fmt(d.get(f"{m}_ratio")))]
             + [_r(d.get(c)) for c in NEW_ONLY] for k, d in summ.items()]
     return (markdown(head, rows)
             + f"\n\ncalibration (us): one np.max over a row {cal['row_max']:g}, one np.exp {cal['row_exp']:g}")
@@ -191,8 +198,6 @@ def ticks_table(ticks: list[dict]) -> str:
             r = [t["n_seq"], name, t["decode_ms"]]
             for o, n in TICK_PAIRS:
                 a, b = raw.get(f"{o}_wall_ms"), raw.get(f"{n}_wall_ms")
-                per = [y / x for x, y in zip(a, b)] if a and b else []
-                r += [s.get(f"{o}_wall_ms"), s.get(f"{n}_wall_ms"),
-                      f"{np.median(per):.3f} ({min(per):.3f}-{max(per):.3f})" if per else None]
+                r += [s.get(f"{o}_wall_ms"), s.get(f"{n}_wall_ms"), _fmt(_per_round(a, b)) if a and b else None]
             rows.append(r + [s.get("new_threads_wall_ms")])
     return markdown(head, rows)

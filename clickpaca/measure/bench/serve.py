@@ -119,6 +119,7 @@ class Servers:
     def get(self, name: str, round_key: Any) -> Server:
         """The side's server for this round (``round_key``: any value naming the round)."""
         server, key = self.live.get(name, (None, None))
+        # key None: the process add() started, not yet used by a round: it serves the first
         if server is not None and (key == round_key or not self.fresh or key is None):
             self.live[name] = (server, round_key)
             return server
@@ -139,7 +140,6 @@ class Servers:
         self.live.pop(name, None)
         server.close()
         self.problems += [f"{name}: {p}" for p in server.problems]
-
 
 
 def exact_prompt(n_tokens: int) -> str:
